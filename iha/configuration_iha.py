@@ -1,0 +1,204 @@
+# Copyright 2026 The iha authors.
+#
+# Licensed under the Apache License, Version 2.0 (the "License");
+# you may not use this file except in compliance with the License.
+# You may obtain a copy of the License at
+#
+#     http://www.apache.org/licenses/LICENSE-2.0
+#
+# Unless required by applicable law or agreed to in writing, software
+# distributed under the License is distributed on an "AS IS" BASIS,
+# WITHOUT WARRANTIES OR CONDITIONS OF ANY KIND, either express or implied.
+# See the License for the specific language governing permissions and
+# limitations under the License.
+"""Interleaved Head Attention (IHA) model configuration.
+
+This file is copied next to the weights by `save_pretrained`, so it may import only torch, transformers and
+its sibling `modeling_iha.py`: never the `iha` package itself.
+"""
+
+from huggingface_hub.dataclasses import strict
+from transformers import LlamaConfig
+
+
+STANDARD_FULL = "full_attention"
+STANDARD_SLIDING = "sliding_attention"
+IHA_FULL = "iha_full_attention"
+IHA_SLIDING = "iha_sliding_attention"
+ATTENTION_TYPES = (STANDARD_FULL, STANDARD_SLIDING, IHA_FULL, IHA_SLIDING)
+
+MASK_MODES = ("flat_causal", "token_causal")
+POSITION_MODES = ("virtual", "shared")
+COLLAPSE_MODES = ("per_head", "global")
+COLLAPSE_INITS = ("last", "mean", "first")
+CACHE_MODES = ("token", "pseudo")
+
+
+def is_iha_layer(attention_type: str) -> bool:
+    return attention_type in (IHA_FULL, IHA_SLIDING)
+
+
+def is_sliding_layer(attention_type: str) -> bool:
+    return attention_type in (STANDARD_SLIDING, IHA_SLIDING)
+
+
+def paper_hybrid_layout(
+    num_hidden_layers: int, num_pseudo_heads: int, training_length: int, global_every: int = 5
+) -> dict:
+    """The paper's FLOP-matched layout: 4 sliding-window IHA layers, then one global standard (MHA) layer.
+
+    The window is `training_length / (2 * P**2)` tokens (`W * P` virtual tokens), so that a sliding IHA layer
+    costs about what a global MHA layer costs at the training length. Every `global_every`-th layer (indices
+    4, 9, 14, ... for the default 5) is the global one. Returns the `attention_types` and `sliding_window` to
+    pass to `IHAConfig`.
+    """
+    if global_every < 1:
+        raise ValueError(f"`global_every` must be >= 1, got {global_every}.")
+    window = training_length // (2 * num_pseudo_heads**2)
+    if window < 1:
+        raise ValueError(
+            f"`training_length` ({training_length}) is too short for P={num_pseudo_heads}: the window "
+            f"training_length / (2 * P^2) would be {training_length / (2 * num_pseudo_heads**2):.2f} tokens. "
+            f"Use a training length of at least {2 * num_pseudo_heads**2}."
+        )
+    attention_types = [
+        STANDARD_FULL if (layer_idx + 1) % global_every == 0 else IHA_SLIDING for layer_idx in range(num_hidden_layers)
+    ]
+    return {"attention_types": attention_types, "sliding_window": window}
+
+
+@strict
+class IHAConfig(LlamaConfig):
+    r"""
+    Configuration of a Llama-family decoder whose attention layers are Interleaved Head Attention (IHA) layers.
+
+    Every `LlamaConfig` field keeps its meaning (GQA through `num_key_value_heads`, `rope_parameters` including
+    llama3 scaling, `tie_word_embeddings`, ...). The IHA fields:
+
+    num_pseudo_heads (`int`, defaults to 2):
+        P, the number of pseudo-heads each head builds. Attention runs over N * P virtual tokens.
+    attention_types (`list[str]`, *optional*):
+        One entry per layer: `"iha_full_attention"`, `"iha_sliding_attention"`, `"full_attention"` (standard
+        multi-head attention) or `"sliding_attention"` (standard, windowed). Defaults to IHA everywhere, sliding
+        when `sliding_window` is set. `layer_types` (what caches and mask helpers read) is derived from it.
+    sliding_window (`int`, *optional*):
+        Window in tokens for the sliding layers; an IHA sliding layer sees the pseudo-tokens of the last
+        `sliding_window` tokens (at most `sliding_window * P` virtual tokens).
+    iha_mask_mode (`str`, defaults to `"flat_causal"`):
+        `"flat_causal"` (the paper's: ordinary causal attention over the interleaved sequence) or
+        `"token_causal"` (a pseudo-token sees every pseudo-token of its own and earlier tokens).
+    iha_position_mode (`str`, defaults to `"virtual"`):
+        `"virtual"` (the paper's: pseudo-token (n, p) sits at RoPE position n * P + p) or `"shared"` (all
+        pseudo-tokens of token n sit at position n; needed for an exact conversion of a pretrained model).
+    iha_collapse_mode (`str`, defaults to `"per_head"`):
+        How the H * P pseudo-outputs fold back to H heads: `"per_head"` (R of shape [H, P]) or `"global"`
+        (R of shape [H, H, P], every head reads every pseudo-output).
+    iha_collapse_init (`str`, defaults to `"last"`):
+        Initial collapse weights: `"last"` (select pseudo-head P-1; exact with the flat mask), `"mean"` or
+        `"first"`.
+    iha_cache_mode (`str`, defaults to `"token"`):
+        What the KV cache of IHA layers stores: `"token"` keeps the un-mixed keys and values (the base model's
+        memory, re-mixed at every step); `"pseudo"` keeps the mixed pseudo keys and values (P times the memory,
+        no re-mixing).
+    qkv_bias (`bool`, *optional*):
+        Bias on the q/k/v projections (Qwen2 style). Defaults to `attention_bias`.
+    o_proj_bias (`bool`, *optional*):
+        Bias on the output projection. Defaults to `attention_bias`.
+
+    ```python
+    >>> from iha import IHAConfig, IHAForCausalLM
+    >>> config = IHAConfig(hidden_size=256, intermediate_size=512, num_hidden_layers=4, num_attention_heads=4)
+    >>> model = IHAForCausalLM(config)
+    ```
+    """
+
+    model_type = "iha"
+    # Tensor parallelism that shards q/k/v by heads would cut the cross-head mixing apart: no TP plan for
+    # attention (the MLP could still be split, but we keep one consistent rule: no inherited Llama plan).
+    base_model_tp_plan = {}
+
+    num_pseudo_heads: int = 2
+    attention_types: list[str] | None = None
+    layer_types: list[str] | None = None
+    sliding_window: int | None = None
+    iha_mask_mode: str = "flat_causal"
+    iha_position_mode: str = "virtual"
+    iha_collapse_mode: str = "per_head"
+    iha_collapse_init: str = "last"
+    iha_cache_mode: str = "token"
+    qkv_bias: bool | None = None
+    o_proj_bias: bool | None = None
+
+    def __post_init__(self, **kwargs):
+        if self.qkv_bias is None:
+            self.qkv_bias = self.attention_bias
+        if self.o_proj_bias is None:
+            self.o_proj_bias = self.attention_bias
+        if self.attention_types is None:
+            default_type = IHA_FULL if self.sliding_window is None else IHA_SLIDING
+            self.attention_types = [default_type] * self.num_hidden_layers
+        else:
+            self.attention_types = list(self.attention_types)
+        self._validate_iha_fields()
+        # Caches (DynamicCache, StaticCache) and transformers' mask helpers read `layer_types`: they only need
+        # to know which layers are windowed, in token units.
+        derived_layer_types = [
+            STANDARD_SLIDING if is_sliding_layer(attention_type) else STANDARD_FULL
+            for attention_type in self.attention_types
+        ]
+        if self.layer_types is not None and list(self.layer_types) != derived_layer_types:
+            raise ValueError(
+                f"`layer_types` {list(self.layer_types)} disagrees with `attention_types` {self.attention_types}. "
+                "Set only `attention_types`; `layer_types` is derived from it."
+            )
+        self.layer_types = derived_layer_types
+        super().__post_init__(**kwargs)
+
+    def _validate_iha_fields(self):
+        choices = {
+            "iha_mask_mode": MASK_MODES,
+            "iha_position_mode": POSITION_MODES,
+            "iha_collapse_mode": COLLAPSE_MODES,
+            "iha_collapse_init": COLLAPSE_INITS,
+            "iha_cache_mode": CACHE_MODES,
+        }
+        for field_name, allowed in choices.items():
+            value = getattr(self, field_name)
+            if value not in allowed:
+                raise ValueError(f"`{field_name}` must be one of {list(allowed)}, got {value!r}.")
+        if not isinstance(self.num_pseudo_heads, int) or self.num_pseudo_heads < 1:
+            raise ValueError(f"`num_pseudo_heads` must be an integer >= 1, got {self.num_pseudo_heads!r}.")
+        if len(self.attention_types) != self.num_hidden_layers:
+            raise ValueError(
+                f"`attention_types` has {len(self.attention_types)} entries but `num_hidden_layers` is "
+                f"{self.num_hidden_layers}: give exactly one entry per layer."
+            )
+        unknown = sorted({t for t in self.attention_types if t not in ATTENTION_TYPES})
+        if unknown:
+            raise ValueError(f"`attention_types` entries must be in {list(ATTENTION_TYPES)}, got {unknown}.")
+        has_sliding = any(is_sliding_layer(t) for t in self.attention_types)
+        if has_sliding and (self.sliding_window is None or self.sliding_window < 1):
+            raise ValueError(
+                f"`attention_types` has sliding layers but `sliding_window` is {self.sliding_window!r}: "
+                "set `sliding_window` to the window in tokens (an integer >= 1)."
+            )
+        if self.num_key_value_heads is not None and self.num_attention_heads % self.num_key_value_heads != 0:
+            raise ValueError(
+                f"`num_attention_heads` ({self.num_attention_heads}) must be a multiple of `num_key_value_heads` "
+                f"({self.num_key_value_heads})."
+            )
+
+    @property
+    def iha_layer_indices(self) -> list[int]:
+        return [i for i, attention_type in enumerate(self.attention_types) if is_iha_layer(attention_type)]
+
+    @classmethod
+    def paper_hybrid(cls, training_length: int, global_every: int = 5, **kwargs) -> "IHAConfig":
+        """A config with the paper's FLOP-matched hybrid layout (4 sliding IHA : 1 global MHA, W = N / (2 P^2))."""
+        probe = cls(**kwargs)
+        layout = paper_hybrid_layout(probe.num_hidden_layers, probe.num_pseudo_heads, training_length, global_every)
+        kwargs.pop("layer_types", None)
+        return cls(**{**kwargs, **layout})
+
+
+__all__ = ["IHAConfig", "paper_hybrid_layout"]

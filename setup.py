@@ -1,0 +1,56 @@
+from pathlib import Path
+
+from setuptools import find_packages, setup
+
+HF_STACK = {
+    "transformers": "transformers==5.23.0",
+    "trl": "trl==1.16.0",
+    "peft": "peft==0.21.2",
+    "accelerate": "accelerate==1.15.0",
+    "datasets": "datasets==5.2.0",
+}
+
+extras = {
+    # torch is not pinned here on purpose: install it first (`pip install torch==2.13.0` takes the CPU wheel;
+    # on a GPU machine take the CUDA build you want). A bare `torch` requirement with nothing installed would
+    # pull a multi-GB CUDA build.
+    "train": [HF_STACK["trl"], HF_STACK["peft"], HF_STACK["accelerate"], HF_STACK["datasets"], "matplotlib>=3.7"],
+    "eval": ["math-verify==0.9.0", "lm-eval==0.4.13", HF_STACK["datasets"], "matplotlib>=3.7"],
+    "convert": ["gguf>=0.10"],
+}
+extras["dev"] = sorted(
+    {*extras["train"], *extras["eval"], *extras["convert"], "pytest>=8", "ruff>=0.6", "nbclient>=0.10", "nbformat>=5.9", "ipykernel>=6"}
+)
+extras["all"] = extras["dev"]
+
+setup(
+    name="iha-transformers",
+    version="0.1.0",
+    description="Interleaved Head Attention (arXiv 2602.21371) for Llama-family models in Hugging Face transformers",
+    long_description=Path(__file__).with_name("README.md").read_text(encoding="utf-8"),
+    long_description_content_type="text/markdown",
+    license="Apache-2.0",
+    python_requires=">=3.10",
+    packages=find_packages(include=["iha", "iha.*"]),
+    install_requires=[
+        "torch>=2.4",
+        HF_STACK["transformers"],
+        "safetensors>=0.4",
+        "huggingface_hub>=1.0",
+        "tqdm>=4.66",
+    ],
+    extras_require=extras,
+    entry_points={
+        "console_scripts": [
+            "iha=iha.cli:main",
+            "iha-convert=iha.convert:main",
+            "iha-sft=iha.sft:main",
+            "iha-eval=iha.evaluation.cli:main",
+        ]
+    },
+    classifiers=[
+        "License :: OSI Approved :: Apache Software License",
+        "Programming Language :: Python :: 3",
+        "Topic :: Scientific/Engineering :: Artificial Intelligence",
+    ],
+)
