@@ -31,7 +31,6 @@ MASK_MODES = ("flat_causal", "token_causal")
 POSITION_MODES = ("virtual", "shared")
 COLLAPSE_MODES = ("per_head", "global")
 COLLAPSE_INITS = ("last", "mean", "first")
-CACHE_MODES = ("token", "pseudo")
 
 
 def is_iha_layer(attention_type: str) -> bool:
@@ -96,10 +95,6 @@ class IHAConfig(LlamaConfig):
     iha_collapse_init (`str`, defaults to `"last"`):
         Initial collapse weights: `"last"` (select pseudo-head P-1; exact with the flat mask), `"mean"` or
         `"first"`.
-    iha_cache_mode (`str`, defaults to `"token"`):
-        What the KV cache of IHA layers stores: `"token"` keeps the un-mixed keys and values (the base model's
-        memory, re-mixed at every step); `"pseudo"` keeps the mixed pseudo keys and values (P times the memory,
-        no re-mixing).
     qkv_bias (`bool`, *optional*):
         Bias on the q/k/v projections (Qwen2 style). Defaults to `attention_bias`.
     o_proj_bias (`bool`, *optional*):
@@ -125,7 +120,6 @@ class IHAConfig(LlamaConfig):
     iha_position_mode: str = "virtual"
     iha_collapse_mode: str = "per_head"
     iha_collapse_init: str = "last"
-    iha_cache_mode: str = "token"
     qkv_bias: bool | None = None
     o_proj_bias: bool | None = None
 
@@ -160,7 +154,6 @@ class IHAConfig(LlamaConfig):
             "iha_position_mode": POSITION_MODES,
             "iha_collapse_mode": COLLAPSE_MODES,
             "iha_collapse_init": COLLAPSE_INITS,
-            "iha_cache_mode": CACHE_MODES,
         }
         for field_name, allowed in choices.items():
             value = getattr(self, field_name)

@@ -1,0 +1,679 @@
+# Copyright 2026 The iha authors.
+#
+# Licensed under the Apache License, Version 2.0 (the "License");
+# you may not use this file except in compliance with the License.
+# You may obtain a copy of the License at
+#
+#     http://www.apache.org/licenses/LICENSE-2.0
+#
+# Unless required by applicable law or agreed to in writing, software
+# distributed under the License is distributed on an "AS IS" BASIS,
+# WITHOUT WARRANTIES OR CONDITIONS OF ANY KIND, either express or implied.
+# See the License for the specific language governing permissions and
+# limitations under the License.
+"""Interleaved Head Attention (IHA, arXiv 2602.21371) for Llama-family decoders.
+
+An IHA layer projects q/k/v as usual, mixes the heads into P pseudo-heads per head with learned coefficients,
+interleaves the pseudo-tokens token-major into a sequence of N * P virtual tokens, runs ordinary attention over it
+and folds the H * P pseudo-outputs back to H heads with a learned collapse before `o_proj`.
+
+This file is copied next to the weights by `save_pretrained`, so it imports only torch, transformers and its
+sibling `configuration_iha.py`. Remote-code classes are different objects from the installed package's: nothing
+here may check `isinstance(config, IHAConfig)`.
+"""
+
+from collections.abc import Callable
+
+import torch
+from torch import nn
+from transformers import initialization as init
+from transformers.cache_utils import Cache, DynamicCache
+from transformers.generation import GenerationMixin
+from transformers.masking_utils import (
+    ALL_MASK_ATTENTION_FUNCTIONS,
+    and_masks,
+    create_causal_mask,
+    create_sliding_window_causal_mask,
+    find_packed_sequence_indices,
+    packed_sequence_mask_function,
+)
+from transformers.modeling_layers import GradientCheckpointingLayer
+from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, PreTrainedModel
+from transformers.models.llama.modeling_llama import (
+    LlamaMLP,
+    LlamaRMSNorm,
+    LlamaRotaryEmbedding,
+    apply_rotary_pos_emb,
+    eager_attention_forward,
+)
+from transformers.processing_utils import Unpack
+from transformers.utils import TransformersKwargs, can_return_tuple, logging
+from transformers.utils.generic import merge_with_config_defaults
+from transformers.utils.output_capturing import capture_outputs
+
+from .configuration_iha import IHAConfig
+
+
+logger = logging.get_logger(__name__)
+
+IHA_ATTENTION_TYPES = ("iha_full_attention", "iha_sliding_attention")
+SLIDING_ATTENTION_TYPES = ("sliding_attention", "iha_sliding_attention")
+
+
+class IHARMSNorm(LlamaRMSNorm):
+    pass
+
+
+class IHAMLP(LlamaMLP):
+    pass
+
+
+class IHARotaryEmbedding(LlamaRotaryEmbedding):
+    pass
+
+
+def mix_and_interleave(states: torch.Tensor, alpha: torch.Tensor) -> torch.Tensor:
+    """Mix heads into pseudo-heads and interleave them token-major.
+
+    states [B, M, N, d] (M source heads), alpha [M, H, P] -> [B, H, N * P, d] where virtual index n * P + p holds
+    pseudo-head p of token n: `out[b, h, n * P + p] = sum_m alpha[m, h, p] * states[b, m, n]`.
+    """
+    batch_size, _, seq_len, head_dim = states.shape
+    num_target_heads, num_pseudo_heads = alpha.shape[1], alpha.shape[2]
+    mixed = torch.einsum("bmnd,mhp->bhnpd", states, alpha.to(states.dtype))
+    return mixed.reshape(batch_size, num_target_heads, seq_len * num_pseudo_heads, head_dim)
+
+
+def apply_pseudo_rotation(states: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate pseudo-token p of every token by RoPE at position p (states [B, H, N * P, d], cos/sin [P, d]).
+
+    Virtual positions are n * P + p and Rot(n * P + p) = Rot(p) . Rot(n * P): the token-level rotation at n * P was
+    applied before mixing (it commutes with mixing across heads), so only this small per-p rotation is left.
+    """
+    num_tokens = states.shape[-2] // cos.shape[0]
+    cos = cos.repeat(num_tokens, 1)
+    sin = sin.repeat(num_tokens, 1)
+    half = states.shape[-1] // 2
+    rotated_half = torch.cat((-states[..., half:], states[..., :half]), dim=-1)
+    return states * cos + rotated_half * sin
+
+
+class IHAHeadMixing(nn.Module):
+    """The learned parameters of one IHA layer: head mixing into pseudo-heads and the collapse back to heads.
+
+    They live in their own submodule so that PEFT can keep them trainable with `modules_to_save=["head_mixing"]`.
+
+    - `alpha_q` [H, H, P]: `Q~[n, h, p] = sum_m alpha_q[m, h, p] * Q[n, m]` (m source head, h target head).
+    - `alpha_k`, `alpha_v` [H_kv, H_kv, P]: keys and values mix only among the KV heads ("group-preserving" GQA),
+      so query head h attends the pseudo-streams of its own KV group, exactly like `repeat_kv`.
+    - `collapse`: [H, P] (`per_head`: head h reads its own P pseudo-outputs) or [H, H, P] (`global`: target head,
+      source head, pseudo index).
+    """
+
+    def __init__(
+        self,
+        num_heads: int,
+        num_key_value_heads: int,
+        num_pseudo_heads: int,
+        collapse_mode: str = "per_head",
+        collapse_init: str = "last",
+    ):
+        super().__init__()
+        self.num_heads = num_heads
+        self.num_key_value_heads = num_key_value_heads
+        self.num_pseudo_heads = num_pseudo_heads
+        self.collapse_mode = collapse_mode
+        self.collapse_init = collapse_init
+        self.alpha_q = nn.Parameter(torch.empty(num_heads, num_heads, num_pseudo_heads))
+        self.alpha_k = nn.Parameter(torch.empty(num_key_value_heads, num_key_value_heads, num_pseudo_heads))
+        self.alpha_v = nn.Parameter(torch.empty(num_key_value_heads, num_key_value_heads, num_pseudo_heads))
+        if collapse_mode == "per_head":
+            self.collapse = nn.Parameter(torch.empty(num_heads, num_pseudo_heads))
+        else:
+            self.collapse = nn.Parameter(torch.empty(num_heads, num_heads, num_pseudo_heads))
+        self.reset_to_identity()
+
+    def identity_tensors(self) -> dict[str, torch.Tensor]:
+        """Identity mixing (every pseudo-head a copy of its own head) and the configured collapse init."""
+        num_pseudo = self.num_pseudo_heads
+        identity_q = torch.eye(self.num_heads).unsqueeze(-1).expand(-1, -1, num_pseudo)
+        identity_kv = torch.eye(self.num_key_value_heads).unsqueeze(-1).expand(-1, -1, num_pseudo)
+        pseudo_weights = torch.zeros(num_pseudo)
+        if self.collapse_init == "last":
+            pseudo_weights[-1] = 1.0
+        elif self.collapse_init == "first":
+            pseudo_weights[0] = 1.0
+        else:
+            pseudo_weights.fill_(1.0 / num_pseudo)
+        if self.collapse_mode == "per_head":
+            collapse = pseudo_weights.expand(self.num_heads, -1)
+        else:
+            collapse = torch.eye(self.num_heads).unsqueeze(-1) * pseudo_weights
+        return {"alpha_q": identity_q, "alpha_k": identity_kv, "alpha_v": identity_kv.clone(), "collapse": collapse}
+
+    def reset_to_identity(self):
+        # `init.copy_` leaves parameters that were loaded from a checkpoint untouched.
+        for name, value in self.identity_tensors().items():
+            parameter = getattr(self, name)
+            init.copy_(parameter, value.to(device=parameter.device, dtype=parameter.dtype))
+
+    def mix_queries(self, query_states: torch.Tensor) -> torch.Tensor:
+        return mix_and_interleave(query_states, self.alpha_q)
+
+    def mix_keys_values(self, key_states: torch.Tensor, value_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return mix_and_interleave(key_states, self.alpha_k), mix_and_interleave(value_states, self.alpha_v)
+
+    def collapse_heads(self, attn_output: torch.Tensor) -> torch.Tensor:
+        """[B, N * P, H, d] pseudo-outputs -> [B, N, H, d] head outputs."""
+        batch_size, virtual_len, num_heads, head_dim = attn_output.shape
+        pseudo = attn_output.view(batch_size, virtual_len // self.num_pseudo_heads, self.num_pseudo_heads, num_heads, head_dim)
+        collapse = self.collapse.to(attn_output.dtype)
+        if self.collapse_mode == "per_head":
+            return torch.einsum("bnphd,hp->bnhd", pseudo, collapse)
+        return torch.einsum("bnpmd,hmp->bnhd", pseudo, collapse)
+
+    def extra_repr(self):
+        return (
+            f"heads={self.num_heads}, kv_heads={self.num_key_value_heads}, pseudo_heads={self.num_pseudo_heads}, "
+            f"collapse={self.collapse_mode}"
+        )
+
+
+def flat_causal_mask_function(num_pseudo_heads: int) -> Callable:
+    """The paper's mask: ordinary causal attention over virtual indices n * P + p."""
+
+    def inner_mask(batch_idx, head_idx, q_idx, kv_idx):
+        return kv_idx <= q_idx
+
+    return inner_mask
+
+
+def token_causal_mask_function(num_pseudo_heads: int) -> Callable:
+    """A pseudo-token sees every pseudo-token of its own token and of earlier tokens."""
+
+    def inner_mask(batch_idx, head_idx, q_idx, kv_idx):
+        return kv_idx // num_pseudo_heads <= q_idx // num_pseudo_heads
+
+    return inner_mask
+
+
+def token_window_overlay(sliding_window: int, num_pseudo_heads: int) -> Callable:
+    """Keep the pseudo-tokens of the last `sliding_window` tokens.
+
+    The window is counted in tokens, like transformers' sliding layers, so the sliding KV cache (which keeps the
+    last `sliding_window - 1` tokens) holds everything the mask lets through. For the last pseudo-head this is the
+    paper's window of `sliding_window * P` virtual tokens; earlier pseudo-heads of a token see slightly fewer.
+    """
+
+    def inner_mask(batch_idx, head_idx, q_idx, kv_idx):
+        return kv_idx // num_pseudo_heads > q_idx // num_pseudo_heads - sliding_window
+
+    return inner_mask
+
+
+def create_interleaved_mask(
+    config: IHAConfig,
+    inputs_embeds: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    past_key_values: Cache | None,
+    position_ids: torch.Tensor | None,
+    layer_idx: int,
+    sliding_window: int | None = None,
+):
+    """Build the attention mask of IHA layers in virtual units (queries and keys are N * P pseudo-tokens long).
+
+    transformers' mask helpers assume one query per token, so we call the backend's own mask function with every
+    length and offset multiplied by P, the padding mask repeated P times and packed-sequence ids repeated P times.
+    The result has the backend's usual format (bool for sdpa, float for eager, BlockMask for flex, 2D for flash).
+    """
+    num_pseudo = config.num_pseudo_heads
+    if config._attn_implementation not in ALL_MASK_ATTENTION_FUNCTIONS:
+        return attention_mask
+    mask_interface = ALL_MASK_ATTENTION_FUNCTIONS[config._attn_implementation]
+
+    batch_size, query_length = inputs_embeds.shape[:2]
+    if past_key_values is not None:
+        query_offset = past_key_values.get_query_offset(layer_idx)
+        if isinstance(query_offset, torch.Tensor):
+            query_offset = query_offset.to(inputs_embeds.device)
+        kv_length, kv_offset = past_key_values.get_mask_sizes(query_length, layer_idx)
+    else:
+        query_offset, kv_offset = 0, 0
+        kv_length = query_length if attention_mask is None else attention_mask.shape[-1]
+
+    if config.iha_mask_mode == "token_causal":
+        mask_function = token_causal_mask_function(num_pseudo)
+    else:
+        mask_function = flat_causal_mask_function(num_pseudo)
+    # SDPA's `is_causal` shortcut is only valid for the plain flat-causal pattern; `sdpa_mask` still checks lengths
+    # and offsets (in virtual units) before it takes it, so decoding P queries against a longer cache gets a mask.
+    allow_is_causal_skip = config.iha_mask_mode == "flat_causal"
+    if sliding_window is not None:
+        mask_function = and_masks(mask_function, token_window_overlay(sliding_window, num_pseudo))
+
+    # Packed (padding-free) batches: restarting position_ids without an attention mask, as TRL sends them.
+    if position_ids is not None and attention_mask is None and past_key_values is None:
+        packed_sequence_ids = find_packed_sequence_indices(position_ids.expand(batch_size, -1))
+        if packed_sequence_ids is not None:
+            virtual_sequence_ids = packed_sequence_ids.repeat_interleave(num_pseudo, dim=-1)
+            mask_function = and_masks(mask_function, packed_sequence_mask_function(virtual_sequence_ids))
+            allow_is_causal_skip = False
+
+    virtual_padding_mask = None
+    if attention_mask is not None:
+        virtual_padding_mask = attention_mask.to(device=inputs_embeds.device, dtype=torch.bool)
+        virtual_padding_mask = virtual_padding_mask.repeat_interleave(num_pseudo, dim=-1)
+
+    return mask_interface(
+        batch_size=batch_size,
+        q_length=query_length * num_pseudo,
+        kv_length=kv_length * num_pseudo,
+        q_offset=query_offset * num_pseudo,
+        kv_offset=kv_offset * num_pseudo,
+        mask_function=mask_function,
+        attention_mask=virtual_padding_mask,
+        allow_is_causal_skip=allow_is_causal_skip,
+        local_size=None if sliding_window is None else sliding_window * num_pseudo,
+        dtype=inputs_embeds.dtype,
+        config=config,
+        use_vmap=False,
+        device=inputs_embeds.device,
+    )
+
+
+def create_iha_masks(
+    config: IHAConfig,
+    inputs_embeds: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    past_key_values: Cache | None,
+    position_ids: torch.Tensor | None = None,
+    **kwargs,
+) -> dict:
+    """One mask per attention type present in the model, keyed by the entries of `config.attention_types`."""
+    if isinstance(attention_mask, torch.Tensor) and attention_mask.ndim != 2:
+        raise ValueError(
+            f"IHA models take a 2D padding mask [batch, tokens]; got a {attention_mask.ndim}D attention_mask. IHA layers "
+            "attend over N * P pseudo-tokens and build their own masks from the 2D mask. Pass a dict keyed by "
+            "attention type (see `create_iha_masks`) to give prepared masks."
+        )
+    masks = {}
+    for layer_idx, attention_type in enumerate(config.attention_types):
+        if attention_type in masks:
+            continue
+        if attention_type == "full_attention":
+            masks[attention_type] = create_causal_mask(
+                config=config,
+                inputs_embeds=inputs_embeds,
+                attention_mask=attention_mask,
+                past_key_values=past_key_values,
+                position_ids=position_ids,
+            )
+        elif attention_type == "sliding_attention":
+            masks[attention_type] = create_sliding_window_causal_mask(
+                config=config,
+                inputs_embeds=inputs_embeds,
+                attention_mask=attention_mask,
+                past_key_values=past_key_values,
+                position_ids=position_ids,
+            )
+        else:
+            masks[attention_type] = create_interleaved_mask(
+                config,
+                inputs_embeds,
+                attention_mask,
+                past_key_values,
+                position_ids,
+                layer_idx=layer_idx,
+                sliding_window=config.sliding_window if attention_type in SLIDING_ATTENTION_TYPES else None,
+            )
+    return masks
+
+
+def virtual_flash_kwargs(kwargs: dict, position_ids: torch.Tensor | None, num_pseudo_heads: int) -> dict:
+    """FlashAttention finds packed sequences from position ids / cumulative lengths: give them in virtual units."""
+    kwargs = dict(kwargs)
+    if position_ids is not None:
+        virtual_offsets = torch.arange(num_pseudo_heads, device=position_ids.device)
+        kwargs["position_ids"] = (position_ids[..., None] * num_pseudo_heads + virtual_offsets).flatten(-2)
+    for key in ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k"):
+        if kwargs.get(key) is not None:
+            kwargs[key] = kwargs[key] * num_pseudo_heads
+    return kwargs
+
+
+class IHAAttention(nn.Module):
+    """Attention of one layer: Interleaved Head Attention on IHA layers, Llama's multi-head attention otherwise."""
+
+    def __init__(self, config: IHAConfig, layer_idx: int):
+        super().__init__()
+        self.config = config
+        self.layer_idx = layer_idx
+        self.attention_type = config.attention_types[layer_idx]
+        self.is_iha = self.attention_type in IHA_ATTENTION_TYPES
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        self.num_heads = config.num_attention_heads
+        self.num_key_value_heads = config.num_key_value_heads
+        self.num_key_value_groups = config.num_attention_heads // config.num_key_value_heads
+        self.num_pseudo_heads = config.num_pseudo_heads if self.is_iha else 1
+        self.scaling = self.head_dim**-0.5
+        self.attention_dropout = config.attention_dropout
+        self.is_causal = True
+        self.sliding_window = config.sliding_window if self.attention_type in SLIDING_ATTENTION_TYPES else None
+
+        self.q_proj = nn.Linear(config.hidden_size, self.num_heads * self.head_dim, bias=config.qkv_bias)
+        self.k_proj = nn.Linear(config.hidden_size, self.num_key_value_heads * self.head_dim, bias=config.qkv_bias)
+        self.v_proj = nn.Linear(config.hidden_size, self.num_key_value_heads * self.head_dim, bias=config.qkv_bias)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, config.hidden_size, bias=config.o_proj_bias)
+        self.head_mixing = None
+        if self.is_iha:
+            self.head_mixing = IHAHeadMixing(
+                self.num_heads,
+                self.num_key_value_heads,
+                config.num_pseudo_heads,
+                collapse_mode=config.iha_collapse_mode,
+                collapse_init=config.iha_collapse_init,
+            )
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        position_embeddings: tuple[torch.Tensor, torch.Tensor],
+        attention_mask: torch.Tensor | None,
+        past_key_values: Cache | None = None,
+        pseudo_rotation: tuple[torch.Tensor, torch.Tensor] | None = None,
+        **kwargs: Unpack[TransformersKwargs],
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        input_shape = hidden_states.shape[:-1]
+        hidden_shape = (*input_shape, -1, self.head_dim)
+
+        query_states = self.q_proj(hidden_states).view(hidden_shape).transpose(1, 2)
+        key_states = self.k_proj(hidden_states).view(hidden_shape).transpose(1, 2)
+        value_states = self.v_proj(hidden_states).view(hidden_shape).transpose(1, 2)
+
+        # Token-level RoPE (at n, or at n * P in virtual position mode) before mixing: rotation commutes with
+        # mixing across heads, and the cache keeps the un-mixed keys and values in token units (Llama's layout).
+        cos, sin = position_embeddings
+        query_states, key_states = apply_rotary_pos_emb(query_states, key_states, cos, sin)
+
+        if past_key_values is not None:
+            key_states, value_states = past_key_values.update(key_states, value_states, self.layer_idx)
+
+        attention_kwargs = kwargs
+        if self.is_iha:
+            query_states = self.head_mixing.mix_queries(query_states)
+            key_states, value_states = self.head_mixing.mix_keys_values(key_states, value_states)
+            if pseudo_rotation is not None:
+                pseudo_cos, pseudo_sin = pseudo_rotation
+                query_states = apply_pseudo_rotation(query_states, pseudo_cos, pseudo_sin)
+                key_states = apply_pseudo_rotation(key_states, pseudo_cos, pseudo_sin)
+            if self.config._attn_implementation.startswith("flash"):
+                attention_kwargs = virtual_flash_kwargs(kwargs, kwargs.get("position_ids"), self.num_pseudo_heads)
+
+        attention_interface: Callable = ALL_ATTENTION_FUNCTIONS.get_interface(
+            self.config._attn_implementation, eager_attention_forward
+        )
+        attn_output, attn_weights = attention_interface(
+            self,
+            query_states,
+            key_states,
+            value_states,
+            attention_mask,
+            dropout=0.0 if not self.training else self.attention_dropout,
+            scaling=self.scaling,
+            # IHA layers carry their window in the mask; only standard sliding layers pass it to the kernel.
+            sliding_window=None if self.is_iha else self.sliding_window,
+            **attention_kwargs,
+        )
+
+        if self.is_iha:
+            attn_output = self.head_mixing.collapse_heads(attn_output)
+        attn_output = attn_output.reshape(*input_shape, -1).contiguous()
+        attn_output = self.o_proj(attn_output)
+        return attn_output, attn_weights
+
+
+class IHADecoderLayer(GradientCheckpointingLayer):
+    def __init__(self, config: IHAConfig, layer_idx: int):
+        super().__init__()
+        self.hidden_size = config.hidden_size
+        self.attention_type = config.attention_types[layer_idx]
+        self.self_attn = IHAAttention(config=config, layer_idx=layer_idx)
+        self.mlp = IHAMLP(config)
+        self.input_layernorm = IHARMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.post_attention_layernorm = IHARMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.LongTensor | None = None,
+        past_key_values: Cache | None = None,
+        use_cache: bool | None = False,
+        position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
+        pseudo_rotation: tuple[torch.Tensor, torch.Tensor] | None = None,
+        **kwargs: Unpack[TransformersKwargs],
+    ) -> torch.Tensor:
+        residual = hidden_states
+        hidden_states = self.input_layernorm(hidden_states)
+        hidden_states, _ = self.self_attn(
+            hidden_states=hidden_states,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            past_key_values=past_key_values,
+            use_cache=use_cache,
+            position_embeddings=position_embeddings,
+            pseudo_rotation=pseudo_rotation,
+            **kwargs,
+        )
+        hidden_states = residual + hidden_states
+
+        residual = hidden_states
+        hidden_states = self.post_attention_layernorm(hidden_states)
+        hidden_states = self.mlp(hidden_states)
+        hidden_states = residual + hidden_states
+        return hidden_states
+
+
+class IHAPreTrainedModel(PreTrainedModel):
+    config_class = IHAConfig
+    config: IHAConfig
+    base_model_prefix = "model"
+    supports_gradient_checkpointing = True
+    _no_split_modules = ["IHADecoderLayer"]
+    _skip_keys_device_placement = ["past_key_values"]
+    _supports_flash_attn = True
+    _supports_sdpa = True
+    _supports_flex_attn = True
+    _can_compile_fullgraph = False
+    _supports_attention_backend = True
+    _can_record_outputs = {
+        "hidden_states": IHADecoderLayer,
+        "attentions": IHAAttention,
+    }
+
+    def _init_weights(self, module):
+        super()._init_weights(module)
+        # A new IHA layer starts at identity: every pseudo-head a copy of its head, the collapse picking one copy
+        # (or their mean), so a converted checkpoint computes what the original computed.
+        if isinstance(module, IHAHeadMixing):
+            module.reset_to_identity()
+
+
+class IHAModel(IHAPreTrainedModel):
+    def __init__(self, config: IHAConfig):
+        super().__init__(config)
+        self.padding_idx = config.pad_token_id
+        self.vocab_size = config.vocab_size
+
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, self.padding_idx)
+        self.layers = nn.ModuleList(
+            [IHADecoderLayer(config, layer_idx) for layer_idx in range(config.num_hidden_layers)]
+        )
+        self.norm = IHARMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.rotary_emb = IHARotaryEmbedding(config=config)
+        self.gradient_checkpointing = False
+        self.post_init()
+        self._check_attention_implementation()
+
+    def _check_attention_implementation(self):
+        has_iha_layers = any(t in IHA_ATTENTION_TYPES for t in self.config.attention_types)
+        if not (has_iha_layers and (self.config._attn_implementation or "").startswith("flash")):
+            return
+        if self.config.iha_mask_mode != "flat_causal":
+            raise ValueError(
+                "FlashAttention only runs the flat causal pattern; `iha_mask_mode='token_causal'` needs a mask. "
+                "Use attn_implementation='sdpa' or 'flex_attention', or iha_mask_mode='flat_causal'."
+            )
+        if "iha_sliding_attention" in self.config.attention_types:
+            raise ValueError(
+                "FlashAttention's window counts virtual tokens, while sliding IHA layers keep a window of whole "
+                "tokens. Use attn_implementation='sdpa' or 'flex_attention' for models with sliding IHA layers."
+            )
+
+    def rotary_inputs(self, hidden_states: torch.Tensor, position_ids: torch.Tensor) -> dict:
+        """RoPE for standard layers (at n), IHA layers (at n, or n * P in virtual mode) and the per-p rotation."""
+        token_rotation = self.rotary_emb(hidden_states, position_ids=position_ids)
+        if self.config.iha_position_mode == "shared":
+            return {"standard": token_rotation, "iha": token_rotation, "pseudo": None}
+        num_pseudo = self.config.num_pseudo_heads
+        iha_rotation = self.rotary_emb(hidden_states, position_ids=position_ids * num_pseudo)
+        pseudo_positions = torch.arange(num_pseudo, device=hidden_states.device)[None]
+        pseudo_cos, pseudo_sin = self.rotary_emb(hidden_states, position_ids=pseudo_positions)
+        # rotary_emb scales cos/sin by `attention_scaling` (yarn, longrope); the token-level rotation already did.
+        scale = self.rotary_emb.attention_scaling
+        pseudo_rotation = (pseudo_cos[0] / scale, pseudo_sin[0] / scale)
+        return {"standard": token_rotation, "iha": iha_rotation, "pseudo": pseudo_rotation}
+
+    @merge_with_config_defaults
+    @capture_outputs
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | dict | None = None,
+        position_ids: torch.LongTensor | None = None,
+        past_key_values: Cache | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        use_cache: bool | None = None,
+        **kwargs: Unpack[TransformersKwargs],
+    ) -> BaseModelOutputWithPast:
+        if (input_ids is None) ^ (inputs_embeds is not None):
+            raise ValueError("You must specify exactly one of input_ids or inputs_embeds")
+
+        if inputs_embeds is None:
+            inputs_embeds: torch.Tensor = self.embed_tokens(input_ids)
+
+        if use_cache and past_key_values is None:
+            past_key_values = DynamicCache(config=self.config)
+
+        if position_ids is None:
+            past_seen_tokens = past_key_values.get_seq_length() if past_key_values is not None else 0
+            position_ids = torch.arange(inputs_embeds.shape[1], device=inputs_embeds.device) + past_seen_tokens
+            position_ids = position_ids.unsqueeze(0)
+
+        # Masks may come prepared (a dict per attention type, from `create_masks_for_generate`).
+        if isinstance(attention_mask, dict):
+            mask_mapping = attention_mask
+        else:
+            mask_mapping = create_iha_masks(
+                config=self.config,
+                inputs_embeds=inputs_embeds,
+                attention_mask=attention_mask,
+                past_key_values=past_key_values,
+                position_ids=position_ids,
+            )
+
+        hidden_states = inputs_embeds
+        rotations = self.rotary_inputs(hidden_states, position_ids)
+
+        for decoder_layer in self.layers[: self.config.num_hidden_layers]:
+            is_iha_layer = decoder_layer.attention_type in IHA_ATTENTION_TYPES
+            hidden_states = decoder_layer(
+                hidden_states,
+                attention_mask=mask_mapping[decoder_layer.attention_type],
+                position_embeddings=rotations["iha"] if is_iha_layer else rotations["standard"],
+                pseudo_rotation=rotations["pseudo"] if is_iha_layer else None,
+                position_ids=position_ids,
+                past_key_values=past_key_values,
+                use_cache=use_cache,
+                **kwargs,
+            )
+
+        hidden_states = self.norm(hidden_states)
+        return BaseModelOutputWithPast(
+            last_hidden_state=hidden_states,
+            past_key_values=past_key_values,
+        )
+
+
+class IHAForCausalLM(IHAPreTrainedModel, GenerationMixin):
+    _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
+
+    def __init__(self, config: IHAConfig):
+        super().__init__(config)
+        self.model = IHAModel(config)
+        self.vocab_size = config.vocab_size
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.post_init()
+
+    @staticmethod
+    def create_masks_for_generate(
+        config, inputs_embeds, attention_mask, past_key_values, position_ids=None, **kwargs
+    ) -> dict:
+        # `generate` prepares masks ahead of compiled forwards with static caches; token-level 4D masks would be
+        # wrong for IHA layers, so hand over the per-type masks the model itself would build.
+        return create_iha_masks(config, inputs_embeds, attention_mask, past_key_values, position_ids)
+
+    @can_return_tuple
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.LongTensor | None = None,
+        past_key_values: Cache | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        labels: torch.LongTensor | None = None,
+        use_cache: bool | None = None,
+        logits_to_keep: int | torch.Tensor = 0,
+        **kwargs: Unpack[TransformersKwargs],
+    ) -> CausalLMOutputWithPast:
+        r"""
+        Example:
+
+        ```python
+        >>> import iha  # registers the model with the Auto classes
+        >>> from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        >>> model = AutoModelForCausalLM.from_pretrained("path/to/converted-iha-model")
+        >>> tokenizer = AutoTokenizer.from_pretrained("path/to/converted-iha-model")
+        >>> inputs = tokenizer("The capital of France is", return_tensors="pt")
+        >>> output_ids = model.generate(**inputs, max_new_tokens=8)
+        ```"""
+        outputs: BaseModelOutputWithPast = self.model(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            past_key_values=past_key_values,
+            inputs_embeds=inputs_embeds,
+            use_cache=use_cache,
+            **kwargs,
+        )
+
+        hidden_states = outputs.last_hidden_state
+        slice_indices = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
+        logits = self.lm_head(hidden_states[:, slice_indices, :])
+
+        loss = None
+        if labels is not None:
+            loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size, **kwargs)
+
+        return CausalLMOutputWithPast(
+            loss=loss,
+            logits=logits,
+            past_key_values=outputs.past_key_values,
+            hidden_states=outputs.hidden_states,
+            attentions=outputs.attentions,
+        )
+
+
+__all__ = ["IHAForCausalLM", "IHAModel", "IHAPreTrainedModel", "IHAHeadMixing"]
