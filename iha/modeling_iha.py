@@ -161,13 +161,17 @@ class IHAHeadMixing(nn.Module):
     def mix_queries(self, query_states: torch.Tensor) -> torch.Tensor:
         return mix_and_interleave(query_states, self.alpha_q)
 
-    def mix_keys_values(self, key_states: torch.Tensor, value_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def mix_keys_values(
+        self, key_states: torch.Tensor, value_states: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         return mix_and_interleave(key_states, self.alpha_k), mix_and_interleave(value_states, self.alpha_v)
 
     def collapse_heads(self, attn_output: torch.Tensor) -> torch.Tensor:
         """[B, N * P, H, d] pseudo-outputs -> [B, N, H, d] head outputs."""
         batch_size, virtual_len, num_heads, head_dim = attn_output.shape
-        pseudo = attn_output.view(batch_size, virtual_len // self.num_pseudo_heads, self.num_pseudo_heads, num_heads, head_dim)
+        pseudo = attn_output.view(
+            batch_size, virtual_len // self.num_pseudo_heads, self.num_pseudo_heads, num_heads, head_dim
+        )
         collapse = self.collapse.to(attn_output.dtype)
         if self.collapse_mode == "per_head":
             return torch.einsum("bnphd,hp->bnhd", pseudo, collapse)
