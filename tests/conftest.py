@@ -1,0 +1,76 @@
+"""Shared fixtures: tiny IHA / Llama models and the offline environment."""
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+TESTS_DIR = Path(__file__).resolve().parent
+REPO_ROOT = TESTS_DIR.parent
+SHARED_DATA = REPO_ROOT.parent / "shared" / "data"
+sys.path.insert(0, str(TESTS_DIR))
+
+import iha  # noqa: E402  (registers the Auto classes)
+
+
+TINY = dict(
+    vocab_size=97,
+    hidden_size=48,
+    intermediate_size=96,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=4,
+    max_position_embeddings=256,
+    rms_norm_eps=1e-6,
+)
+
+
+def tiny_iha_config(**overrides) -> iha.IHAConfig:
+    return iha.IHAConfig(**{**TINY, **overrides})
+
+
+def randomize_mixing(model, scale: float = 0.3, seed: int = 0):
+    """Move every mixing coefficient and collapse weight away from identity, so tests see real mixing."""
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if ".head_mixing." in name:
+                noise = torch.randn(parameter.shape, generator=generator, dtype=torch.float64)
+                parameter.add_((scale * noise).to(parameter.dtype))
+    return model
+
+
+def tiny_iha_model(seed: int = 0, randomize: bool = True, **overrides):
+    torch.manual_seed(seed)
+    model = iha.IHAForCausalLM(tiny_iha_config(**overrides)).eval()
+    if randomize:
+        randomize_mixing(model, seed=seed)
+    return model
+
+
+def left_padded_batch(vocab_size: int = TINY["vocab_size"], seq_len: int = 9, seed: int = 0):
+    generator = torch.Generator().manual_seed(seed)
+    input_ids = torch.randint(3, vocab_size, (3, seq_len), generator=generator)
+    attention_mask = torch.ones_like(input_ids)
+    attention_mask[1, :3] = 0
+    attention_mask[2, :5] = 0
+    input_ids[attention_mask == 0] = 0
+    return input_ids, attention_mask
+
+
+def generation_position_ids(attention_mask):
+    # What `generate` does for left padding: positions count real tokens only.
+    return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+
+
+@pytest.fixture
+def shared_data() -> Path:
+    if not SHARED_DATA.is_dir():
+        pytest.skip(f"benchmark data not found at {SHARED_DATA}")
+    return SHARED_DATA

@@ -1,0 +1,74 @@
+"""save_pretrained / from_pretrained, Auto classes and remote code in a process that never imports iha."""
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import torch
+from conftest import left_padded_batch, tiny_iha_model
+from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
+
+import iha
+
+
+def test_auto_classes_resolve_to_iha():
+    from conftest import TINY
+
+    config = AutoConfig.for_model("iha", **TINY)
+    assert type(config) is iha.IHAConfig
+    assert type(AutoModelForCausalLM.from_config(config)) is iha.IHAForCausalLM
+    assert type(AutoModel.from_config(config)) is iha.IHAModel
+
+
+def test_save_load_round_trip_keeps_logits(tmp_path):
+    model = tiny_iha_model(num_key_value_heads=2, num_pseudo_heads=3, iha_collapse_mode="global")
+    model.save_pretrained(tmp_path)
+    saved = json.loads((tmp_path / "config.json").read_text())
+    assert saved["auto_map"]["AutoConfig"] == "configuration_iha.IHAConfig"
+    assert saved["auto_map"]["AutoModelForCausalLM"] == "modeling_iha.IHAForCausalLM"
+    assert (tmp_path / "configuration_iha.py").is_file() and (tmp_path / "modeling_iha.py").is_file()
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    assert type(loaded) is iha.IHAForCausalLM
+    input_ids, attention_mask = left_padded_batch()
+    with torch.no_grad():
+        expected = model(input_ids, attention_mask=attention_mask).logits
+        logits = loaded(input_ids, attention_mask=attention_mask).logits
+    assert torch.equal(logits, expected)
+
+
+def test_remote_code_loads_in_a_process_without_iha(tmp_path):
+    model = tiny_iha_model(num_key_value_heads=2, num_pseudo_heads=2, iha_mask_mode="token_causal")
+    folder = tmp_path / "model"
+    model.save_pretrained(folder)
+    input_ids, attention_mask = left_padded_batch()
+    with torch.no_grad():
+        expected = model(input_ids, attention_mask=attention_mask).logits
+    torch.save({"input_ids": input_ids, "attention_mask": attention_mask, "logits": expected}, tmp_path / "io.pt")
+    script = textwrap.dedent(
+        f"""
+        import sys
+        sys.modules["iha"] = None  # a process that never imports the package: any attempt would fail loudly
+        import torch
+        from transformers import AutoModelForCausalLM
+        model = AutoModelForCausalLM.from_pretrained({str(folder)!r}, trust_remote_code=True).eval()
+        assert type(model).__module__.startswith("transformers_modules"), type(model).__module__
+        io = torch.load({str(tmp_path / "io.pt")!r})
+        with torch.no_grad():
+            logits = model(io["input_ids"], attention_mask=io["attention_mask"]).logits
+        print("max_abs_diff", (logits - io["logits"]).abs().max().item())
+        generated = model.generate(io["input_ids"], attention_mask=io["attention_mask"], max_new_tokens=3,
+                                   do_sample=False, pad_token_id=0)
+        print("generated", generated.shape[1])
+        """
+    )
+    # A clean environment: no editable install path, no tests dir, a cwd without the package.
+    env = {key: value for key, value in os.environ.items() if key != "PYTHONPATH"}
+    env.update(HF_HUB_OFFLINE="1", HF_MODULES_CACHE=str(tmp_path / "modules"))
+    result = subprocess.run(
+        [sys.executable, "-I", "-c", script], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "max_abs_diff 0.0" in result.stdout
+    assert f"generated {input_ids.shape[1] + 3}" in result.stdout
