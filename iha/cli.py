@@ -1,0 +1,43 @@
+"""`iha` command line: one entry point for every job of the package.
+
+    iha demo        convert SmolLM2-135M-Instruct, verify, fine-tune briefly, evaluate, save (offline)
+    iha convert     convert a Llama-style checkpoint to IHA                 (same as `iha-convert`)
+    iha sft         reasoning SFT with TRL, full or LoRA                     (same as `iha-sft`)
+    iha eval        GSM8K / MATH-500 / needle-in-a-haystack evaluation       (same as `iha-eval`)
+    iha synthetic   the paper's relation-composition comparison, MHA vs IHA
+"""
+
+import importlib
+import sys
+
+
+COMMANDS = {
+    "demo": ("iha.demo", "convert, verify, fine-tune, evaluate and save SmolLM2-135M-Instruct as IHA (offline)"),
+    "convert": ("iha.convert", "convert a Llama / Mistral / Qwen2 checkpoint to IHA"),
+    "sft": ("iha.sft", "supervised fine-tuning (OpenThoughts-style reasoning) with TRL"),
+    "eval": ("iha.evaluation.cli", "math (GSM8K, MATH-500) and long-context retrieval evaluation"),
+    "synthetic": ("iha.synthetic", "the paper's synthetic relation-composition comparison, MHA vs IHA"),
+}
+
+
+def usage() -> str:
+    lines = ["usage: iha COMMAND [options]   (iha COMMAND --help for a command's options)", "", "commands:"]
+    lines += [f"  {name:<10} {summary}" for name, (_, summary) in COMMANDS.items()]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print(usage())
+        return 0
+    command, rest = argv[0], argv[1:]
+    if command not in COMMANDS:
+        print(f"iha: unknown command {command!r}\n\n{usage()}", file=sys.stderr)
+        return 2
+    module = importlib.import_module(COMMANDS[command][0])
+    return module.main(rest) or 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
