@@ -1,0 +1,659 @@
+# Copyright 2026 The iha authors.
+#
+# Licensed under the Apache License, Version 2.0 (the "License");
+# you may not use this file except in compliance with the License.
+# You may obtain a copy of the License at
+#
+#     http://www.apache.org/licenses/LICENSE-2.0
+#
+# Unless required by applicable law or agreed to in writing, software
+# distributed under the License is distributed on an "AS IS" BASIS,
+# WITHOUT WARRANTIES OR CONDITIONS OF ANY KIND, either express or implied.
+# See the License for the specific language governing permissions and
+# limitations under the License.
+"""OpenThoughts-style reasoning SFT of IHA models with TRL: full fine-tuning or LoRA, one process or several.
+
+Python:
+
+```python
+>>> from iha.sft import IHASFTConfig, iha_lora_config, train_sft
+>>> args = IHASFTConfig(output_dir="smollm2-iha-sft", max_length=4096, packing=True, mixing_learning_rate=1e-3)
+>>> trainer = train_sft("HuggingFaceTB/SmolLM2-135M-Instruct", "open-thoughts/OpenThoughts-114k", args,
+...                     iha_options={"num_pseudo_heads": 2})            # a Llama checkpoint is converted on the fly
+>>> trainer = train_sft("my-iha-model", "data.jsonl", args, peft_config=iha_lora_config(r=16))   # LoRA
+```
+
+Command line (the flags of TRL's `SFTConfig`, plus the model and data arguments below):
+
+```bash
+iha-sft --model_name_or_path my-iha-model --dataset_name open-thoughts/OpenThoughts-114k \
+    --output_dir out --max_length 4096 --packing --learning_rate 2e-5 --mixing_learning_rate 1e-3
+accelerate launch --config_file examples/accelerate/fsdp.yaml -m iha.sft ...   # several processes
+```
+"""
+
+import json
+import logging
+import os
+import re
+import shutil
+import sys
+import tempfile
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from datasets import Dataset
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, HfArgumentParser, PreTrainedModel
+from trl import SFTConfig, SFTTrainer
+
+import iha  # noqa: F401  (registers IHAConfig / IHAForCausalLM with the Auto classes)
+
+from .chat_templates import has_generation_markers, training_chat_template
+from .data import filter_by_length, load_sft_dataset
+
+
+logger = logging.getLogger(__name__)
+
+# Every Llama-family projection. Attention and MLP adapters are what OpenThoughts-style LoRA recipes train; the
+# embeddings and the LM head stay frozen (TRL's fused LM head cannot train an adapter on `lm_head` anyway).
+DEFAULT_LORA_TARGET_MODULES = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+# The submodule of every IHA layer that holds alpha_q / alpha_k / alpha_v / collapse. Under LoRA it is trained in
+# full (a few thousand numbers per layer) through PEFT's `modules_to_save`.
+MIXING_MODULE_NAME = "head_mixing"
+# Matches the mixing parameters with or without wrappers in between: `...head_mixing.alpha_q` (plain or FSDP
+# `use_orig_params`) and `...head_mixing.modules_to_save.default.alpha_q` (PEFT's trainable copy).
+MIXING_PARAMETER_PATTERN = re.compile(rf"(?:^|\.){MIXING_MODULE_NAME}\.(?:.+\.)?(?:alpha_q|alpha_k|alpha_v|collapse)$")
+# Written next to a LoRA adapter: how to rebuild the base model it was trained on (see `load_sft_output`).
+BASE_RECORD_NAME = "iha_sft_base.json"
+
+
+def is_mixing_parameter(name: str) -> bool:
+    """Whether a parameter name is an IHA mixing coefficient or collapse weight."""
+    return MIXING_PARAMETER_PATTERN.search(name) is not None
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Configuration
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class IHASFTConfig(SFTConfig):
+    r"""TRL's `SFTConfig` plus the optimizer settings of the IHA mixing parameters.
+
+    mixing_learning_rate (`float`, *optional*):
+        Peak learning rate of `head_mixing.{alpha_q, alpha_k, alpha_v, collapse}`. They follow the same schedule as
+        the other weights. Defaults to `learning_rate`. The mixing coefficients start at identity in a converted
+        checkpoint and are few, so a larger rate than the pretrained weights' (10-100x) lets them move in a short SFT.
+    mixing_weight_decay (`float`, defaults to `0.0`):
+        Weight decay of the mixing parameters. Decay pulls them towards zero, not towards the identity they start
+        from, so it is off by default.
+    assistant_only_loss (`bool`, defaults to `True` here):
+        Train on the assistant turns only (TRL's default is `False`). The chat template gets `{% generation %}`
+        markers where it lacks them (`iha.chat_templates.training_chat_template`).
+    """
+
+    mixing_learning_rate: float | None = field(
+        default=None,
+        metadata={
+            "help": "Learning rate of the IHA mixing coefficients and collapse weights (default: learning_rate)."
+        },
+    )
+    mixing_weight_decay: float = field(
+        default=0.0,
+        metadata={"help": "Weight decay of the IHA mixing parameters (decay pulls them to zero, not to identity)."},
+    )
+    assistant_only_loss: bool = field(
+        default=True,
+        metadata={"help": "Compute the loss on the assistant turns only (needs {% generation %} markers, added here)."},
+    )
+
+
+@dataclass
+class ModelArguments:
+    """Which model to fine-tune and how. Names match TRL's `ModelConfig` where they overlap."""
+
+    model_name_or_path: str = field(metadata={"help": "IHA checkpoint, or a Llama-style one to convert on the fly."})
+    model_revision: str | None = field(default=None, metadata={"help": "Hub revision of the model."})
+    tokenizer_name_or_path: str | None = field(default=None, metadata={"help": "Tokenizer (default: the model's)."})
+    dtype: str = field(
+        default="float32",
+        metadata={"help": "Dtype to load the weights in.", "choices": ["auto", "bfloat16", "float16", "float32"]},
+    )
+    attn_implementation: str | None = field(default=None, metadata={"help": "sdpa, eager, flash_attention_2, ..."})
+    convert_to_iha: bool = field(
+        default=True,
+        metadata={"help": "Convert a non-IHA (Llama-style) checkpoint to IHA before training. False trains it as is."},
+    )
+    iha_options: str | None = field(
+        default=None,
+        metadata={"help": "JSON dict for iha.convert.llama_to_iha, e.g. '{\"num_pseudo_heads\": 2}'."},
+    )
+    use_peft: bool = field(default=False, metadata={"help": "Train LoRA adapters instead of all weights."})
+    lora_r: int = field(default=16, metadata={"help": "LoRA rank."})
+    lora_alpha: int = field(default=32, metadata={"help": "LoRA alpha."})
+    lora_dropout: float = field(default=0.05, metadata={"help": "LoRA dropout."})
+    lora_target_modules: list[str] | None = field(
+        default=None, metadata={"help": f"LoRA target modules (default: {' '.join(DEFAULT_LORA_TARGET_MODULES)})."}
+    )
+    lora_modules_to_save: list[str] | None = field(
+        default=None, metadata={"help": "Extra modules trained in full under LoRA (head_mixing is always added)."}
+    )
+    merge_adapter: bool = field(
+        default=False,
+        metadata={"help": "After LoRA training, also write the merged full model to <output_dir>/merged."},
+    )
+
+
+@dataclass
+class DataArguments:
+    """Which rows to train on. Any schema of `iha.data` (OpenThoughts-114k, OpenThoughts3, messages, prompt/completion)."""
+
+    dataset_name: str = field(metadata={"help": "Hub dataset id, or a local .json / .jsonl / .parquet file or folder."})
+    dataset_config: str | None = field(default=None, metadata={"help": "Hub dataset config name."})
+    dataset_train_split: str = field(default="train", metadata={"help": "Split to train on (Hub datasets)."})
+    eval_dataset_name: str | None = field(default=None, metadata={"help": "Evaluation rows (Hub id or local file)."})
+    dataset_test_split: str = field(default="test", metadata={"help": "Split of eval_dataset_name to evaluate on."})
+    default_system_prompt: str | None = field(
+        default=None,
+        metadata={
+            "help": "System prompt for rows that have none; 'openthoughts' means the OpenThoughts-114k prompt "
+            "(useful for OpenThoughts3, which has no system column)."
+        },
+    )
+    max_train_rows: int | None = field(default=None, metadata={"help": "Use only the first N rows."})
+    filter_long_rows: bool = field(
+        default=True,
+        metadata={"help": "Drop rows longer than max_length tokens instead of truncating their reasoning."},
+    )
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Model and tokenizer
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+def is_iha_model(model) -> bool:
+    return getattr(model.config, "model_type", None) == "iha"
+
+
+def has_iha_layers(model) -> bool:
+    return any(MIXING_MODULE_NAME in name.split(".") for name, _ in model.named_modules())
+
+
+def _refuse_conversion_of_partitioned_weights(model_name_or_path: str):
+    # Under ZeRO-3 init or FSDP's cpu-RAM-efficient loading, the weights of a freshly loaded model are partitioned or
+    # live on rank 0 only: the converter would copy empty shards.
+    from transformers.distributed.fsdp import is_fsdp_enabled
+    from transformers.integrations.deepspeed import is_deepspeed_zero3_enabled
+
+    if is_deepspeed_zero3_enabled() or is_fsdp_enabled():
+        raise RuntimeError(
+            f"{model_name_or_path} is not an IHA checkpoint, and under DeepSpeed ZeRO-3 or FSDP cpu-RAM-efficient "
+            "loading it cannot be converted on the fly. Convert it first (`iha-convert SRC DST`) and train DST."
+        )
+
+
+def load_model_for_sft(
+    model_name_or_path: str,
+    convert_to_iha: bool = True,
+    iha_options: dict | None = None,
+    **from_pretrained_kwargs,
+) -> tuple[PreTrainedModel, bool]:
+    """Load an IHA checkpoint, or a Llama-style one converted to IHA (identity mixing: the same function).
+
+    Returns `(model, converted)`. `from_pretrained_kwargs` go to `from_pretrained` (dtype, attn_implementation,
+    revision, trust_remote_code); dtype defaults to float32 like TRL's.
+    """
+    from_pretrained_kwargs = {k: v for k, v in from_pretrained_kwargs.items() if v is not None}
+    dtype = from_pretrained_kwargs.get("dtype", "float32")
+    if isinstance(dtype, str) and dtype != "auto":
+        from_pretrained_kwargs["dtype"] = getattr(torch, dtype)
+    else:
+        from_pretrained_kwargs["dtype"] = dtype
+    config = AutoConfig.from_pretrained(
+        model_name_or_path,
+        revision=from_pretrained_kwargs.get("revision"),
+        trust_remote_code=from_pretrained_kwargs.get("trust_remote_code", False),
+    )
+    model = AutoModelForCausalLM.from_pretrained(model_name_or_path, **from_pretrained_kwargs)
+    if config.model_type == "iha":
+        if iha_options:
+            logger.warning("%s is already an IHA model: iha_options %s are ignored.", model_name_or_path, iha_options)
+        return model, False
+    if not convert_to_iha:
+        logger.warning("Training %s (%s) as is, without IHA layers.", model_name_or_path, config.model_type)
+        return model, False
+    _refuse_conversion_of_partitioned_weights(model_name_or_path)
+    from .convert import llama_to_iha
+
+    logger.info("Converting %s (%s) to IHA with %s.", model_name_or_path, config.model_type, iha_options or {})
+    # The loaded source model is dropped right after: let the IHA model take over its tensors instead of copying.
+    return llama_to_iha(model, **{"share_weights": True, **(iha_options or {})}), True
+
+
+def prepare_tokenizer(tokenizer, assistant_only_loss: bool, chat_template_path: str | None = None):
+    """Set a .jinja chat template if given, and `{% generation %}` markers when the loss is on assistant turns only.
+
+    The marked template renders the same text (see `iha.chat_templates`), so it is saved with the model and the
+    output folder trains again with `trl sft --assistant_only_loss` as is.
+    """
+    if chat_template_path is not None:
+        tokenizer.chat_template = Path(chat_template_path).read_text(encoding="utf-8")
+    if assistant_only_loss and not has_generation_markers(tokenizer.chat_template):
+        tokenizer.chat_template = training_chat_template(tokenizer)
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def iha_lora_config(
+    r: int = 16,
+    lora_alpha: int = 32,
+    lora_dropout: float = 0.05,
+    target_modules: Sequence[str] | None = None,
+    modules_to_save: Sequence[str] | None = None,
+    train_mixing: bool = True,
+):
+    """A LoRA config for IHA models: adapters on every projection, the mixing parameters trained in full.
+
+    PEFT has no default targets for a new model type, hence the explicit list. `train_mixing` adds `head_mixing` to
+    `modules_to_save`, so the coefficients are trained, saved with the adapter and merged with it.
+    """
+    from peft import LoraConfig
+
+    modules_to_save = list(modules_to_save or [])
+    if train_mixing and MIXING_MODULE_NAME not in modules_to_save:
+        modules_to_save.append(MIXING_MODULE_NAME)
+    return LoraConfig(
+        task_type="CAUSAL_LM",
+        r=r,
+        lora_alpha=lora_alpha,
+        lora_dropout=lora_dropout,
+        bias="none",
+        target_modules=list(target_modules or DEFAULT_LORA_TARGET_MODULES),
+        modules_to_save=modules_to_save or None,
+    )
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Trainer: the mixing parameters get their own optimizer group
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+def iha_parameter_groups(
+    model: torch.nn.Module,
+    decay_parameter_names: set[str],
+    weight_decay: float,
+    mixing_learning_rate: float | None,
+    mixing_weight_decay: float,
+) -> list[dict[str, Any]]:
+    """Optimizer groups: weights with decay, weights without decay (norms, biases), and the IHA mixing parameters
+    with their own learning rate and weight decay. Frozen parameters are left out; empty groups are dropped."""
+    decay, no_decay, mixing = [], [], []
+    for name, parameter in model.named_parameters():
+        if not parameter.requires_grad:
+            continue
+        if is_mixing_parameter(name):
+            mixing.append(parameter)
+        elif name in decay_parameter_names:
+            decay.append(parameter)
+        else:
+            no_decay.append(parameter)
+    mixing_group = {"params": mixing, "weight_decay": mixing_weight_decay, "iha_group": "mixing"}
+    if mixing_learning_rate is not None:
+        mixing_group["lr"] = mixing_learning_rate
+    groups = [
+        {"params": decay, "weight_decay": weight_decay, "iha_group": "decay"},
+        {"params": no_decay, "weight_decay": 0.0, "iha_group": "no_decay"},
+        mixing_group,
+    ]
+    return [group for group in groups if group["params"]]
+
+
+class IHASFTTrainer(SFTTrainer):
+    """`SFTTrainer` whose optimizer gives the IHA mixing parameters their own learning rate and weight decay.
+
+    Reads `mixing_learning_rate` / `mixing_weight_decay` from `IHASFTConfig`; with a plain `SFTConfig` the mixing
+    parameters take `learning_rate` and no weight decay. With `assistant_only_loss`, a tokenizer whose chat template
+    lacks `{% generation %}` markers gets the same template with markers (`iha.chat_templates`).
+    """
+
+    def __init__(self, model, args: SFTConfig | None = None, **kwargs):
+        processing_class = kwargs.get("processing_class")
+        if args is not None and args.assistant_only_loss and processing_class is not None:
+            kwargs["processing_class"] = prepare_tokenizer(processing_class, assistant_only_loss=True)
+        super().__init__(model, args, **kwargs)
+
+    def create_optimizer(self, model=None):
+        if self.optimizer is not None:
+            return self.optimizer
+        opt_model = self.model if model is None else model
+        mixing_learning_rate = getattr(self.args, "mixing_learning_rate", None)
+        mixing_weight_decay = getattr(self.args, "mixing_weight_decay", 0.0)
+        if self.optimizer_cls_and_kwargs is not None:
+            optimizer_cls, optimizer_kwargs = self.optimizer_cls_and_kwargs
+        else:
+            optimizer_cls, optimizer_kwargs = self.get_optimizer_cls_and_kwargs(self.args, opt_model)
+        optimizer_kwargs = dict(optimizer_kwargs)
+        if not isinstance(optimizer_cls, type) or {"params", "model", "optimizer_dict"} & optimizer_kwargs.keys():
+            # GaLore, LOMO, Muon factories, layer-wise optimizers... build their own groups.
+            if mixing_learning_rate is not None:
+                raise ValueError(
+                    f"`mixing_learning_rate` needs a standard optimizer (e.g. `--optim adamw_torch`), but "
+                    f"`optim={self.args.optim}` builds its own parameter groups. Unset `mixing_learning_rate` to use it."
+                )
+            return super().create_optimizer(model)
+        groups = iha_parameter_groups(
+            opt_model,
+            set(self.get_decay_parameter_names(opt_model)),
+            weight_decay=self.args.weight_decay,
+            mixing_learning_rate=mixing_learning_rate,
+            mixing_weight_decay=mixing_weight_decay,
+        )
+        self.optimizer = optimizer_cls(groups, **optimizer_kwargs)
+        return self.optimizer
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Training
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+def _check_processes_are_connected(args: SFTConfig):
+    # `accelerate launch --multi_gpu` / `torchrun` on a machine without GPUs start N processes; unless `use_cpu` makes
+    # accelerate join them over gloo, each one silently trains its own copy on the whole dataset.
+    launched = int(os.environ.get("WORLD_SIZE", "1"))
+    if launched > 1 and args.world_size != launched:
+        raise RuntimeError(
+            f"{launched} processes were launched but training would run in {args.world_size}: without a GPU, pass "
+            "`--use_cpu true` (SFTConfig(use_cpu=True)) so that the processes train together over gloo."
+        )
+
+
+def _resolve_resume(resume_from_checkpoint):
+    if isinstance(resume_from_checkpoint, str) and resume_from_checkpoint.lower() in ("true", "last"):
+        return True
+    if isinstance(resume_from_checkpoint, str) and resume_from_checkpoint.lower() in ("false", "none", ""):
+        return None
+    return resume_from_checkpoint
+
+
+def train_sft(
+    model: str | PreTrainedModel,
+    train_dataset: str | os.PathLike | Dataset | Sequence[dict],
+    args: SFTConfig,
+    *,
+    processing_class=None,
+    eval_dataset: str | os.PathLike | Dataset | Sequence[dict] | None = None,
+    peft_config=None,
+    convert_to_iha: bool = True,
+    iha_options: dict | None = None,
+    dataset_config_name: str | None = None,
+    dataset_train_split: str = "train",
+    dataset_test_split: str = "test",
+    default_system_prompt: str | None = None,
+    max_train_rows: int | None = None,
+    filter_long_rows: bool = True,
+    resume_from_checkpoint: str | bool | None = None,
+    callbacks: list | None = None,
+    save: bool = True,
+) -> IHASFTTrainer:
+    """Fine-tune an IHA model on chat / reasoning rows with TRL and save the result Hub-ready. Returns the trainer.
+
+    - `model`: an IHA checkpoint (folder or Hub id) or model; a Llama-style checkpoint or model is converted with
+      `iha.convert.llama_to_iha(**iha_options)` unless `convert_to_iha=False` (then it trains as is: the baseline).
+    - `train_dataset`: anything `iha.data.load_sft_dataset` reads (OpenThoughts-114k / OpenThoughts3 / messages /
+      prompt-completion; Hub id, .json / .jsonl / .parquet, `Dataset`, list of dicts). Rows become `messages` with
+      their system prompt; with `filter_long_rows`, rows longer than `args.max_length` tokens are dropped (and
+      counted in the log) rather than truncated.
+    - `args`: `IHASFTConfig` (or TRL's `SFTConfig`): packing, gradient checkpointing, assistant-only loss, ...
+    - `peft_config`: e.g. `iha_lora_config()` for LoRA; the adapter is saved with the mixing weights.
+    - `resume_from_checkpoint`: a checkpoint folder, or True for the last one in `args.output_dir`.
+
+    With `save`, the final model (or adapter) and tokenizer go to `args.output_dir`; an IHA model is saved with its
+    code files and `auto_map`, so the folder loads with `trust_remote_code=True` where `iha` is not installed.
+    """
+    _check_processes_are_connected(args)
+    model_name_or_path = model if isinstance(model, str | os.PathLike) else None
+    converted = False
+    if model_name_or_path is not None:
+        model_init_kwargs = dict(args.model_init_kwargs or {})
+        model_init_kwargs.setdefault("trust_remote_code", args.trust_remote_code)
+        model, converted = load_model_for_sft(str(model_name_or_path), convert_to_iha, iha_options, **model_init_kwargs)
+        args.model_init_kwargs = None  # used above; TRL would warn that they are ignored for a model instance
+    elif not is_iha_model(model) and convert_to_iha:
+        from .convert import llama_to_iha
+
+        model, converted = llama_to_iha(model, **(iha_options or {})), True
+    if processing_class is None:
+        source = model_name_or_path or getattr(model, "name_or_path", None)
+        if not source:
+            raise ValueError(
+                "Pass `processing_class` (the tokenizer): the model was given as an object without a path."
+            )
+        processing_class = AutoTokenizer.from_pretrained(source, trust_remote_code=args.trust_remote_code)
+    chat_template_path = args.chat_template_path
+    if chat_template_path is not None and str(chat_template_path).endswith((".jinja", ".j2")):
+        args.chat_template_path = None  # applied here, so that the length filter sees the same template
+    else:
+        chat_template_path = None
+    processing_class = prepare_tokenizer(processing_class, args.assistant_only_loss, chat_template_path)
+
+    if default_system_prompt == "openthoughts":
+        from .data import OPENTHOUGHTS_SYSTEM_PROMPT
+
+        default_system_prompt = OPENTHOUGHTS_SYSTEM_PROMPT
+
+    def prepare_rows(rows, split):
+        dataset = load_sft_dataset(
+            rows,
+            split=split,
+            config_name=dataset_config_name,
+            default_system_prompt=default_system_prompt,
+            max_rows=max_train_rows if split == dataset_train_split else None,
+            num_proc=args.dataset_num_proc,
+        )
+        if filter_long_rows and args.max_length is not None:
+            dataset, _ = filter_by_length(dataset, processing_class, args.max_length, num_proc=args.dataset_num_proc)
+        return dataset
+
+    train_rows = prepare_rows(train_dataset, dataset_train_split)
+    eval_rows = prepare_rows(eval_dataset, dataset_test_split) if eval_dataset is not None else None
+
+    if peft_config is not None and has_iha_layers(model):
+        if MIXING_MODULE_NAME not in (peft_config.modules_to_save or []):
+            logger.warning(
+                "The LoRA config does not list %r in `modules_to_save`: the IHA mixing coefficients stay frozen at "
+                "their current values. Use `iha_lora_config()` to train them.",
+                MIXING_MODULE_NAME,
+            )
+
+    trainer = IHASFTTrainer(
+        model=model,
+        args=args,
+        train_dataset=train_rows,
+        eval_dataset=eval_rows,
+        processing_class=processing_class,
+        peft_config=peft_config,
+        callbacks=callbacks,
+    )
+    trainer.train(resume_from_checkpoint=_resolve_resume(resume_from_checkpoint))
+    if save:
+        trainer.save_model(args.output_dir)
+        if peft_config is not None and trainer.accelerator.is_main_process:
+            record = {
+                "base_model_name_or_path": str(model_name_or_path) if model_name_or_path is not None else None,
+                "converted_to_iha": converted,
+                "iha_options": iha_options or {},
+            }
+            Path(args.output_dir, BASE_RECORD_NAME).write_text(json.dumps(record, indent=2) + "\n", encoding="utf-8")
+    return trainer
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Loading what training wrote; merging LoRA adapters
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+def load_sft_output(
+    path: str | os.PathLike,
+    merge: bool = False,
+    base_model: PreTrainedModel | str | None = None,
+    **from_pretrained_kwargs,
+):
+    """Load what `train_sft` saved: a full model folder, or a LoRA adapter on its (rebuilt) IHA base.
+
+    For an adapter, the base comes from `base_model` if given, else from the adapter's record (`iha_sft_base.json`):
+    the same checkpoint, converted again with the same options when it was converted on the fly (conversion is
+    deterministic: identity mixing). `merge=True` folds the adapters and the trained mixing weights into a plain
+    `IHAForCausalLM`.
+    """
+    path = Path(path)
+    if not (path / "adapter_config.json").is_file():
+        return AutoModelForCausalLM.from_pretrained(path, **from_pretrained_kwargs)
+    from peft import PeftModel
+
+    if base_model is None or isinstance(base_model, str | os.PathLike):
+        record_path = path / BASE_RECORD_NAME
+        record = json.loads(record_path.read_text(encoding="utf-8")) if record_path.is_file() else {}
+        source = base_model or record.get("base_model_name_or_path")
+        if source is None:
+            adapter_config = json.loads((path / "adapter_config.json").read_text(encoding="utf-8"))
+            source = adapter_config.get("base_model_name_or_path")
+        if not source:
+            raise ValueError(f"{path} does not say which base model the adapter belongs to: pass `base_model`.")
+        base_model, _ = load_model_for_sft(
+            str(source),
+            convert_to_iha=record.get("converted_to_iha", True),
+            iha_options=record.get("iha_options"),
+            **from_pretrained_kwargs,
+        )
+    model = PeftModel.from_pretrained(base_model, path)
+    return model.merge_and_unload() if merge else model
+
+
+def merge_lora(adapter_dir: str | os.PathLike, output_dir: str | os.PathLike, base_model=None) -> Path:
+    """Merge a LoRA adapter (and its trained mixing weights) into its base and save a Hub-ready model folder.
+
+    Refuses to overwrite `output_dir`; writes into a temporary sibling folder and renames it into place.
+    """
+    output_dir = Path(output_dir)
+    if output_dir.exists():
+        raise FileExistsError(f"{output_dir} exists: choose a new folder for the merged model.")
+    merged = load_sft_output(adapter_dir, merge=True, base_model=base_model)
+    output_dir.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{output_dir.name}.tmp-", dir=output_dir.parent))
+    try:
+        merged.save_pretrained(staging)
+        tokenizer_files = [p for p in Path(adapter_dir).iterdir() if p.name.startswith(("tokenizer", "chat_template"))]
+        for tokenizer_file in tokenizer_files:
+            shutil.copy2(tokenizer_file, staging / tokenizer_file.name)
+        staging.rename(output_dir)
+    finally:
+        if staging.exists():
+            shutil.rmtree(staging, ignore_errors=True)
+    return output_dir
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Command line
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+def make_parser() -> HfArgumentParser:
+    return HfArgumentParser((ModelArguments, DataArguments, IHASFTConfig))
+
+
+def parse_args(argv: Sequence[str] | None = None) -> tuple[ModelArguments, DataArguments, IHASFTConfig]:
+    parser = make_parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if len(argv) == 1 and argv[0].endswith((".yaml", ".yml")):
+        return parser.parse_yaml_file(argv[0])
+    if len(argv) == 1 and argv[0].endswith(".json"):
+        return parser.parse_json_file(argv[0])
+    return parser.parse_args_into_dataclasses(args=argv)
+
+
+def run_cli(argv: Sequence[str] | None = None) -> IHASFTTrainer:
+    """What `iha-sft` runs, returning the trainer: the flags of `IHASFTConfig` (TRL's `SFTConfig` + mixing lr / wd),
+    `ModelArguments` and `DataArguments`, or one .yaml / .json file holding them."""
+    model_args, data_args, training_args = parse_args(argv)
+    logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s", level=logging.INFO)
+    training_args.model_init_kwargs = {
+        **(training_args.model_init_kwargs or {}),
+        "dtype": model_args.dtype,
+        "attn_implementation": model_args.attn_implementation,
+        "revision": model_args.model_revision,
+    }
+    tokenizer = None
+    if model_args.tokenizer_name_or_path is not None:
+        tokenizer = AutoTokenizer.from_pretrained(
+            model_args.tokenizer_name_or_path, trust_remote_code=training_args.trust_remote_code
+        )
+    peft_config = None
+    if model_args.use_peft:
+        peft_config = iha_lora_config(
+            r=model_args.lora_r,
+            lora_alpha=model_args.lora_alpha,
+            lora_dropout=model_args.lora_dropout,
+            target_modules=model_args.lora_target_modules,
+            modules_to_save=model_args.lora_modules_to_save,
+        )
+    trainer = train_sft(
+        model_args.model_name_or_path,
+        data_args.dataset_name,
+        training_args,
+        processing_class=tokenizer,
+        eval_dataset=data_args.eval_dataset_name if training_args.eval_strategy != "no" else None,
+        peft_config=peft_config,
+        convert_to_iha=model_args.convert_to_iha,
+        iha_options=json.loads(model_args.iha_options) if model_args.iha_options else None,
+        dataset_config_name=data_args.dataset_config,
+        dataset_train_split=data_args.dataset_train_split,
+        dataset_test_split=data_args.dataset_test_split,
+        default_system_prompt=data_args.default_system_prompt,
+        max_train_rows=data_args.max_train_rows,
+        filter_long_rows=data_args.filter_long_rows,
+        resume_from_checkpoint=training_args.resume_from_checkpoint,
+    )
+    trainer.accelerator.print(f"Saved to {training_args.output_dir}.")
+    if model_args.use_peft and model_args.merge_adapter:
+        trainer.accelerator.wait_for_everyone()
+        if trainer.accelerator.is_main_process:
+            merged_dir = merge_lora(training_args.output_dir, Path(training_args.output_dir) / "merged")
+            trainer.accelerator.print(f"Merged model saved to {merged_dir}.")
+    trainer.accelerator.wait_for_everyone()
+    trainer.end()  # finish the trackers, destroy the process group
+    return trainer
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """`iha-sft` / `iha sft` / `python -m iha.sft` (run `--help` for every flag)."""
+    run_cli(argv)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
+
+
+__all__ = [
+    "DEFAULT_LORA_TARGET_MODULES",
+    "DataArguments",
+    "IHASFTConfig",
+    "IHASFTTrainer",
+    "ModelArguments",
+    "iha_lora_config",
+    "iha_parameter_groups",
+    "is_mixing_parameter",
+    "load_model_for_sft",
+    "load_sft_output",
+    "main",
+    "merge_lora",
+    "run_cli",
+    "train_sft",
+]

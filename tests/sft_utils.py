@@ -1,0 +1,97 @@
+"""Offline pieces for the SFT tests: a tiny ChatML tokenizer trained on GSM8K text and tiny IHA models.
+
+SmolLM2's 49k-token vocabulary makes the LM head dominate a tiny model's step on CPU; a 1k-token byte-level BPE
+trained on the same GSM8K -> OpenThoughts rows keeps the tests fast while using SmolLM2's exact chat template and
+special tokens.
+"""
+
+from pathlib import Path
+
+import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import PreTrainedTokenizerFast
+
+import iha
+from iha.chat_templates import SMOLLM2_CHAT_TEMPLATE
+from iha.data import gsm8k_file_to_openthoughts
+
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+GSM8K_TRAIN = REPO_ROOT.parent / "shared" / "data" / "gsm8k" / "train.jsonl"
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+
+
+def gsm8k_openthoughts_rows(limit: int = 64) -> list[dict]:
+    return gsm8k_file_to_openthoughts(GSM8K_TRAIN, limit=limit)
+
+
+def build_tiny_tokenizer(save_dir: str | Path | None = None, vocab_size: int = 1024) -> PreTrainedTokenizerFast:
+    """Byte-level BPE trained on 300 GSM8K rows in OpenThoughts format, SmolLM2's ChatML template and specials."""
+    rows = gsm8k_openthoughts_rows(300)
+    texts = [row["system"] for row in rows] + [turn["value"] for row in rows for turn in row["conversations"]]
+    backend = Tokenizer(models.BPE())
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    backend.train_from_iterator(texts, trainer)
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=backend,
+        bos_token="<|im_start|>",
+        eos_token="<|im_end|>",
+        pad_token="<|im_end|>",
+        unk_token="<|endoftext|>",
+    )
+    tokenizer.chat_template = SMOLLM2_CHAT_TEMPLATE
+    if save_dir is not None:
+        tokenizer.save_pretrained(save_dir)
+    return tokenizer
+
+
+def tiny_iha_config(tokenizer, **overrides) -> iha.IHAConfig:
+    settings = dict(
+        vocab_size=len(tokenizer),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_pseudo_heads=2,
+        max_position_embeddings=2048,
+        tie_word_embeddings=True,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    return iha.IHAConfig(**{**settings, **overrides})
+
+
+def tiny_iha_model(tokenizer, seed: int = 0, **overrides) -> iha.IHAForCausalLM:
+    torch.manual_seed(seed)
+    return iha.IHAForCausalLM(tiny_iha_config(tokenizer, **overrides))
+
+
+def mixing_parameters(model) -> dict[str, torch.Tensor]:
+    """name -> value of every mixing coefficient / collapse weight, names without PEFT's wrapper parts."""
+    found = {}
+    for name, parameter in model.named_parameters():
+        if ".head_mixing." in name and "original_module" not in name:
+            found[name.replace("modules_to_save.default.", "").replace("base_model.model.", "")] = (
+                parameter.detach().clone()
+            )
+    return found
+
+
+def identity_mixing(model) -> dict[str, torch.Tensor]:
+    """The identity value of every mixing parameter of `model`, keyed like `mixing_parameters`."""
+    found = {}
+    for module_name, module in model.named_modules():
+        if isinstance(module, iha.IHAHeadMixing) and "original_module" not in module_name:
+            prefix = module_name.replace("modules_to_save.default", "").replace("base_model.model.", "").rstrip(".")
+            for name, value in module.identity_tensors().items():
+                found[f"{prefix}.{name}"] = value
+    return found

@@ -1,0 +1,273 @@
+"""SFT of tiny IHA models with TRL: loss goes down, mixing moves, LoRA saves / reloads / merges, resume is exact."""
+
+import json
+import math
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from sft_utils import (
+    build_tiny_tokenizer,
+    gsm8k_openthoughts_rows,
+    identity_mixing,
+    mixing_parameters,
+    tiny_iha_config,
+    tiny_iha_model,
+)
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+import iha
+from iha.data import write_jsonl
+from iha.sft import (
+    BASE_RECORD_NAME,
+    IHASFTConfig,
+    IHASFTTrainer,
+    is_mixing_parameter,
+    load_sft_output,
+    merge_lora,
+    run_cli,
+    train_sft,
+)
+
+
+MAX_LENGTH = 640
+
+
+@pytest.fixture(scope="module")
+def tokenizer_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tokenizer")
+    build_tiny_tokenizer(path)
+    return path
+
+
+@pytest.fixture
+def tokenizer(tokenizer_dir):
+    return AutoTokenizer.from_pretrained(tokenizer_dir)
+
+
+@pytest.fixture(scope="module")
+def rows():
+    return gsm8k_openthoughts_rows(96)
+
+
+def sft_config(output_dir, **overrides) -> IHASFTConfig:
+    settings = dict(
+        output_dir=str(output_dir),
+        max_steps=30,
+        per_device_train_batch_size=2,
+        learning_rate=3e-3,
+        mixing_learning_rate=3e-2,
+        lr_scheduler_type="constant",
+        logging_steps=1,
+        max_length=MAX_LENGTH,
+        packing=True,
+        bf16=False,
+        report_to="none",
+        save_strategy="no",
+        seed=0,
+        disable_tqdm=True,
+    )
+    return IHASFTConfig(**{**settings, **overrides})
+
+
+def losses(trainer) -> list[float]:
+    return [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
+
+
+def logits(model, input_ids) -> torch.Tensor:
+    model.eval()
+    with torch.no_grad():
+        return model(input_ids=input_ids).logits
+
+
+def test_mixing_parameter_names():
+    assert is_mixing_parameter("model.layers.3.self_attn.head_mixing.alpha_q")
+    assert is_mixing_parameter("model.layers.3.self_attn.head_mixing.collapse")
+    assert is_mixing_parameter("base_model.model.model.layers.0.self_attn.head_mixing.modules_to_save.default.alpha_v")
+    assert is_mixing_parameter("_fsdp_wrapped_module.model.layers.0.self_attn.head_mixing.alpha_k")
+    assert not is_mixing_parameter("model.layers.0.self_attn.head_mixing.alpha_q_extra")
+    assert not is_mixing_parameter("model.layers.0.self_attn.q_proj.weight")
+
+
+def test_optimizer_gives_mixing_parameters_their_own_lr_and_weight_decay(tokenizer, rows, tmp_path):
+    model = tiny_iha_model(tokenizer)
+    args = sft_config(tmp_path, weight_decay=0.1, mixing_learning_rate=5e-2, mixing_weight_decay=0.0)
+    trainer = IHASFTTrainer(model=model, args=args, train_dataset=_messages(rows[:8]), processing_class=tokenizer)
+    optimizer = trainer.create_optimizer()
+    groups = {group["iha_group"]: group for group in optimizer.param_groups}
+    names = {id(parameter): name for name, parameter in model.named_parameters()}
+    mixing_names = {names[id(p)] for p in groups["mixing"]["params"]}
+    expected = {name for name, _ in model.named_parameters() if ".head_mixing." in name}
+    assert mixing_names == expected and len(expected) == 2 * 4  # 2 IHA layers x (alpha_q, alpha_k, alpha_v, collapse)
+    assert (groups["mixing"]["lr"], groups["mixing"]["weight_decay"]) == (5e-2, 0.0)
+    assert (groups["decay"]["lr"], groups["decay"]["weight_decay"]) == (3e-3, 0.1)
+    assert groups["no_decay"]["weight_decay"] == 0.0
+    assert all("norm" in names[id(p)] for p in groups["no_decay"]["params"])
+    grouped = [id(p) for group in optimizer.param_groups for p in group["params"]]
+    assert sorted(grouped) == sorted(id(p) for p in model.parameters()) and len(set(grouped)) == len(grouped)
+
+
+def _messages(rows):
+    from iha.data import load_sft_dataset
+
+    return load_sft_dataset(rows)
+
+
+def test_full_sft_loss_decreases_mixing_moves_and_saves_hub_ready(tokenizer, rows, tmp_path):
+    model = tiny_iha_model(tokenizer)
+    output_dir = tmp_path / "full"
+    trainer = train_sft(model, rows, sft_config(output_dir), processing_class=tokenizer)
+
+    history = losses(trainer)
+    assert len(history) == 30 and all(math.isfinite(loss) for loss in history)
+    assert sum(history[-5:]) / 5 < sum(history[:5]) / 5 - 0.5, history
+
+    # Every mixing tensor (alpha_q, alpha_k, alpha_v, collapse of both layers) left its identity start.
+    identity = identity_mixing(model)
+    trained = mixing_parameters(model)
+    assert trained.keys() == identity.keys() and len(trained) == 8
+    for name, value in trained.items():
+        assert (value - identity[name]).abs().max() > 1e-3, name
+
+    # The loss was on assistant turns only: labelled tokens hold the reasoning, never the system prompt or question.
+    first = trainer.train_dataset[0]
+    labelled = tokenizer.decode([t for t, label in zip(first["input_ids"], first["labels"]) if label != -100])
+    everything = tokenizer.decode(first["input_ids"])
+    assert "Your role as an assistant" in everything and "Your role as an assistant" not in labelled
+    assert "<|begin_of_thought|>" in labelled and "<|end_of_solution|><|im_end|>" in labelled
+    assert "Return your final response" not in labelled
+
+    # Hub-ready: code files + auto_map, tokenizer with the generation-marked template; reloads to the same logits.
+    config = json.loads((output_dir / "config.json").read_text())
+    assert config["model_type"] == "iha" and "AutoModelForCausalLM" in config["auto_map"]
+    assert (output_dir / "modeling_iha.py").is_file() and (output_dir / "configuration_iha.py").is_file()
+    assert "{% generation %}" in AutoTokenizer.from_pretrained(output_dir).chat_template
+    input_ids = torch.tensor([tokenizer.encode("Natalia sold 48/2 = 24 clips in May.")])
+    reloaded = AutoModelForCausalLM.from_pretrained(output_dir)
+    torch.testing.assert_close(logits(reloaded, input_ids), logits(model, input_ids), rtol=0, atol=1e-5)
+
+
+def test_lora_adapter_saves_mixing_reloads_and_merges(tokenizer_dir, tokenizer, rows, tmp_path):
+    base_dir = tmp_path / "base"
+    tiny_iha_model(tokenizer, seed=1).save_pretrained(base_dir)
+    tokenizer.save_pretrained(base_dir)
+    data = write_jsonl(rows, tmp_path / "train.jsonl")
+    output_dir = tmp_path / "lora"
+    trainer = run_cli(
+        [
+            "--model_name_or_path", str(base_dir),
+            "--dataset_name", str(data),
+            "--output_dir", str(output_dir),
+            "--use_peft",
+            "--lora_r", "8",
+            "--max_steps", "8",
+            "--per_device_train_batch_size", "2",
+            "--learning_rate", "1e-2",
+            "--mixing_learning_rate", "3e-2",
+            "--max_length", str(MAX_LENGTH),
+            "--packing",
+            "--bf16", "false",
+            "--logging_steps", "1",
+            "--report_to", "none",
+            "--save_strategy", "no",
+            "--disable_tqdm", "true",
+            "--merge_adapter",
+        ]
+    )  # fmt: skip
+    peft_model = trainer.model
+    assert all(math.isfinite(loss) for loss in losses(trainer))
+
+    # The adapter file holds LoRA weights and the trained mixing weights; the base weights themselves are not in it.
+    adapter_config = json.loads((output_dir / "adapter_config.json").read_text())
+    assert set(adapter_config["target_modules"]) == {
+        "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"
+    }  # fmt: skip
+    assert "head_mixing" in adapter_config["modules_to_save"]
+    saved = load_file(output_dir / "adapter_model.safetensors")
+    saved_mixing = {k: v for k, v in saved.items() if is_mixing_parameter(k)}
+    assert len(saved_mixing) == 8 and any("lora_A" in k for k in saved)
+    assert not any(k.endswith("q_proj.weight") for k in saved)
+    identity = identity_mixing(peft_model)
+    trained = mixing_parameters(peft_model)
+    for name, value in trained.items():
+        assert (value - identity[name]).abs().max() > 1e-3, name
+    assert json.loads((output_dir / BASE_RECORD_NAME).read_text())["base_model_name_or_path"] == str(base_dir)
+
+    input_ids = torch.tensor([tokenizer.encode("Weng earns 12/60 = $0.2 per minute.")])
+    expected = logits(peft_model, input_ids)
+    # Reloaded from disk on a fresh base: same outputs. Merged (in memory and the folder --merge_adapter wrote): same.
+    reloaded = load_sft_output(output_dir)
+    torch.testing.assert_close(logits(reloaded, input_ids), expected, rtol=0, atol=1e-5)
+    merged = load_sft_output(output_dir, merge=True)
+    assert isinstance(merged, iha.IHAForCausalLM)
+    torch.testing.assert_close(logits(merged, input_ids), expected, rtol=0, atol=1e-5)
+    merged_from_folder = AutoModelForCausalLM.from_pretrained(output_dir / "merged")
+    torch.testing.assert_close(logits(merged_from_folder, input_ids), expected, rtol=0, atol=1e-5)
+    assert (output_dir / "merged" / "modeling_iha.py").is_file()
+    assert "{% generation %}" in AutoTokenizer.from_pretrained(output_dir / "merged").chat_template
+    # The merge must differ from the untouched base, or the comparison above would prove nothing.
+    base = AutoModelForCausalLM.from_pretrained(base_dir)
+    assert (logits(base, input_ids) - expected).abs().max() > 1e-3
+    with pytest.raises(FileExistsError, match="choose a new folder"):
+        merge_lora(output_dir, output_dir / "merged")
+
+
+def test_resume_from_checkpoint_continues_the_same_run(tokenizer, rows, tmp_path):
+    overrides = dict(max_steps=6, save_strategy="steps", save_steps=3, lr_scheduler_type="linear", warmup_steps=2)
+    uninterrupted = tiny_iha_model(tokenizer, seed=2)
+    full = train_sft(uninterrupted, rows, sft_config(tmp_path / "a", **overrides), processing_class=tokenizer)
+    assert (tmp_path / "a" / "checkpoint-3" / "optimizer.pt").is_file()
+
+    resumed_model = tiny_iha_model(tokenizer, seed=2)
+    resumed = train_sft(
+        resumed_model,
+        rows,
+        sft_config(tmp_path / "a", **overrides),
+        processing_class=tokenizer,
+        resume_from_checkpoint=str(tmp_path / "a" / "checkpoint-3"),
+        save=False,
+    )
+    assert resumed.state.global_step == 6
+    by_step = {entry["step"]: entry["loss"] for entry in full.state.log_history if "loss" in entry}
+    resumed_by_step = {entry["step"]: entry["loss"] for entry in resumed.state.log_history if "loss" in entry}
+    assert resumed_by_step == pytest.approx(by_step, rel=1e-5)
+    # Same batches, same optimizer moments and schedule: the same final weights.
+    final = dict(uninterrupted.named_parameters())
+    for name, parameter in resumed_model.named_parameters():
+        torch.testing.assert_close(parameter, final[name], rtol=1e-5, atol=1e-6, msg=name)
+    # ... and they moved on from the checkpoint's weights, so the resumed run did train steps 4-6.
+    at_step_3 = AutoModelForCausalLM.from_pretrained(tmp_path / "a" / "checkpoint-3")
+    assert (at_step_3.model.embed_tokens.weight - resumed_model.model.embed_tokens.weight).abs().max() > 1e-4
+
+
+def test_converts_a_llama_checkpoint_on_the_fly(tokenizer, rows, tmp_path):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    pytest.importorskip("iha.convert")
+    llama_settings = tiny_iha_config(tokenizer).to_dict()
+    llama_config = LlamaConfig(
+        **{k: llama_settings[k] for k in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers")},
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        tie_word_embeddings=True,
+    )
+    torch.manual_seed(3)
+    llama_dir = tmp_path / "llama"
+    LlamaForCausalLM(llama_config).save_pretrained(llama_dir)
+    tokenizer.save_pretrained(llama_dir)
+    args = sft_config(tmp_path / "converted", max_steps=3)
+    trainer = train_sft(str(llama_dir), rows[:16], args, iha_options={"num_pseudo_heads": 2})
+    assert isinstance(trainer.model, iha.IHAForCausalLM)
+    assert trainer.model.config.num_pseudo_heads == 2
+    assert json.loads((tmp_path / "converted" / "config.json").read_text())["model_type"] == "iha"
+
+    baseline = train_sft(
+        str(llama_dir), rows[:16], sft_config(tmp_path / "baseline", max_steps=2), convert_to_iha=False
+    )
+    assert type(baseline.model).__name__ == "LlamaForCausalLM"
+
+
+def test_launch_without_use_cpu_is_refused(tokenizer, rows, tmp_path, monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(RuntimeError, match="pass `--use_cpu true`"):
+        train_sft(tiny_iha_model(tokenizer), rows[:4], sft_config(tmp_path), processing_class=tokenizer)
