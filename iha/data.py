@@ -450,6 +450,44 @@ def write_jsonl(rows: Iterable[dict], path: str | os.PathLike) -> Path:
     return path
 
 
+def main(argv=None):
+    """`python -m iha.data`: write GSM8K rows as OpenThoughts rows, or any supported schema as `messages` rows
+    (the form in which TRL's own `trl sft` keeps the system prompt)."""
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m iha.data", description=main.__doc__)
+    commands = parser.add_subparsers(dest="command", required=True)
+    gsm8k = commands.add_parser("gsm8k-to-openthoughts", help="GSM8K .jsonl -> OpenThoughts-114k .jsonl")
+    gsm8k.add_argument("source")
+    gsm8k.add_argument("output")
+    gsm8k.add_argument("--limit", type=int)
+    messages = commands.add_parser("to-messages", help="any supported schema (Hub id or file) -> messages .jsonl")
+    messages.add_argument("source", help="Hub dataset id, or .json / .jsonl / .parquet file or folder")
+    messages.add_argument("output")
+    messages.add_argument("--split", default="train")
+    messages.add_argument("--config_name")
+    messages.add_argument("--max_rows", type=int)
+    messages.add_argument(
+        "--default_system_prompt", help="system prompt for rows without one; 'openthoughts' = the OpenThoughts one"
+    )
+    args = parser.parse_args(argv)
+    if args.command == "gsm8k-to-openthoughts":
+        rows = gsm8k_file_to_openthoughts(args.source, limit=args.limit)
+    else:
+        system = (
+            OPENTHOUGHTS_SYSTEM_PROMPT if args.default_system_prompt == "openthoughts" else args.default_system_prompt
+        )
+        dataset = load_sft_dataset(args.source, args.split, args.config_name, system, args.max_rows)
+        rows = ({"messages": row["messages"]} for row in dataset)
+    path = write_jsonl(rows, args.output)
+    print(f"Wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
+
+
 __all__ = [
     "OPENTHOUGHTS_SYSTEM_PROMPT",
     "DataFormatError",

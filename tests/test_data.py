@@ -29,6 +29,7 @@ from iha.data import (
     gsm8k_final_answer,
     gsm8k_to_openthoughts,
     load_sft_dataset,
+    main,
     read_jsonl,
     row_to_messages,
     to_messages_dataset,
@@ -368,3 +369,17 @@ def test_write_chat_template(tmp_path):
     assert path.read_text(encoding="utf-8") == SMOLLM2_TRAINING_CHAT_TEMPLATE
     with pytest.raises(ValueError, match=r"only for \.jinja or \.j2 files"):
         write_chat_template(SMOLLM2_TRAINING_CHAT_TEMPLATE, tmp_path / "t.txt")
+
+
+def test_command_line_writes_openthoughts_and_messages_files(shared_data, tmp_path):
+    openthoughts = tmp_path / "gsm8k_openthoughts.jsonl"
+    assert (
+        main(["gsm8k-to-openthoughts", str(shared_data / "gsm8k" / "train.jsonl"), str(openthoughts), "--limit", "5"])
+        == 0
+    )
+    assert read_jsonl(openthoughts) == gsm8k_file_to_openthoughts(shared_data / "gsm8k" / "train.jsonl", limit=5)
+    messages = tmp_path / "messages" / "train.jsonl"
+    assert main(["to-messages", str(openthoughts), str(messages), "--max_rows", "3"]) == 0
+    written = read_jsonl(messages)
+    assert len(written) == 3 and list(written[0]) == ["messages"]
+    assert written[0]["messages"][0] == {"role": "system", "content": OPENTHOUGHTS_SYSTEM_PROMPT}
