@@ -1,0 +1,212 @@
+"""`iha-eval`: math evaluation (GSM8K, MATH-500), the needle task, and side-by-side reports.
+
+    iha-eval math --model base=HuggingFaceTB/SmolLM2-135M-Instruct --model iha=./smollm2-iha \\
+        --dataset gsm8k=../shared/data/gsm8k/test.jsonl --dataset math500=../shared/data/math500/test.jsonl \\
+        --preset paper --output-dir runs/eval
+    iha-eval needle --model iha=./smollm2-iha --lengths 1024 2048 4096 --num-keys 1 --num-distractors 3
+    iha-eval compare runs/eval/base_gsm8k.json runs/eval/iha_gsm8k.json --output report.md
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+from pathlib import Path
+
+from .math_eval import (
+    BENCHMARKS,
+    PRESETS,
+    evaluate_math,
+    load_model_and_tokenizer,
+    load_problems,
+    sampling_preset,
+    write_json_atomic,
+    write_text_atomic,
+)
+from .needle import evaluate_needle
+from .report import math_report, needle_report
+
+
+def _named(value: str, what: str) -> tuple[str, str]:
+    """`NAME=VALUE` -> (NAME, VALUE); a bare VALUE is named after its last path component."""
+    if "=" in value:
+        name, _, rest = value.partition("=")
+        if not re.fullmatch(r"[A-Za-z0-9_.-]+", name):
+            raise argparse.ArgumentTypeError(f"{what} name {name!r} may use only letters, digits, '_', '.', '-'.")
+        return name, rest
+    name = re.sub(r"[^A-Za-z0-9_.-]+", "_", Path(value.rstrip("/")).name) or what
+    return name, value
+
+
+def _add_model_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--model",
+        action="append",
+        required=True,
+        metavar="[NAME=]PATH",
+        help="model folder or Hub id; repeat for a side-by-side report (the first is the reference)",
+    )
+    parser.add_argument("--gguf-file", default=None, help="load PATH/GGUF_FILE (dequantized) instead of safetensors")
+    parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    parser.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda when available)")
+    parser.add_argument("--trust-remote-code", action="store_true", help="allow code from the model folder")
+    parser.add_argument("--batch-size", type=int, default=8, help="prompts per generate call")
+    parser.add_argument("--no-chat-template", action="store_true", help="plain 'Question: ... Answer:' prompts")
+
+
+def _build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="iha-eval", description=__doc__, formatter_class=argparse.RawTextHelpFormatter
+    )
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    math = commands.add_parser("math", help="GSM8K / MATH-500: pass@1 and majority vote")
+    _add_model_arguments(math)
+    math.add_argument(
+        "--dataset",
+        action="append",
+        required=True,
+        metavar="BENCHMARK[=SOURCE]",
+        help=f"benchmark in {sorted(BENCHMARKS)}, optionally =a local .jsonl or a Hub id; repeatable",
+    )
+    math.add_argument("--split", default=None, help="Hub split (default: test)")
+    math.add_argument("--limit", type=int, default=None, help="evaluate the first N problems only")
+    math.add_argument("--preset", default="greedy", choices=sorted(PRESETS), help="paper = temperature 0.6, 16 samples")
+    math.add_argument("--temperature", type=float, default=None)
+    math.add_argument("--top-p", type=float, default=None)
+    math.add_argument("--num-samples", type=int, default=None)
+    math.add_argument("--max-new-tokens", type=int, default=None)
+    math.add_argument("--seed", type=int, default=None)
+    math.add_argument("--system-prompt", default=None, help="system message (default: the chat template's own)")
+    math.add_argument("--output-dir", required=True, help="writes MODEL_BENCHMARK.json, report.md and report.json")
+
+    needle = commands.add_parser("needle", help="RULER-style multi-key needle in a haystack")
+    _add_model_arguments(needle)
+    needle.add_argument("--lengths", type=int, nargs="+", default=[1024, 2048, 4096], help="context lengths (tokens)")
+    needle.add_argument("--num-keys", type=int, default=1)
+    needle.add_argument("--num-distractors", type=int, default=3)
+    needle.add_argument("--num-examples", type=int, default=50)
+    needle.add_argument("--seed", type=int, default=0)
+    needle.add_argument("--max-new-tokens", type=int, default=32)
+    needle.add_argument("--output-dir", required=True, help="writes needle_MODEL.json, needle_report.md")
+
+    compare = commands.add_parser("compare", help="side-by-side markdown report from result JSON files")
+    compare.add_argument("results", nargs="+", help="MODEL_BENCHMARK.json files written by `iha-eval math`")
+    compare.add_argument("--output", default=None, help="markdown file (default: print)")
+    compare.add_argument("--title", default="Math evaluation")
+    return parser
+
+
+def _run_math(args) -> int:
+    sampling = sampling_preset(
+        args.preset,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        num_samples=args.num_samples,
+        max_new_tokens=args.max_new_tokens,
+        seed=args.seed,
+    )
+    datasets = []
+    for spec in args.dataset:
+        benchmark, _, source = spec.partition("=")
+        if benchmark not in BENCHMARKS:
+            raise SystemExit(
+                f"iha-eval: unknown benchmark {benchmark!r} in --dataset; choose from {sorted(BENCHMARKS)}"
+            )
+        problems = load_problems(source or benchmark, benchmark=benchmark, split=args.split, limit=args.limit)
+        datasets.append((benchmark, source or BENCHMARKS[benchmark].hub_id, problems))
+    output_dir = Path(args.output_dir)
+    results = []
+    for model_spec in args.model:
+        name, path = _named(model_spec, "model")
+        model, tokenizer = load_model_and_tokenizer(
+            path, args.dtype, args.device, args.trust_remote_code, args.gguf_file
+        )
+        for benchmark, source, problems in datasets:
+            result = evaluate_math(
+                model,
+                tokenizer,
+                problems,
+                sampling,
+                batch_size=args.batch_size,
+                model_name=name,
+                benchmark=benchmark,
+                source=source,
+                system_prompt=args.system_prompt,
+                use_chat_template=not args.no_chat_template,
+            ).to_dict()
+            result["model_path"] = path
+            write_json_atomic(result, output_dir / f"{name}_{benchmark}.json")
+            results.append(result)
+            print(f"{name} / {benchmark}: " + ", ".join(f"{k} {100 * v:.1f}" for k, v in result["metrics"].items()))
+        del model
+    report = math_report(results)
+    write_text_atomic(report, output_dir / "report.md")
+    summary = [{key: value for key, value in result.items() if key != "problems"} for result in results]
+    write_json_atomic(summary, output_dir / "report.json")
+    print(report)
+    return 0
+
+
+def _run_needle(args) -> int:
+    output_dir = Path(args.output_dir)
+    results = []
+    for model_spec in args.model:
+        name, path = _named(model_spec, "model")
+        model, tokenizer = load_model_and_tokenizer(
+            path, args.dtype, args.device, args.trust_remote_code, args.gguf_file
+        )
+        result = evaluate_needle(
+            model,
+            tokenizer,
+            args.lengths,
+            num_keys=args.num_keys,
+            num_distractors=args.num_distractors,
+            num_examples=args.num_examples,
+            seed=args.seed,
+            batch_size=args.batch_size,
+            max_new_tokens=args.max_new_tokens,
+            model_name=name,
+            use_chat_template=not args.no_chat_template,
+        )
+        write_json_atomic(result, output_dir / f"needle_{name}.json")
+        results.append(result)
+        del model
+    report = needle_report(results)
+    write_text_atomic(report, output_dir / "needle_report.md")
+    print(report)
+    return 0
+
+
+def _run_compare(args) -> int:
+    results = []
+    for path in args.results:
+        try:
+            data = json.loads(Path(path).read_text(encoding="utf-8"))
+        except (OSError, json.JSONDecodeError) as error:
+            raise SystemExit(f"iha-eval compare: cannot read {path}: {error}") from None
+        items = data if isinstance(data, list) else [data]
+        for item in items:
+            if not {"model", "benchmark", "metrics"} <= set(item):
+                raise SystemExit(f"iha-eval compare: {path} is not a result file of `iha-eval math`.")
+        results.extend(items)
+    report = math_report(results, title=args.title)
+    if args.output:
+        write_text_atomic(report, args.output)
+    print(report)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _build_parser().parse_args(argv)
+    if args.command == "math":
+        return _run_math(args)
+    if args.command == "needle":
+        return _run_needle(args)
+    return _run_compare(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

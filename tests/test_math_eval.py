@@ -1,0 +1,206 @@
+"""Math evaluation: data loading, prompts, scoring, and a tiny end-to-end run of a converted model on GSM8K rows."""
+
+import json
+
+import pytest
+import torch
+from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+import iha
+from iha.builtin import smollm2_dir
+from iha.evaluation import (
+    PRESETS,
+    Problem,
+    SamplingConfig,
+    build_prompt,
+    evaluate_math,
+    load_problems,
+    sampling_preset,
+    score_completions,
+)
+from iha.evaluation.cli import main as eval_main
+
+
+# --- data -----------------------------------------------------------------------------------------------------------
+
+
+def test_load_local_gsm8k_and_math500(shared_data):
+    gsm8k = load_problems(str(shared_data / "gsm8k" / "test.jsonl"), limit=3)
+    assert len(gsm8k) == 3
+    assert gsm8k[0].gold == "18" and gsm8k[0].question.startswith("Janet")
+    math500 = load_problems(str(shared_data / "math500" / "test.jsonl"), limit=2)
+    first_row = json.loads((shared_data / "math500" / "test.jsonl").read_text().splitlines()[0])
+    assert math500[0].gold == first_row["answer"] and math500[0].question == first_row["problem"]
+    assert math500[0].id == first_row["unique_id"]
+
+
+def test_load_rejects_bad_sources(tmp_path):
+    with pytest.raises(FileNotFoundError, match="not a readable"):
+        load_problems(str(tmp_path / "missing.jsonl"))
+    bad = tmp_path / "rows.jsonl"
+    bad.write_text('{"text": "hello"}\n')
+    with pytest.raises(ValueError, match="Cannot tell the format"):
+        load_problems(str(bad))
+    broken = tmp_path / "broken.jsonl"
+    broken.write_text('{"question": "1+1?", "answer": "#### 2"}\n{not json\n')
+    with pytest.raises(ValueError, match="broken.jsonl:2"):
+        load_problems(str(broken))
+    with pytest.raises(ValueError, match="Unknown benchmark"):
+        load_problems(str(broken), benchmark="mmlu")
+
+
+def test_sampling_presets_and_validation():
+    paper = PRESETS["paper"]
+    assert (paper.temperature, paper.num_samples) == (0.6, 16)
+    assert sampling_preset("paper", num_samples=4, seed=None).num_samples == 4
+    with pytest.raises(ValueError, match="identical samples"):
+        SamplingConfig(temperature=0.0, num_samples=4)
+    with pytest.raises(ValueError, match="top_p"):
+        SamplingConfig(temperature=0.6, top_p=0.0)
+
+
+# --- scoring --------------------------------------------------------------------------------------------------------
+
+
+def test_score_completions_pass_at_1_and_majority():
+    problems = [Problem("a", "q1", "\\frac{1}{2}"), Problem("b", "q2", "18"), Problem("c", "q3", "7")]
+    completions = [
+        # 2 of 4 correct (0.5 and 1/2 both count); majority class {0.5, 1/2} wins 2 - 1 - 0 (no answer does not vote).
+        ["\\boxed{0.5}", "\\boxed{3}", "so 1/2 #### 1/2", "I don't know"],
+        # 1 of 4 correct; 19, 18 and 20 have one vote each: the earliest class (19) wins -> majority wrong.
+        ["\\boxed{19}", "\\boxed{18}", "\\boxed{20}", "no answer"],
+        # Tie between 5 (first) and 7: the earlier class wins, so the majority is wrong although half are right.
+        ["\\boxed{5}", "\\boxed{7}", "\\boxed{7.0}", "\\boxed{5}"],
+    ]
+    scored = score_completions(problems, completions)
+    metrics = scored["metrics"]
+    assert metrics["pass@1"] == pytest.approx((2 / 4 + 1 / 4 + 2 / 4) / 3)
+    assert metrics["maj@4"] == pytest.approx(1 / 3)
+    assert metrics["no_answer_rate"] == pytest.approx((1 / 4 + 1 / 4 + 0) / 3)
+    first = scored["problems"][0]
+    assert [sample["correct"] for sample in first["samples"]] == [True, False, True, False]
+    assert first["majority"] == {"answer": "0.5", "votes": 2, "correct": True}
+    assert scored["problems"][2]["majority"]["answer"] == "5"
+
+
+def test_score_completions_rejects_ragged_samples():
+    with pytest.raises(ValueError, match="same, non-zero number"):
+        score_completions([Problem("a", "q", "1"), Problem("b", "q", "2")], [["\\boxed{1}"], []])
+
+
+# --- a converted model, end to end ----------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return AutoTokenizer.from_pretrained(smollm2_dir())
+
+
+@pytest.fixture(scope="module")
+def llama_and_iha(tokenizer):
+    """A tiny random Llama with the SmolLM2 tokenizer, and its exact IHA conversion (P = 2)."""
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=1024,
+        tie_word_embeddings=True,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    torch.manual_seed(0)
+    llama = LlamaForCausalLM(config).eval()
+    converted = exact_iha_conversion(llama, num_pseudo_heads=2)
+    return llama, converted
+
+
+def exact_iha_conversion(llama, num_pseudo_heads):
+    # Design section 3: same weights, shared positions, flat causal mask, identity mixing, select-last collapse.
+    source = {k: v for k, v in llama.config.to_dict().items() if k not in ("model_type", "architectures")}
+    config = iha.IHAConfig(
+        **source,
+        num_pseudo_heads=num_pseudo_heads,
+        iha_position_mode="shared",
+        iha_mask_mode="flat_causal",
+        iha_collapse_init="last",
+    )
+    model = iha.IHAForCausalLM(config).eval()
+    result = model.load_state_dict(llama.state_dict(), strict=False)
+    assert all(".head_mixing." in key for key in result.missing_keys) and not result.unexpected_keys
+    return model
+
+
+def test_prompt_is_chat_templated_with_the_boxed_instruction(tokenizer):
+    prompt = build_prompt(tokenizer, "What is 2 + 3?")
+    assert "<|im_start|>user\nWhat is 2 + 3?\nPlease reason step by step" in prompt
+    assert "\\boxed{}" in prompt and prompt.endswith("<|im_start|>assistant\n")
+    assert build_prompt(tokenizer, "Q", use_chat_template=False) == (
+        "Question: Q\nPlease reason step by step, and put your final answer within \\boxed{}.\nAnswer:"
+    )
+
+
+def test_tokenizer_without_chat_template_is_a_clear_error(tokenizer):
+    bare = AutoTokenizer.from_pretrained(smollm2_dir())
+    bare.chat_template = None
+    with pytest.raises(ValueError, match="no chat template"):
+        build_prompt(bare, "What is 2 + 3?")
+
+
+def test_converted_model_evaluates_like_its_source(shared_data, tokenizer, llama_and_iha):
+    llama, converted = llama_and_iha
+    problems = load_problems(str(shared_data / "gsm8k" / "test.jsonl"), limit=3)
+    sampling = SamplingConfig(temperature=0.0, num_samples=1, max_new_tokens=8)
+    base = evaluate_math(llama, tokenizer, problems, sampling, batch_size=2, model_name="llama", benchmark="gsm8k")
+    ours = evaluate_math(converted, tokenizer, problems, sampling, batch_size=2, model_name="iha", benchmark="gsm8k")
+    base_texts = [p["samples"][0]["completion"] for p in base.problems]
+    assert base_texts == [p["samples"][0]["completion"] for p in ours.problems]
+    assert all(text for text in base_texts)  # something was generated, and it is the continuation only
+    assert not any("Janet" in text for text in base_texts)
+    assert base.metrics == ours.metrics
+    assert base.num_problems == 3 and base.num_samples == 1
+    assert tokenizer.padding_side == AutoTokenizer.from_pretrained(smollm2_dir()).padding_side  # restored
+
+
+def test_sampling_is_seeded(shared_data, tokenizer, llama_and_iha):
+    _, converted = llama_and_iha
+    problems = load_problems(str(shared_data / "gsm8k" / "test.jsonl"), limit=2)
+    sampling = SamplingConfig(temperature=1.0, top_p=1.0, num_samples=3, max_new_tokens=6, seed=11)
+    first = evaluate_math(converted, tokenizer, problems, sampling, batch_size=2)
+    second = evaluate_math(converted, tokenizer, problems, sampling, batch_size=2)
+    texts = [[s["completion"] for s in p["samples"]] for p in first.problems]
+    assert texts == [[s["completion"] for s in p["samples"]] for p in second.problems]
+    assert all(len(set(samples)) > 1 for samples in texts)  # a random model sampling at T=1 varies
+    assert first.num_samples == 3 and "maj@3" in first.metrics
+
+
+def test_cli_writes_a_side_by_side_report(shared_data, tokenizer, llama_and_iha, tmp_path):
+    llama, converted = llama_and_iha
+    llama.save_pretrained(tmp_path / "llama")
+    tokenizer.save_pretrained(tmp_path / "llama")
+    converted.save_pretrained(tmp_path / "iha")
+    tokenizer.save_pretrained(tmp_path / "iha")
+    output = tmp_path / "eval"
+    common = ["--dtype", "float32", "--device", "cpu", "--batch-size", "2"]
+    eval_main(
+        ["math", "--model", f"base={tmp_path / 'llama'}", "--model", f"iha={tmp_path / 'iha'}", *common]
+        + ["--dataset", f"gsm8k={shared_data / 'gsm8k' / 'test.jsonl'}", "--limit", "2", "--max-new-tokens", "4"]
+        + ["--output-dir", str(output)]
+    )
+    base = json.loads((output / "base_gsm8k.json").read_text())
+    ours = json.loads((output / "iha_gsm8k.json").read_text())
+    assert len(base["problems"]) == len(ours["problems"]) == 2
+    assert base["metrics"] == ours["metrics"]
+    report = (output / "report.md").read_text()
+    assert "| Benchmark | Metric | base | iha | iha − base |" in report
+    assert "| GSM8K | pass@1 |" in report and "+0.0 |" in report
+    summary = json.loads((output / "report.json").read_text())
+    assert [item["model"] for item in summary] == ["base", "iha"] and "problems" not in summary[0]
+    # `compare` rebuilds the same table from the per-model files.
+    eval_main(
+        ["compare", str(output / "base_gsm8k.json"), str(output / "iha_gsm8k.json"), "--output", str(tmp_path / "c.md")]
+    )
+    assert (tmp_path / "c.md").read_text().split("\n\n")[-1] == report.split("\n\n")[-1]
