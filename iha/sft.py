@@ -108,7 +108,9 @@ class IHASFTConfig(SFTConfig):
     )
     assistant_only_loss: bool = field(
         default=True,
-        metadata={"help": "Compute the loss on the assistant turns only (needs {% generation %} markers, added here)."},
+        metadata={
+            "help": "Compute the loss on the assistant turns only (needs {%% generation %%} markers, added here)."
+        },
     )
 
 

@@ -24,6 +24,7 @@ from iha.sft import (
     IHASFTTrainer,
     is_mixing_parameter,
     load_sft_output,
+    make_parser,
     merge_lora,
     run_cli,
     train_sft,
@@ -271,3 +272,9 @@ def test_launch_without_use_cpu_is_refused(tokenizer, rows, tmp_path, monkeypatc
     monkeypatch.setenv("WORLD_SIZE", "2")
     with pytest.raises(RuntimeError, match="pass `--use_cpu true`"):
         train_sft(tiny_iha_model(tokenizer), rows[:4], sft_config(tmp_path), processing_class=tokenizer)
+
+
+def test_command_line_help_lists_the_iha_flags():
+    text = make_parser().format_help()  # argparse fails on a stray "%" in any help string
+    for flag in ("--mixing_learning_rate", "--mixing_weight_decay", "--convert_to_iha", "--iha_options", "--use_peft"):
+        assert flag in text
