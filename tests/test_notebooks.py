@@ -1,0 +1,37 @@
+"""Every notebook executes top to bottom on tiny settings (IHA_NOTEBOOK_FAST=1), so none of them rots."""
+
+from pathlib import Path
+
+import nbformat
+import pytest
+from conftest import REPO_ROOT
+from nbclient import NotebookClient
+
+
+NOTEBOOKS = sorted((REPO_ROOT / "notebooks").glob("*.ipynb"))
+
+
+def test_the_three_notebooks_exist():
+    assert [path.name for path in NOTEBOOKS] == ["01_quickstart.ipynb", "02_finetune.ipynb", "03_explorer.ipynb"]
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda path: path.stem)
+def test_notebook_executes(path: Path, tmp_path, monkeypatch):
+    monkeypatch.setenv("IHA_NOTEBOOK_FAST", "1")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("MPLBACKEND", "Agg")
+    notebook = nbformat.read(path, as_version=4)
+    client = NotebookClient(
+        notebook, timeout=900, kernel_name="python3", resources={"metadata": {"path": str(tmp_path)}}
+    )
+    client.execute()
+    errors = [
+        output
+        for cell in notebook.cells
+        if cell.cell_type == "code"
+        for output in cell.get("outputs", [])
+        if output.get("output_type") == "error"
+    ]
+    assert not errors
+    # Every code cell ran (an execution count on each).
+    assert all(cell.get("execution_count") for cell in notebook.cells if cell.cell_type == "code")
