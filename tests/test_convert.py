@@ -1,0 +1,640 @@
+"""Converting Llama-style checkpoints to IHA: exactness, the output folder, the command line and bad input."""
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+from transformers import (
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    GPT2Config,
+    GPT2LMHeadModel,
+    LlamaConfig,
+    LlamaForCausalLM,
+    MistralConfig,
+    MistralForCausalLM,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+    pipeline,
+)
+
+import iha
+from iha import convert
+from iha.builtin import smollm2_dir
+from iha.model_card import parse_model_card, read_model_card, update_model_card
+
+
+TINY = dict(
+    vocab_size=101,
+    hidden_size=48,
+    intermediate_size=96,
+    num_hidden_layers=3,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=128,
+    rms_norm_eps=1e-6,
+)
+TINY_SOURCES = {
+    # Llama 3: GQA, llama3 rope scaling (the scaling bends the low frequencies), tied embeddings.
+    "llama3": lambda: LlamaForCausalLM(
+        LlamaConfig(
+            **TINY,
+            tie_word_embeddings=True,
+            rope_parameters={
+                "rope_type": "llama3",
+                "rope_theta": 500000.0,
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 16,
+            },
+        )
+    ),
+    # Llama 2 style with biases everywhere, plain MHA, untied head.
+    "llama_bias": lambda: LlamaForCausalLM(
+        LlamaConfig(**{**TINY, "num_key_value_heads": 4}, attention_bias=True, mlp_bias=True)
+    ),
+    "mistral_sliding": lambda: MistralForCausalLM(MistralConfig(**TINY, sliding_window=8)),
+    "mistral_full": lambda: MistralForCausalLM(MistralConfig(**TINY, sliding_window=None)),
+    # Qwen2: q/k/v bias without o bias, untied head, sliding window on the layers from max_window_layers on.
+    "qwen2_sliding": lambda: Qwen2ForCausalLM(
+        Qwen2Config(**TINY, use_sliding_window=True, sliding_window=8, max_window_layers=1)
+    ),
+}
+
+
+def make_source(kind: str, folder: Path, seed: int = 0, **save_kwargs) -> Path:
+    """A random tiny checkpoint whose every weight (biases and norms included) is away from its init value."""
+    torch.manual_seed(seed)
+    model = TINY_SOURCES[kind]().eval()
+    with torch.no_grad():
+        for parameter in model.parameters():
+            parameter.add_(0.05 * torch.randn_like(parameter))
+    model.save_pretrained(folder, **save_kwargs)
+    return folder
+
+
+def random_batch(vocab_size: int, lengths=(40, 29, 13), seed: int = 1) -> dict:
+    generator = torch.Generator().manual_seed(seed)
+    input_ids = torch.randint(0, vocab_size, (len(lengths), max(lengths)), generator=generator)
+    attention_mask = torch.zeros_like(input_ids)
+    for row, length in enumerate(lengths):
+        attention_mask[row, max(lengths) - length :] = 1
+    return {"input_ids": input_ids, "attention_mask": attention_mask}
+
+
+@torch.no_grad()
+def max_logit_difference(source_dir, converted_dir, dtype=torch.float32) -> float:
+    source = AutoModelForCausalLM.from_pretrained(source_dir, dtype=dtype).eval()
+    converted = AutoModelForCausalLM.from_pretrained(converted_dir, dtype=dtype).eval()
+    assert isinstance(converted, iha.IHAForCausalLM)
+    batch = random_batch(source.config.vocab_size)
+    valid = batch["attention_mask"].bool()
+    return float((converted(**batch).logits - source(**batch).logits)[valid].abs().max())
+
+
+def folder_listing(folder: Path) -> list[str]:
+    return sorted(path.name for path in folder.iterdir())
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Small random Llama-3 / Llama-2 / Mistral / Qwen2 models
+# ---------------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kind", sorted(TINY_SOURCES))
+def test_random_models_convert_exactly(kind, tmp_path):
+    source = make_source(kind, tmp_path / "source")
+    report = convert.convert_checkpoint(source, tmp_path / "iha", show_progress=False)
+
+    assert report.exact and report.function_changes == []
+    assert report.verification.passed, report.verification.message
+    assert report.verification.max_abs_diff <= convert.EXACT_ATOL
+    assert report.verification.top1_agreement == 1.0
+    # An independent check on another batch, loading the output the way users do.
+    assert max_logit_difference(source, tmp_path / "iha") <= convert.EXACT_ATOL
+
+    source_config = json.loads((source / "config.json").read_text())
+    config = json.loads((tmp_path / "iha" / "config.json").read_text())
+    assert config["model_type"] == "iha" and config["architectures"] == ["IHAForCausalLM"]
+    assert config["rope_parameters"] == source_config["rope_parameters"]
+    assert config["tie_word_embeddings"] == source_config["tie_word_embeddings"]
+    assert (config["iha_position_mode"], config["iha_mask_mode"], config["iha_collapse_init"]) == (
+        "shared",
+        "flat_causal",
+        "last",
+    )
+    if kind == "qwen2_sliding":
+        assert (config["qkv_bias"], config["o_proj_bias"]) == (True, False)
+        assert config["attention_types"] == ["iha_full_attention", "iha_sliding_attention", "iha_sliding_attention"]
+        assert config["sliding_window"] == 8
+    elif kind == "mistral_sliding":
+        assert config["attention_types"] == ["iha_sliding_attention"] * 3 and config["sliding_window"] == 8
+    elif kind == "llama_bias":
+        assert (config["qkv_bias"], config["o_proj_bias"], config["mlp_bias"]) == (True, True, True)
+    else:
+        assert config["attention_types"] == ["iha_full_attention"] * 3
+
+
+def test_sliding_window_is_exercised_by_the_checks(tmp_path):
+    """The Mistral window (8) is shorter than the verification batch: a converter that dropped it would fail."""
+    source = make_source("mistral_sliding", tmp_path / "source")
+    convert.convert_checkpoint(source, tmp_path / "iha", show_progress=False, verify=False)
+    config = json.loads((tmp_path / "iha" / "config.json").read_text())
+    config["attention_types"] = ["iha_full_attention"] * 3
+    config["sliding_window"] = None
+    config.pop("layer_types")
+    (tmp_path / "iha" / "config.json").write_text(json.dumps(config))
+    assert max_logit_difference(source, tmp_path / "iha") > 1e-3
+
+
+def test_sharded_source_and_sharded_output(tmp_path):
+    source = make_source("llama3", tmp_path / "source", max_shard_size="20KB")
+    assert (source / "model.safetensors.index.json").is_file()
+    report = convert.convert_checkpoint(source, tmp_path / "iha", max_shard_size="20KB", show_progress=False)
+    output = tmp_path / "iha"
+    assert len(report.weight_files) > 1 and not (output / "model.safetensors").exists()
+    index = json.loads((output / "model.safetensors.index.json").read_text())
+    assert sorted(set(index["weight_map"].values())) == sorted(report.weight_files)
+    names_in_files = set()
+    for name in report.weight_files:
+        with safe_open(output / name, framework="pt") as shard:
+            names_in_files.update(shard.keys())
+    assert names_in_files == set(index["weight_map"])
+    assert "model.layers.2.self_attn.head_mixing.alpha_q" in names_in_files
+    assert "lm_head.weight" not in names_in_files  # tied
+    assert max_logit_difference(source, output) <= convert.EXACT_ATOL
+
+
+def test_head_mixing_is_written_at_identity(tmp_path):
+    source = make_source("llama3", tmp_path / "source")
+    convert.convert_checkpoint(source, tmp_path / "iha", num_pseudo_heads=3, show_progress=False, verify=False)
+    with safe_open(tmp_path / "iha" / "model.safetensors", framework="pt") as weights:
+        alpha_q = weights.get_tensor("model.layers.0.self_attn.head_mixing.alpha_q")
+        alpha_k = weights.get_tensor("model.layers.1.self_attn.head_mixing.alpha_k")
+        collapse = weights.get_tensor("model.layers.2.self_attn.head_mixing.collapse")
+        source_q = weights.get_tensor("model.layers.0.self_attn.q_proj.weight")
+    with safe_open(source / "model.safetensors", framework="pt") as weights:
+        assert torch.equal(source_q, weights.get_tensor("model.layers.0.self_attn.q_proj.weight"))
+    assert torch.equal(alpha_q, torch.eye(4).unsqueeze(-1).expand(4, 4, 3))
+    assert torch.equal(alpha_k, torch.eye(2).unsqueeze(-1).expand(2, 2, 3))
+    assert torch.equal(collapse, torch.tensor([[0.0, 0.0, 1.0]] * 4))
+
+
+def test_explicit_layer_list_keeps_the_others_standard_and_stays_exact(tmp_path):
+    source = make_source("qwen2_sliding", tmp_path / "source")
+    report = convert.convert_checkpoint(source, tmp_path / "iha", layers="0,2", show_progress=False)
+    assert report.attention_types == ["iha_full_attention", "sliding_attention", "iha_sliding_attention"]
+    assert report.exact and report.verification.max_abs_diff <= convert.EXACT_ATOL
+
+
+def test_bfloat16_output_is_reported_as_a_change(tmp_path):
+    source = make_source("llama3", tmp_path / "source")
+    report = convert.convert_checkpoint(source, tmp_path / "iha", dtype="bfloat16", show_progress=False)
+    assert report.function_changes == ["weights are rounded from float32 to bfloat16"]
+    assert report.verification.passed and report.verification.tolerance is None
+    assert report.verification.max_abs_diff > convert.EXACT_ATOL
+    with safe_open(tmp_path / "iha" / "model.safetensors", framework="pt") as weights:
+        assert weights.get_tensor("model.norm.weight").dtype == torch.bfloat16
+        assert weights.get_tensor("model.layers.0.self_attn.head_mixing.collapse").dtype == torch.bfloat16
+
+
+def test_llama_to_iha_in_memory():
+    torch.manual_seed(0)
+    source = TINY_SOURCES["llama3"]().eval()
+    batch = random_batch(source.config.vocab_size)
+    valid = batch["attention_mask"].bool()
+
+    copied = iha.convert.llama_to_iha(source)
+    shared = iha.convert.llama_to_iha(source, share_weights=True)
+    with torch.no_grad():
+        expected = source(**batch).logits[valid]
+        for model in (copied, shared):
+            assert isinstance(model, iha.IHAForCausalLM)
+            assert (model(**batch).logits[valid] - expected).abs().max() <= convert.EXACT_ATOL
+    q_proj = "model.layers.0.self_attn.q_proj.weight"
+    assert shared.get_parameter(q_proj).data_ptr() == source.get_parameter(q_proj).data_ptr()
+    assert copied.get_parameter(q_proj).data_ptr() != source.get_parameter(q_proj).data_ptr()
+    assert copied.lm_head.weight.data_ptr() == copied.model.embed_tokens.weight.data_ptr()  # still tied
+
+
+def test_virtual_positions_are_flagged_and_measured(tmp_path, caplog):
+    source = make_source("llama3", tmp_path / "source")
+    with caplog.at_level("WARNING", logger="iha.convert"):
+        report = convert.convert_checkpoint(source, tmp_path / "iha", position_mode="virtual", show_progress=False)
+    assert not report.exact
+    assert any("virtual positions" in change for change in report.function_changes)
+    assert report.verification.passed and report.verification.max_abs_diff > 1e-3
+    assert "these settings change what the model computes" in caplog.text
+    card = read_model_card(tmp_path / "iha")
+    assert "virtual positions" in card.sections["IHA settings"]
+
+
+def test_hybrid_layout_is_flagged(tmp_path):
+    source = make_source("llama3", tmp_path / "source", seed=3)
+    report = convert.convert_checkpoint(
+        source, tmp_path / "iha", layers="hybrid", training_length=32, show_progress=False
+    )
+    # 3 layers: none is a 5th layer, so all become sliding IHA with window 32 / (2 * 2^2) = 4 tokens.
+    assert report.attention_types == ["iha_sliding_attention"] * 3 and report.sliding_window == 4
+    assert report.function_changes == ["layers 0-2 attend to the last 4 tokens (the source: all earlier tokens)"]
+    assert report.verification.max_abs_diff > 1e-3
+
+
+def test_collapse_mean_with_flat_mask_is_flagged_but_token_mask_is_exact(tmp_path):
+    source = make_source("llama3", tmp_path / "source")
+    flat = convert.plan_conversion(
+        AutoModelForCausalLM.from_pretrained(source).config, collapse_init="mean", mask_mode="flat_causal"
+    )
+    assert not flat.exact and "under-weighted" in flat.function_changes[0]
+    report = convert.convert_checkpoint(
+        source, tmp_path / "iha", collapse_init="mean", mask_mode="token_causal", show_progress=False
+    )
+    assert report.exact and report.verification.max_abs_diff <= convert.EXACT_ATOL
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Command line: success, bad input, warnings
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def test_cli_success(tmp_path, capsys):
+    source = make_source("mistral_sliding", tmp_path / "source")
+    assert convert.main([str(source), str(tmp_path / "iha"), "-P", "3", "--quiet"]) == 0
+    out = capsys.readouterr().out
+    assert "verification: exact" in out and "top-1 agreement 100.00%" in out
+    assert "P=3" in out
+    expected_files = {"config.json", "configuration_iha.py", "modeling_iha.py", "model.safetensors"}
+    assert expected_files <= set(folder_listing(tmp_path / "iha"))
+    assert max_logit_difference(source, tmp_path / "iha") <= convert.EXACT_ATOL
+
+
+def test_cli_unsupported_architecture(tmp_path, capsys):
+    GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=50)).save_pretrained(tmp_path / "gpt2")
+    assert convert.main([str(tmp_path / "gpt2"), str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert "Unsupported architecture: GPT2LMHeadModel" in err
+    for name in ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM"):
+        assert name in err
+    assert not (tmp_path / "out").exists()
+
+
+def save_as_pickle(source: Path) -> Path:
+    """Turn a safetensors checkpoint into a pickle-only one (transformers 5 no longer writes .bin itself)."""
+    model = AutoModelForCausalLM.from_pretrained(source)
+    torch.save(model.state_dict(), source / "pytorch_model.bin")
+    (source / "model.safetensors").unlink()
+    return source
+
+
+def test_cli_refuses_pickle_unless_allowed(tmp_path, capsys):
+    source = save_as_pickle(make_source("qwen2_sliding", tmp_path / "source"))
+    assert convert.main([str(source), str(tmp_path / "out")]) == 2
+    assert "--allow-pickle" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
+
+    assert convert.main([str(source), str(tmp_path / "out"), "--allow-pickle", "--quiet"]) == 0
+    assert "verification: exact" in capsys.readouterr().out
+    assert max_logit_difference(source, tmp_path / "out") <= convert.EXACT_ATOL
+
+
+class _RunsCodeWhenUnpickled:
+    def __init__(self, marker: Path):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.mkdir, (str(self.marker),))
+
+
+def test_allowed_pickle_is_still_loaded_weights_only(tmp_path, capsys):
+    source = save_as_pickle(make_source("llama3", tmp_path / "source"))
+    state_dict = torch.load(source / "pytorch_model.bin", weights_only=True)
+    marker = tmp_path / "code-ran"
+    state_dict["payload"] = _RunsCodeWhenUnpickled(marker)
+    torch.save(state_dict, source / "pytorch_model.bin")
+
+    assert convert.main([str(source), str(tmp_path / "out"), "--allow-pickle"]) == 2
+    assert "weights_only=True" in capsys.readouterr().err
+    assert not marker.exists(), "the pickle's code ran"
+    assert not (tmp_path / "out").exists()
+
+
+def test_cli_never_overwrites_without_the_flag(tmp_path, capsys):
+    source = make_source("llama3", tmp_path / "source")
+    output = tmp_path / "out"
+    output.mkdir()
+    (output / "notes.txt").write_text("mine")
+    assert convert.main([str(source), str(output)]) == 2
+    assert "--overwrite" in capsys.readouterr().err
+    assert folder_listing(output) == ["notes.txt"] and (output / "notes.txt").read_text() == "mine"
+
+    assert convert.main([str(source), str(output), "--overwrite", "--quiet"]) == 0
+    assert "notes.txt" not in folder_listing(output) and (output / "model.safetensors").is_file()
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []
+
+
+def test_failed_conversion_leaves_no_partial_output(tmp_path, capsys):
+    source = make_source("llama3", tmp_path / "source")
+    with safe_open(source / "model.safetensors", framework="pt") as weights:
+        tensors = {name: weights.get_tensor(name) for name in weights.keys() if "layers.2.mlp.up_proj" not in name}
+    save_file(tensors, source / "model.safetensors", metadata={"format": "pt"})
+    before = folder_listing(tmp_path)
+    assert convert.main([str(source), str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert "missing ['model.layers.2.mlp.up_proj.weight']" in err
+    assert folder_listing(tmp_path) == before
+
+
+def test_interrupted_conversion_leaves_no_partial_output_and_keeps_the_old_one(tmp_path, monkeypatch):
+    source = make_source("llama3", tmp_path / "source")
+    output = tmp_path / "out"
+    convert.convert_checkpoint(source, output, show_progress=False, verify=False)
+    old_config = (output / "config.json").read_text()
+    listing = folder_listing(tmp_path)
+
+    real_write = convert.write_safetensors_file
+
+    def write_then_interrupt(path, tensors, progress):
+        real_write(path, tensors, progress)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(convert, "write_safetensors_file", write_then_interrupt)
+    with pytest.raises(KeyboardInterrupt):
+        convert.convert_checkpoint(source, output, num_pseudo_heads=4, overwrite=True, show_progress=False)
+    assert folder_listing(tmp_path) == listing  # no temporary folder left next to it
+    assert (output / "config.json").read_text() == old_config
+
+
+def test_cli_failed_verification_exits_nonzero_and_says_what_differed(tmp_path, monkeypatch, capsys):
+    source = make_source("llama3", tmp_path / "source")
+    real_identity = iha.IHAHeadMixing.identity_tensors
+
+    def off_identity(self):
+        tensors = real_identity(self)
+        tensors["alpha_v"] = tensors["alpha_v"] * 1.5
+        return tensors
+
+    monkeypatch.setattr(iha.IHAHeadMixing, "identity_tensors", off_identity)
+    assert convert.main([str(source), str(tmp_path / "out"), "--quiet"]) == 1
+    err = capsys.readouterr().err
+    assert "Verification failed: NOT exact: max |logit difference|" in err
+    assert "exceeds the tolerance 1.0e-05" in err
+    assert not (tmp_path / "out").exists()
+
+
+def test_cli_warns_plainly_about_settings_that_change_the_function(tmp_path, capsys):
+    source = make_source("mistral_full", tmp_path / "source")
+    assert convert.main([str(source), str(tmp_path / "out"), "--position-mode", "virtual", "--quiet"]) == 0
+    captured = capsys.readouterr()
+    assert "WARNING: these settings change what the model computes" in captured.err
+    assert "virtual positions" in captured.err
+    assert "measured change: max |logit difference|" in captured.err
+    assert "verification: changed as intended" in captured.out
+
+
+def test_cli_bad_layer_list(tmp_path, capsys):
+    source = make_source("llama3", tmp_path / "source")
+    assert convert.main([str(source), str(tmp_path / "out"), "--layers", "0,7"]) == 2
+    assert "outside the model's layers 0..2" in capsys.readouterr().err
+
+
+def test_hub_id_offline_and_not_cached_is_a_clear_error(tmp_path, capsys):
+    args = ["someone/not-a-cached-model", str(tmp_path / "out"), "--cache-dir", str(tmp_path / "hub")]
+    assert convert.main(args) == 2
+    err = capsys.readouterr().err
+    assert "someone/not-a-cached-model is not a local folder" in err and "HF_HUB_OFFLINE" in err
+
+
+def test_hub_id_is_served_from_the_hub_cache(tmp_path):
+    """The Hub path up to the network: snapshot_download finds the repo in a (hand-made) Hugging Face cache."""
+    commit = "0123456789abcdef0123456789abcdef01234567"
+    repo_cache = tmp_path / "hub" / "models--someone--tiny-llama"
+    make_source("llama3", repo_cache / "snapshots" / commit)
+    (repo_cache / "refs").mkdir()
+    (repo_cache / "refs" / "main").write_text(commit)
+    report = convert.convert_checkpoint(
+        "someone/tiny-llama", tmp_path / "out", cache_dir=tmp_path / "hub", show_progress=False
+    )
+    assert report.source == "someone/tiny-llama" and report.exact
+    assert read_model_card(tmp_path / "out").metadata["base_model"] == "someone/tiny-llama"
+
+
+def test_push_to_hub_offline_keeps_the_folder_and_says_how_to_retry(tmp_path, capsys):
+    source = make_source("llama3", tmp_path / "source")
+    output = tmp_path / "out"
+    assert convert.main([str(source), str(output), "--quiet", "--push-to-hub", "someone/tiny-iha"]) == 1
+    err = capsys.readouterr().err
+    assert "Uploading" in err and "someone/tiny-iha" in err and f"iha-convert push {output}" in err
+    assert (output / "model.safetensors").is_file()
+    # The card already names the repo in its loading example.
+    assert 'from_pretrained("someone/tiny-iha")' in read_model_card(output).sections["How to load"]
+
+
+def test_push_refuses_a_folder_that_is_not_iha(tmp_path, capsys):
+    source = make_source("llama3", tmp_path / "source")
+    assert convert.main(["push", str(source), "someone/x"]) == 1
+    assert "not an IHA checkpoint folder" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Model card
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def test_model_card_sections_can_be_added_and_replaced(tmp_path):
+    source = make_source("llama3", tmp_path / "source")
+    report = convert.convert_checkpoint(source, tmp_path / "iha", show_progress=False)
+    card = read_model_card(tmp_path / "iha")
+    assert list(card.sections) == ["IHA settings", "Verification", "How to load", "Conversion"]
+    assert f"{report.verification.max_abs_diff:.2e}" in card.sections["Verification"]
+    assert card.metadata["library_name"] == "transformers" and "iha" in card.metadata["tags"]
+
+    update_model_card(
+        tmp_path / "iha",
+        sections={"Training": "Fine-tuned on GSM8K.\n\n```bash\n## not a heading\n```", "Verification": "redone"},
+        metadata={"tags": ["sft"], "datasets": ["openai/gsm8k"]},
+    )
+    updated = parse_model_card((tmp_path / "iha" / "README.md").read_text())
+    assert list(updated.sections) == ["IHA settings", "Verification", "How to load", "Conversion", "Training"]
+    assert updated.sections["Verification"] == "redone"
+    assert updated.sections["Training"].endswith("## not a heading\n```")
+    assert updated.sections["IHA settings"] == card.sections["IHA settings"]
+    assert updated.metadata["tags"] == card.metadata["tags"] + ["sft"]
+    assert updated.metadata["datasets"] == ["openai/gsm8k"]
+    assert updated.title == card.title and updated.intro == card.intro
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The real SmolLM2-135M-Instruct
+# ---------------------------------------------------------------------------------------------------------------
+
+CHAT_PROMPTS = (
+    "What is the capital of France?",
+    "Explain in two sentences why the sky is blue.",
+    "Write a haiku about a cat.",
+)
+
+
+@pytest.fixture(scope="module")
+def smollm2(tmp_path_factory):
+    """SmolLM2-135M-Instruct converted once with the defaults, and the source's own greedy answers."""
+    source = smollm2_dir()
+    output = tmp_path_factory.mktemp("smollm2") / "smollm2-iha"
+    report = convert.convert_checkpoint(source, output, show_progress=False)
+    tokenizer = AutoTokenizer.from_pretrained(source, padding_side="left")
+    texts = [
+        tokenizer.apply_chat_template([{"role": "user", "content": p}], tokenize=False, add_generation_prompt=True)
+        for p in CHAT_PROMPTS
+    ]
+    batch = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False)
+    model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32).eval()
+    with torch.no_grad():
+        source_tokens = model.generate(**batch, max_new_tokens=32, do_sample=False)
+    return {"source": source, "output": output, "report": report, "batch": batch, "source_tokens": source_tokens}
+
+
+def test_smollm2_default_conversion_is_exact_and_hub_ready(smollm2):
+    report, output = smollm2["report"], smollm2["output"]
+    assert report.exact and report.architecture == "LlamaForCausalLM"
+    assert report.verification.passed and report.verification.top1_agreement == 1.0
+    assert report.verification.max_abs_diff <= report.verification.tolerance
+
+    files = set(folder_listing(output))
+    assert {"config.json", "configuration_iha.py", "modeling_iha.py", "model.safetensors", "tokenizer.json"} <= files
+    assert {"tokenizer_config.json", "chat_template.jinja", "generation_config.json", "README.md"} <= files
+    assert not [name for name in files if name.endswith(".bin") or name.startswith(".")]
+    config = json.loads((output / "config.json").read_text())
+    assert config["auto_map"] == {
+        "AutoConfig": "configuration_iha.IHAConfig",
+        "AutoModel": "modeling_iha.IHAModel",
+        "AutoModelForCausalLM": "modeling_iha.IHAForCausalLM",
+    }
+    assert config["num_hidden_layers"] == 30 and config["attention_types"] == ["iha_full_attention"] * 30
+    assert config["tie_word_embeddings"] is True and config["dtype"] == "float32"
+    assert json.loads((output / "generation_config.json").read_text())["eos_token_id"] == 2
+    assert AutoTokenizer.from_pretrained(output).chat_template
+
+    card = read_model_card(output)
+    assert card.metadata["base_model"] == "HuggingFaceTB/SmolLM2-135M-Instruct"
+    assert "P = 2" in card.intro and "computes what the source model computes" in card.intro
+    assert (
+        f"| max absolute logit difference | {report.verification.max_abs_diff:.2e} |" in card.sections["Verification"]
+    )
+    assert "| top-1 agreement | 100.00% |" in card.sections["Verification"]
+    assert "trust_remote_code=True" in card.sections["How to load"]
+    assert json.loads((output / convert.REPORT_NAME).read_text())["verification"]["passed"] is True
+
+
+@torch.no_grad()
+def test_smollm2_logits_equal_in_fp32_and_float64(smollm2):
+    batch, valid = smollm2["batch"], smollm2["batch"]["attention_mask"].bool()
+    results = {}
+    for dtype in (torch.float32, torch.float64):
+        source = AutoModelForCausalLM.from_pretrained(smollm2["source"], dtype=dtype).eval()
+        source_logits = source(**batch).logits[valid]
+        if dtype == torch.float32:
+            source.set_attn_implementation("eager")
+            results["noise"] = float((source(**batch).logits[valid] - source_logits).abs().max())
+        del source
+        converted = AutoModelForCausalLM.from_pretrained(smollm2["output"], dtype=dtype).eval()
+        assert isinstance(converted, iha.IHAForCausalLM)
+        converted_logits = converted(**batch).logits[valid]
+        del converted
+        results[dtype] = float((converted_logits - source_logits).abs().max())
+        assert torch.equal(converted_logits.argmax(-1), source_logits.argmax(-1))
+    # fp32: the difference is rounding, as large as the source's own difference between two attention kernels
+    # (about 1e-4 for these 30 layers). float64 shows that the function itself is the same.
+    assert results[torch.float32] <= max(convert.EXACT_ATOL, convert.NOISE_MULTIPLE * results["noise"])
+    assert results[torch.float64] <= 1e-9
+
+
+def test_smollm2_greedy_generation_identical_through_iha(smollm2):
+    converted = AutoModelForCausalLM.from_pretrained(smollm2["output"], dtype=torch.float32).eval()
+    assert isinstance(converted, iha.IHAForCausalLM)
+    with torch.no_grad():
+        tokens = converted.generate(**smollm2["batch"], max_new_tokens=32, do_sample=False)
+    assert tokens.shape[1] - smollm2["batch"]["input_ids"].shape[1] == 32
+    assert torch.equal(tokens, smollm2["source_tokens"])
+
+
+REMOTE_CODE_CHILD = textwrap.dedent(
+    """
+    import importlib.abc, json, sys
+
+    class BlockIha(importlib.abc.MetaPathFinder):
+        # The project may be installed (editable or not); this process must not see it.
+        def find_spec(self, name, path=None, target=None):
+            if name == "iha" or name.startswith("iha."):
+                raise ModuleNotFoundError(f"No module named {name!r} (blocked)", name=name)
+            return None
+
+    sys.meta_path.insert(0, BlockIha())
+    try:
+        import iha  # noqa: F401
+    except ImportError:
+        pass
+    else:
+        raise SystemExit("iha is importable in the remote-code process")
+
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer, pipeline
+
+    folder, prompts = sys.argv[1], json.loads(sys.argv[2])
+    model = AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True, dtype=torch.float32).eval()
+    tokenizer = AutoTokenizer.from_pretrained(folder, padding_side="left", trust_remote_code=True)
+    texts = [
+        tokenizer.apply_chat_template([{"role": "user", "content": p}], tokenize=False, add_generation_prompt=True)
+        for p in prompts
+    ]
+    batch = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False)
+    with torch.no_grad():
+        tokens = model.generate(**batch, max_new_tokens=32, do_sample=False)
+    generator = pipeline("text-generation", model=folder, trust_remote_code=True, dtype=torch.float32)
+    reply = generator([{"role": "user", "content": prompts[0]}], max_new_tokens=16, do_sample=False)
+    print("RESULT", json.dumps({
+        "model_module": type(model).__module__,
+        "iha_loaded": any(name == "iha" or name.startswith("iha.") for name in sys.modules),
+        "tokens": tokens.tolist(),
+        "pipeline_reply": reply[0]["generated_text"][-1]["content"],
+    }))
+    """
+)
+
+
+def test_smollm2_loads_with_trust_remote_code_in_a_process_without_iha(smollm2, tmp_path):
+    env = {key: value for key, value in os.environ.items() if key != "PYTHONPATH"}
+    env.update(HF_HUB_OFFLINE="1", HF_MODULES_CACHE=str(tmp_path / "modules"), TOKENIZERS_PARALLELISM="false")
+    completed = subprocess.run(
+        [sys.executable, "-c", REMOTE_CODE_CHILD, str(smollm2["output"]), json.dumps(CHAT_PROMPTS)],
+        cwd=tmp_path,
+        env=env,
+        stdin=subprocess.DEVNULL,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert completed.returncode == 0, completed.stderr[-3000:]
+    assert "Do you wish to run the custom code" not in completed.stdout + completed.stderr
+    result = json.loads(completed.stdout.split("RESULT ", 1)[1])
+    assert result["model_module"].startswith("transformers_modules.") and not result["iha_loaded"]
+    assert result["tokens"] == smollm2["source_tokens"].tolist()
+    source_pipeline = pipeline("text-generation", model=str(smollm2["source"]), dtype=torch.float32)
+    expected = source_pipeline([{"role": "user", "content": CHAT_PROMPTS[0]}], max_new_tokens=16, do_sample=False)
+    assert result["pipeline_reply"] == expected[0]["generated_text"][-1]["content"]
+
+
+def test_smollm2_text_generation_pipeline_through_iha(smollm2):
+    messages = [{"role": "user", "content": CHAT_PROMPTS[1]}]
+    replies = []
+    for folder in (smollm2["source"], smollm2["output"]):
+        generator = pipeline("text-generation", model=str(folder), dtype=torch.float32)
+        replies.append(generator(messages, max_new_tokens=24, do_sample=False)[0]["generated_text"][-1]["content"])
+    assert isinstance(generator.model, iha.IHAForCausalLM)
+    assert len(replies[1].split()) >= 5 and replies[1] == replies[0]
