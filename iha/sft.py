@@ -221,6 +221,8 @@ def load_model_for_sft(
         revision=from_pretrained_kwargs.get("revision"),
         trust_remote_code=from_pretrained_kwargs.get("trust_remote_code", False),
     )
+    if config.model_type != "iha" and convert_to_iha:
+        _refuse_conversion_of_partitioned_weights(model_name_or_path)
     model = AutoModelForCausalLM.from_pretrained(model_name_or_path, **from_pretrained_kwargs)
     if config.model_type == "iha":
         if iha_options:
@@ -229,7 +231,6 @@ def load_model_for_sft(
     if not convert_to_iha:
         logger.warning("Training %s (%s) as is, without IHA layers.", model_name_or_path, config.model_type)
         return model, False
-    _refuse_conversion_of_partitioned_weights(model_name_or_path)
     from .convert import llama_to_iha
 
     logger.info("Converting %s (%s) to IHA with %s.", model_name_or_path, config.model_type, iha_options or {})
@@ -450,21 +451,23 @@ def train_sft(
 
         default_system_prompt = OPENTHOUGHTS_SYSTEM_PROMPT
 
-    def prepare_rows(rows, split):
+    def prepare_rows(rows, split, max_rows=None):
         dataset = load_sft_dataset(
             rows,
             split=split,
             config_name=dataset_config_name,
             default_system_prompt=default_system_prompt,
-            max_rows=max_train_rows if split == dataset_train_split else None,
+            max_rows=max_rows,
             num_proc=args.dataset_num_proc,
         )
         if filter_long_rows and args.max_length is not None:
             dataset, _ = filter_by_length(dataset, processing_class, args.max_length, num_proc=args.dataset_num_proc)
         return dataset
 
-    train_rows = prepare_rows(train_dataset, dataset_train_split)
-    eval_rows = prepare_rows(eval_dataset, dataset_test_split) if eval_dataset is not None else None
+    # The main process downloads and converts first; the others then read the `datasets` cache.
+    with args.main_process_first(desc="preparing SFT rows"):
+        train_rows = prepare_rows(train_dataset, dataset_train_split, max_train_rows)
+        eval_rows = prepare_rows(eval_dataset, dataset_test_split) if eval_dataset is not None else None
 
     if peft_config is not None and has_iha_layers(model):
         if MIXING_MODULE_NAME not in (peft_config.modules_to_save or []):

@@ -7,6 +7,7 @@ import os
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -18,7 +19,10 @@ from iha.data import load_sft_dataset, write_jsonl
 
 
 def test_trl_sft_cli_trains_a_converted_folder_without_the_iha_package(tmp_path):
-    trl = shutil.which("trl") or pytest.fail("the `trl` command is not installed (pip install trl)")
+    # The `trl` console script of this interpreter's environment (CI runs `.venv/bin/python -m pytest` off PATH).
+    trl = Path(sys.executable).with_name("trl")
+    if not trl.is_file():
+        trl = shutil.which("trl") or pytest.fail("the `trl` command is not installed (pip install trl)")
     model_dir = tmp_path / "iha-model"
     tokenizer = build_tiny_tokenizer(model_dir)
     initial = tiny_iha_model(tokenizer, seed=5)
@@ -49,7 +53,7 @@ def test_trl_sft_cli_trains_a_converted_folder_without_the_iha_package(tmp_path)
 
     output_dir = tmp_path / "trl-out"
     command = [
-        trl, "sft",
+        str(trl), "sft",
         "--model_name_or_path", str(model_dir),
         "--trust_remote_code",
         "--dataset_name", str(data_dir),
