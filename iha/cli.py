@@ -1,28 +1,31 @@
 """`iha` command line: one entry point for every job of the package.
 
-    iha demo        convert SmolLM2-135M-Instruct, verify, fine-tune briefly, evaluate, save (offline)
-    iha convert     convert a Llama-style checkpoint to IHA                 (same as `iha-convert`)
-    iha sft         reasoning SFT with TRL, full or LoRA                     (same as `iha-sft`)
-    iha eval        GSM8K / MATH-500 / needle-in-a-haystack evaluation       (same as `iha-eval`)
-    iha synthetic   the paper's relation-composition comparison, MHA vs IHA
+iha demo        convert SmolLM2-135M-Instruct, verify, fine-tune briefly, evaluate, save (offline)
+iha convert     convert a Llama-style checkpoint to IHA                 (same as `iha-convert`)
+iha sft         reasoning SFT with TRL, full or LoRA                     (same as `iha-sft`)
+iha eval        GSM8K / MATH-500 / needle-in-a-haystack evaluation       (same as `iha-eval`)
+iha synthetic   the paper's relation-composition comparison, MHA vs IHA
+iha push        upload an IHA folder to the Hub                          (same as `iha-convert push`)
 """
 
 import importlib
 import sys
 
 
+# name -> (module whose main() runs it, arguments put in front, one-line summary)
 COMMANDS = {
-    "demo": ("iha.demo", "convert, verify, fine-tune, evaluate and save SmolLM2-135M-Instruct as IHA (offline)"),
-    "convert": ("iha.convert", "convert a Llama / Mistral / Qwen2 checkpoint to IHA"),
-    "sft": ("iha.sft", "supervised fine-tuning (OpenThoughts-style reasoning) with TRL"),
-    "eval": ("iha.evaluation.cli", "math (GSM8K, MATH-500) and long-context retrieval evaluation"),
-    "synthetic": ("iha.synthetic", "the paper's synthetic relation-composition comparison, MHA vs IHA"),
+    "demo": ("iha.demo", [], "convert, verify, fine-tune, evaluate and save SmolLM2-135M-Instruct as IHA (offline)"),
+    "convert": ("iha.convert", [], "convert a Llama / Mistral / Qwen2 checkpoint to IHA"),
+    "sft": ("iha.sft", [], "supervised fine-tuning (OpenThoughts-style reasoning) with TRL"),
+    "eval": ("iha.evaluation.cli", [], "math (GSM8K, MATH-500) and long-context retrieval evaluation"),
+    "synthetic": ("iha.synthetic", [], "the paper's synthetic relation-composition comparison, MHA vs IHA"),
+    "push": ("iha.convert", ["push"], "upload an IHA folder (converted or fine-tuned) to the Hugging Face Hub"),
 }
 
 
 def usage() -> str:
     lines = ["usage: iha COMMAND [options]   (iha COMMAND --help for a command's options)", "", "commands:"]
-    lines += [f"  {name:<10} {summary}" for name, (_, summary) in COMMANDS.items()]
+    lines += [f"  {name:<10} {summary}" for name, (_, _, summary) in COMMANDS.items()]
     return "\n".join(lines)
 
 
@@ -35,8 +38,10 @@ def main(argv: list[str] | None = None) -> int:
     if command not in COMMANDS:
         print(f"iha: unknown command {command!r}\n\n{usage()}", file=sys.stderr)
         return 2
-    module = importlib.import_module(COMMANDS[command][0])
-    return module.main(rest) or 0
+    module_name, prefix, _ = COMMANDS[command]
+    result = importlib.import_module(module_name).main(prefix + rest)
+    # Commands return an exit status; a few return the object they built (a trainer) on success.
+    return result if isinstance(result, int) else 0
 
 
 if __name__ == "__main__":

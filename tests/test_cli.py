@@ -1,0 +1,35 @@
+"""The `iha` dispatcher reaches every command."""
+
+import subprocess
+import sys
+
+import pytest
+
+from iha import cli
+
+
+def test_usage_lists_every_command(capsys):
+    assert cli.main([]) == 0
+    out = capsys.readouterr().out
+    for name in cli.COMMANDS:
+        assert f"  {name} " in out
+
+
+def test_unknown_command_is_an_error(capsys):
+    assert cli.main(["frobnicate"]) == 2
+    assert "unknown command 'frobnicate'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("command", sorted(cli.COMMANDS))
+def test_every_command_has_help(command):
+    result = subprocess.run(
+        [sys.executable, "-m", "iha.cli", command, "--help"], capture_output=True, text=True, timeout=300
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "usage" in result.stdout.lower()
+
+
+def test_push_refuses_a_folder_that_is_not_iha(tmp_path, capsys):
+    (tmp_path / "config.json").write_text('{"model_type": "llama"}')
+    assert cli.main(["push", str(tmp_path), "someone/model"]) != 0
+    assert "not an IHA checkpoint folder" in capsys.readouterr().err
