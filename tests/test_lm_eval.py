@@ -18,8 +18,8 @@ import pytest
 import torch
 from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
-import iha
 from iha.builtin import smollm2_dir
+from iha.convert import llama_to_iha
 
 
 TASK_NAME = "iha_local_gsm8k_mc"
@@ -101,12 +101,7 @@ def test_lm_eval_runs_on_a_converted_iha_folder(tmp_path, shared_data):
     )
     torch.manual_seed(0)
     llama = LlamaForCausalLM(config).eval()
-    source = {k: v for k, v in config.to_dict().items() if k not in ("model_type", "architectures")}
-    iha_config = iha.IHAConfig(
-        **source, num_pseudo_heads=2, iha_position_mode="shared", iha_mask_mode="flat_causal", iha_collapse_init="last"
-    )
-    converted = iha.IHAForCausalLM(iha_config).eval()
-    converted.load_state_dict(llama.state_dict(), strict=False)
+    converted = llama_to_iha(llama, num_pseudo_heads=2).eval()  # exact by default (design section 3)
     for name, model in (("llama", llama), ("iha", converted)):
         model.save_pretrained(tmp_path / name)
         tokenizer.save_pretrained(tmp_path / name)

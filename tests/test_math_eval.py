@@ -6,8 +6,8 @@ import pytest
 import torch
 from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
-import iha
 from iha.builtin import smollm2_dir
+from iha.convert import llama_to_iha
 from iha.evaluation import (
     PRESETS,
     Problem,
@@ -114,24 +114,8 @@ def llama_and_iha(tokenizer):
     )
     torch.manual_seed(0)
     llama = LlamaForCausalLM(config).eval()
-    converted = exact_iha_conversion(llama, num_pseudo_heads=2)
+    converted = llama_to_iha(llama, num_pseudo_heads=2).eval()  # exact by default (design section 3)
     return llama, converted
-
-
-def exact_iha_conversion(llama, num_pseudo_heads):
-    # Design section 3: same weights, shared positions, flat causal mask, identity mixing, select-last collapse.
-    source = {k: v for k, v in llama.config.to_dict().items() if k not in ("model_type", "architectures")}
-    config = iha.IHAConfig(
-        **source,
-        num_pseudo_heads=num_pseudo_heads,
-        iha_position_mode="shared",
-        iha_mask_mode="flat_causal",
-        iha_collapse_init="last",
-    )
-    model = iha.IHAForCausalLM(config).eval()
-    result = model.load_state_dict(llama.state_dict(), strict=False)
-    assert all(".head_mixing." in key for key in result.missing_keys) and not result.unexpected_keys
-    return model
 
 
 def test_prompt_is_chat_templated_with_the_boxed_instruction(tokenizer):
