@@ -385,35 +385,16 @@ def dtype_changes(casts: set[tuple[torch.dtype, torch.dtype]]) -> list[str]:
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def llama_to_iha(
-    model,
-    *,
-    num_pseudo_heads: int = 2,
-    layers: str | Sequence[int] = "all",
-    training_length: int | None = None,
-    mask_mode: str = "flat_causal",
-    position_mode: str = "shared",
-    collapse_mode: str = "per_head",
-    collapse_init: str = "last",
-    share_weights: bool = False,
-) -> IHAForCausalLM:
+def llama_to_iha(model, *, share_weights: bool = False, **iha_options) -> IHAForCausalLM:
     """Convert a loaded LlamaForCausalLM / MistralForCausalLM / Qwen2ForCausalLM to an `IHAForCausalLM`.
 
-    With the default settings the result computes the same logits as `model` (up to fp32 rounding). The new
-    model gets copies of the weights, or, with `share_weights=True`, the very same tensors (no extra memory;
-    training one then changes the other). The settings that change the function are logged as a warning; see
-    `plan_conversion(...).function_changes`.
+    `iha_options` are those of `plan_conversion` (num_pseudo_heads, layers, training_length, mask_mode,
+    position_mode, collapse_mode, collapse_init). With their defaults the result computes the same logits as
+    `model` (up to fp32 rounding). The new model gets copies of the weights, or, with `share_weights=True`, the
+    very same tensors (no extra memory; training one then changes the other). Settings that change the function
+    are logged as a warning; see `plan_conversion(...).function_changes`.
     """
-    plan = plan_conversion(
-        model.config,
-        num_pseudo_heads=num_pseudo_heads,
-        layers=layers,
-        training_length=training_length,
-        mask_mode=mask_mode,
-        position_mode=position_mode,
-        collapse_mode=collapse_mode,
-        collapse_init=collapse_init,
-    )
+    plan = plan_conversion(model.config, **iha_options)
     for change in plan.function_changes:
         logger.warning(f"This conversion changes what the model computes: {change}.")
     config = plan.config
@@ -1108,13 +1089,6 @@ def convert_checkpoint(
     source: str | os.PathLike,
     output_dir: str | os.PathLike,
     *,
-    num_pseudo_heads: int = 2,
-    layers: str | Sequence[int] = "all",
-    training_length: int | None = None,
-    mask_mode: str = "flat_causal",
-    position_mode: str = "shared",
-    collapse_mode: str = "per_head",
-    collapse_init: str = "last",
     dtype: str = "auto",
     max_shard_size: int | str = "5GB",
     overwrite: bool = False,
@@ -1126,8 +1100,12 @@ def convert_checkpoint(
     cache_dir: str | os.PathLike | None = None,
     base_model: str | None = None,
     show_progress: bool = True,
+    **iha_options,
 ) -> ConversionReport:
     """Convert a Llama / Mistral / Qwen2 checkpoint (local folder or Hub id) into a Hub-ready IHA folder.
+
+    `iha_options` are those of `plan_conversion` (num_pseudo_heads, layers, training_length, mask_mode,
+    position_mode, collapse_mode, collapse_init); their defaults give an exact conversion.
 
     The weights stream from the source shards to the output shards one tensor at a time (memory holds one
     tensor, plus one model at a time during verification). Everything is written to a temporary folder next
@@ -1157,16 +1135,8 @@ def convert_checkpoint(
     from transformers import AutoConfig
 
     source_config = AutoConfig.from_pretrained(source_dir)
-    plan = plan_conversion(
-        source_config,
-        num_pseudo_heads=num_pseudo_heads,
-        layers=layers,
-        training_length=training_length,
-        mask_mode=mask_mode,
-        position_mode=position_mode,
-        collapse_mode=collapse_mode,
-        collapse_init=collapse_init,
-    )
+    plan = plan_conversion(source_config, **iha_options)
+    config = plan.config
     kind, weight_files = find_weight_files(source_dir, allow_pickle)
     logger.info(f"Converting {hub_id or source_dir} ({plan.architecture}, {len(weight_files)} {kind} file(s)).")
 
@@ -1183,10 +1153,10 @@ def convert_checkpoint(
                     raise ConversionError(f"Tensor {tensor.name} appears in two weight files.")
                 sources[tensor.name] = tensor
         target_dtype = None if dtype == "auto" else DTYPES[dtype]
-        tensors, casts = plan_output_tensors(plan.config, sources, target_dtype)
+        tensors, casts = plan_output_tensors(config, sources, target_dtype)
         function_changes = plan.function_changes + dtype_changes(casts)
         out_dtype = target_dtype or sources["model.embed_tokens.weight"].dtype
-        plan.config.dtype = out_dtype
+        config.dtype = out_dtype
 
         output_dir.parent.mkdir(parents=True, exist_ok=True)
         staging = make_staging_dir(output_dir.parent, prefix=f".{output_dir.name}.iha-convert-")
@@ -1195,7 +1165,7 @@ def convert_checkpoint(
         for reader in readers:
             reader.close()
         readers = []
-        write_config_and_code(staging, plan.config)
+        write_config_and_code(staging, config)
         copy_source_files(source_dir, staging, source_config)
 
         verification = None
@@ -1208,13 +1178,13 @@ def convert_checkpoint(
             source=hub_id or str(source_dir),
             output_dir=str(output_dir),
             architecture=plan.architecture,
-            num_pseudo_heads=num_pseudo_heads,
-            attention_types=list(plan.config.attention_types),
-            sliding_window=plan.config.sliding_window,
-            mask_mode=mask_mode,
-            position_mode=position_mode,
-            collapse_mode=collapse_mode,
-            collapse_init=collapse_init,
+            num_pseudo_heads=config.num_pseudo_heads,
+            attention_types=list(config.attention_types),
+            sliding_window=config.sliding_window,
+            mask_mode=config.iha_mask_mode,
+            position_mode=config.iha_position_mode,
+            collapse_mode=config.iha_collapse_mode,
+            collapse_init=config.iha_collapse_init,
             dtype=str(out_dtype).removeprefix("torch."),
             exact=not function_changes,
             function_changes=function_changes,

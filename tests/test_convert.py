@@ -7,6 +7,7 @@ import sys
 import textwrap
 from pathlib import Path
 
+import conftest
 import pytest
 import torch
 from safetensors import safe_open
@@ -31,16 +32,8 @@ from iha.builtin import smollm2_dir
 from iha.model_card import parse_model_card, read_model_card, update_model_card
 
 
-TINY = dict(
-    vocab_size=101,
-    hidden_size=48,
-    intermediate_size=96,
-    num_hidden_layers=3,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=128,
-    rms_norm_eps=1e-6,
-)
+# Three layers so that a layer list like "0,2" leaves one in the middle; GQA with 2 KV heads for 4 query heads.
+TINY = {**conftest.TINY, "num_hidden_layers": 3, "num_key_value_heads": 2}
 TINY_SOURCES = {
     # Llama 3: GQA, llama3 rope scaling (the scaling bends the low frequencies), tied embeddings.
     "llama3": lambda: LlamaForCausalLM(
@@ -81,12 +74,9 @@ def make_source(kind: str, folder: Path, seed: int = 0, **save_kwargs) -> Path:
     return folder
 
 
-def random_batch(vocab_size: int, lengths=(40, 29, 13), seed: int = 1) -> dict:
-    generator = torch.Generator().manual_seed(seed)
-    input_ids = torch.randint(0, vocab_size, (len(lengths), max(lengths)), generator=generator)
-    attention_mask = torch.zeros_like(input_ids)
-    for row, length in enumerate(lengths):
-        attention_mask[row, max(lengths) - length :] = 1
+def random_batch(vocab_size: int) -> dict:
+    """Left-padded, and longer than the sliding windows (8) of the tiny Mistral and Qwen2."""
+    input_ids, attention_mask = conftest.left_padded_batch(vocab_size, seq_len=40, seed=1)
     return {"input_ids": input_ids, "attention_mask": attention_mask}
 
 
