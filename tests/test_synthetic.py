@@ -1,0 +1,135 @@
+"""The relation-composition comparison: data, the one-layer models (MHA vs IHA), training, outputs."""
+
+import json
+import struct
+
+import pytest
+import torch
+
+from iha.synthetic import (
+    TINY,
+    build_model,
+    compose_relation,
+    count_parameters,
+    main,
+    make_composition_data,
+    run_comparison,
+    write_outputs,
+)
+
+
+def brute_force_composition(relation: torch.Tensor, order: int) -> torch.Tensor:
+    m = relation.shape[0]
+    result = relation.clone().bool()
+    for _ in range(order - 1):
+        step = torch.zeros(m, m, dtype=torch.bool)
+        for i in range(m):
+            for j in range(m):
+                step[i, j] = any(bool(result[i, k]) and bool(relation[k, j]) for k in range(m))
+        result = step
+    return result
+
+
+@pytest.mark.parametrize("order", [2, 3])
+def test_composition_matches_brute_force(order):
+    generator = torch.Generator().manual_seed(order)
+    for _ in range(5):
+        relation = torch.rand(5, 5, generator=generator) < 0.3
+        assert torch.equal(compose_relation(relation, order), brute_force_composition(relation, order))
+
+
+def test_data_is_seeded_and_has_the_expected_label_rate():
+    inputs, labels = make_composition_data("binary", 6, 2000, seed=3)
+    again_inputs, again_labels = make_composition_data("binary", 6, 2000, seed=3)
+    assert torch.equal(inputs, again_inputs) and torch.equal(labels, again_labels)
+    assert not torch.equal(inputs, make_composition_data("binary", 6, 2000, seed=4)[0])
+    assert inputs.shape == labels.shape == (2000, 36)
+    # Row-major flattening: label (i, j) is (R o R)[i, j].
+    relation = inputs[0].view(6, 6)
+    assert torch.equal(labels[0].view(6, 6).bool(), compose_relation(relation, 2))
+    # Density 0.325 makes the labels of R o R nearly balanced at m = 6 (about 51% positive).
+    assert inputs.float().mean().item() == pytest.approx(0.325, abs=0.01)
+    assert 0.45 < labels.mean().item() < 0.55
+    with pytest.raises(ValueError, match="Unknown task"):
+        make_composition_data("quaternary", 6, 10, 0)
+
+
+def test_mha_and_iha_differ_only_in_the_mixing():
+    mha = build_model(m=5, hidden_size=32, num_heads=8, num_pseudo_heads=None, seed=0)
+    iha_model = build_model(m=5, hidden_size=32, num_heads=8, num_pseudo_heads=4, seed=0)
+    mha_state, iha_state = mha.state_dict(), iha_model.state_dict()
+    extra = set(iha_state) - set(mha_state)
+    assert extra == {f"attention.head_mixing.{name}" for name in ("alpha_q", "alpha_k", "alpha_v", "collapse")}
+    for name, value in mha_state.items():
+        assert torch.equal(value, iha_state[name]), name  # same embeddings, projections, MLP, readout
+    # Overhead: alpha_q, alpha_k, alpha_v [H, H, P] and the per-head collapse [H, P].
+    assert count_parameters(iha_model) - count_parameters(mha) == 3 * 8 * 8 * 4 + 8 * 4
+    # Trained from scratch, the mixing is random, not identity.
+    assert not torch.allclose(iha_model.attention.head_mixing.alpha_q, torch.eye(8)[:, :, None].expand(-1, -1, 4))
+
+
+@pytest.mark.parametrize("collapse_init", ["last", "mean"])
+def test_iha_at_identity_computes_mha(collapse_init):
+    # Without a mask, P identical copies of every key leave the softmax unchanged: identity IHA is MHA exactly.
+    mha = build_model(m=4, hidden_size=16, num_heads=4, num_pseudo_heads=None, seed=1).double()
+    iha_model = build_model(m=4, hidden_size=16, num_heads=4, num_pseudo_heads=3, seed=1).double()
+    iha_model.attention.head_mixing.collapse_init = collapse_init
+    iha_model.attention.head_mixing.reset_to_identity()
+    if collapse_init == "mean":  # the float32 1/3 of the identity tensors is not 1/3 in float64
+        iha_model.attention.head_mixing.collapse.data.fill_(1 / 3)
+    bits, _ = make_composition_data("binary", 4, 8, seed=0)
+    torch.testing.assert_close(iha_model(bits), mha(bits), rtol=0, atol=1e-12)
+    # ... and random mixing computes something else.
+    randomized = build_model(m=4, hidden_size=16, num_heads=4, num_pseudo_heads=3, seed=1).double()
+    assert (randomized(bits) - mha(bits)).abs().max() > 1e-3
+
+
+def test_model_checks_the_sequence_length():
+    model = build_model(m=4, hidden_size=16, num_heads=4, num_pseudo_heads=None, seed=0)
+    with pytest.raises(ValueError, match="Expected 16 tokens"):
+        model(torch.zeros(2, 9, dtype=torch.long))
+
+
+@pytest.fixture(scope="module")
+def tiny_results():
+    torch.manual_seed(0)
+    return run_comparison(TINY, progress=False)
+
+
+def test_tiny_comparison_trains_every_variant(tiny_results):
+    runs = tiny_results["runs"]
+    assert {(run["task"], run["model"]) for run in runs} == {
+        (task, model) for task in ("binary", "ternary") for model in ("MHA", "IHA P=2")
+    }
+    for run in runs:
+        history = run["history"]
+        assert history[-1]["train_loss"] < history[0]["train_loss"], run  # it learns
+        assert 1 <= run["best_epoch"] <= run["epochs_run"] <= TINY.max_epochs
+        assert run["val_accuracy"] == max(point["val_accuracy"] for point in history)
+        assert 0.0 <= run["test_exact_match"] <= run["test_accuracy"] <= 1.0
+    mha = next(run for run in runs if run["model"] == "MHA")
+    iha_run = next(run for run in runs if run["model"] == "IHA P=2")
+    assert iha_run["parameters"] - mha["parameters"] == 3 * 4 * 4 * 2 + 4 * 2
+
+
+def test_outputs_are_written(tiny_results, tmp_path):
+    paths = write_outputs(tiny_results, tmp_path)
+    data = json.loads(paths["json"].read_text())
+    assert len(data["runs"]) == 4
+    table = paths["table"].read_text()
+    assert table.startswith("| Task | m | Model | Parameters | test acc, lr 0.01 |")
+    for line in ("| binary | 4 | MHA |", "| binary | 4 | IHA P=2 |", "| ternary | 4 | constant (majority label) |"):
+        assert line in table
+    png = paths["plot"].read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n"
+    width, height = struct.unpack(">II", png[16:24])
+    assert width > 400 and height > 400
+    assert not list(tmp_path.glob(".*tmp*"))  # no temporary files left behind
+
+
+def test_cli_runs_the_tiny_preset(tmp_path):
+    main(["--preset", "tiny", "--tasks", "binary", "--max-epochs", "1", "--output-dir", str(tmp_path)])
+    data = json.loads((tmp_path / "results.json").read_text())
+    assert data["config"]["tasks"] == ["binary"] and data["config"]["max_epochs"] == 1
+    assert {run["model"] for run in data["runs"]} == {"MHA", "IHA P=2"}
+    assert (tmp_path / "accuracy.png").is_file() and (tmp_path / "results.md").is_file()
