@@ -1,5 +1,6 @@
 """The multi-key needle generator: deterministic, sized to the context, and scored by exact match."""
 
+import json
 import re
 
 import pytest
@@ -114,3 +115,32 @@ def test_runs_on_a_causal_lm(tokenizer):
         assert len(row["examples"]) == 2
         assert row["score"] == 0.0
         assert all(not re.search(r"\d{7}", example["answer"]) for example in row["examples"])
+
+
+def test_needle_cli_writes_results_and_report(tokenizer, tmp_path):
+    from iha.evaluation.cli import main as eval_main
+
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+    )
+    torch.manual_seed(0)
+    LlamaForCausalLM(config).save_pretrained(tmp_path / "tiny")
+    tokenizer.save_pretrained(tmp_path / "tiny")
+    eval_main(
+        ["needle", "--model", f"tiny={tmp_path / 'tiny'}", "--lengths", "150", "250", "--num-examples", "2"]
+        + ["--num-keys", "2", "--num-distractors", "1", "--max-new-tokens", "3", "--device", "cpu"]
+        + ["--output-dir", str(tmp_path / "out")]
+    )
+    result = json.loads((tmp_path / "out" / "needle_tiny.json").read_text())
+    assert result["config"]["num_keys"] == 2 and result["config"]["num_distractors"] == 1
+    assert [row["context_length"] for row in result["by_length"]] == [150, 250]
+    assert all(len(row["examples"][0]["expected"]) == 2 for row in result["by_length"])
+    report = (tmp_path / "out" / "needle_report.md").read_text()
+    assert "| Context (tokens) | tiny score | tiny all-found |" in report
+    assert "| 150 | 0.0 | 0.0 |" in report and "| 250 | 0.0 | 0.0 |" in report
