@@ -59,6 +59,17 @@ def test_sampling_presets_and_validation():
         SamplingConfig(temperature=0.6, top_p=0.0)
 
 
+def test_generation_settings_follow_the_sampling_config():
+    from iha.evaluation.math_eval import generation_kwargs
+
+    sampled = generation_kwargs(sampling_preset("paper"), [2], 2)
+    assert sampled["do_sample"] and (sampled["temperature"], sampled["top_p"]) == (0.6, 0.95)
+    assert sampled["top_k"] == 0  # no hidden top-k: transformers would otherwise default to 50
+    assert sampled["num_return_sequences"] == 16 and sampled["max_new_tokens"] == 4096
+    greedy = generation_kwargs(sampling_preset("greedy"), [2], 2)
+    assert not greedy["do_sample"] and "temperature" not in greedy and greedy["num_return_sequences"] == 1
+
+
 # --- scoring --------------------------------------------------------------------------------------------------------
 
 

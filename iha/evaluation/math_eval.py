@@ -242,6 +242,21 @@ def _eos_token_ids(model, tokenizer) -> list[int]:
     return ids
 
 
+def generation_kwargs(sampling: SamplingConfig, eos_token_ids: list[int], pad_token_id: int) -> dict:
+    """`GenerationConfig` fields for `sampling`: temperature and top-p only (top-k off), or greedy decoding."""
+    kwargs = {
+        "do_sample": sampling.do_sample,
+        "num_return_sequences": sampling.num_samples,
+        "max_new_tokens": sampling.max_new_tokens,
+        "eos_token_id": eos_token_ids,
+        "pad_token_id": pad_token_id,
+    }
+    if sampling.do_sample:
+        # top_k=0 switches top-k off: left unset, transformers would fill in its default of 50.
+        kwargs.update(temperature=sampling.temperature, top_p=sampling.top_p, top_k=0)
+    return kwargs
+
+
 @torch.no_grad()
 def generate_completions(
     model,
@@ -262,16 +277,7 @@ def generate_completions(
         raise ValueError(f"`batch_size` must be >= 1, got {batch_size}.")
     eos_ids = _eos_token_ids(model, tokenizer)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos_ids[0]
-    generation_config = GenerationConfig(
-        do_sample=sampling.do_sample,
-        temperature=sampling.temperature if sampling.do_sample else None,
-        top_p=sampling.top_p if sampling.do_sample else None,
-        top_k=None,
-        num_return_sequences=sampling.num_samples,
-        max_new_tokens=sampling.max_new_tokens,
-        eos_token_id=eos_ids,
-        pad_token_id=pad_id,
-    )
+    generation_config = GenerationConfig(**generation_kwargs(sampling, eos_ids, pad_id))
     device = next(model.parameters()).device
     saved_padding_side = tokenizer.padding_side
     tokenizer.padding_side = "left"  # decoder-only generation needs the prompts right-aligned
@@ -460,6 +466,7 @@ __all__ = [
     "build_prompt",
     "evaluate_math",
     "generate_completions",
+    "generation_kwargs",
     "load_model_and_tokenizer",
     "load_problems",
     "sampling_preset",
