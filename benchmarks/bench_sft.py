@@ -79,7 +79,13 @@ class StepTimer(TrainerCallback):
 def measure(name, model, tokenizer, rows, args, warmup: int) -> dict:
     timer = StepTimer()
     started = time.perf_counter()
-    trainer = train_sft(model, rows, args, processing_class=tokenizer, callbacks=[timer], save=False)
+    # convert_to_iha=False: the base model must train as it is (train_sft would otherwise convert it).
+    trainer = train_sft(
+        model, rows, args, processing_class=tokenizer, callbacks=[timer], save=False, convert_to_iha=False
+    )
+    expected_type = "iha" if name.startswith("iha") else model.config.model_type
+    if trainer.model.config.model_type != expected_type:
+        raise RuntimeError(f"{name}: trained a {trainer.model.config.model_type} model, expected {expected_type}.")
     total_seconds = time.perf_counter() - started
     tokens_per_step = [timer.token_counts[0]] + [b - a for a, b in zip(timer.token_counts, timer.token_counts[1:])]
     if len(tokens_per_step) != len(timer.step_seconds):
@@ -202,8 +208,16 @@ def main(argv=None):
     parser.add_argument("--rounds", type=int, default=2, help="alternating base/IHA rounds (order flips each round)")
     parser.add_argument("--bf16", action="store_true", help="bf16 autocast (GPU); default fp32")
     parser.add_argument("--no_gradient_checkpointing", action="store_true")
+    parser.add_argument(
+        "--threads",
+        type=int,
+        help="torch CPU threads (default on CPU: 1, so that CPU time counts work rather than threads spinning at "
+        "barriers while the machine's other jobs hold the cores)",
+    )
     parser.add_argument("--output", default=str(RESULTS_DIR / "sft"), help="writes OUTPUT.md and OUTPUT.json")
     options = parser.parse_args(argv)
+    if options.threads is not None or not torch.cuda.is_available():
+        torch.set_num_threads(options.threads or 1)
     if options.steps <= options.warmup:
         parser.error("--steps must exceed --warmup")
 

@@ -431,6 +431,7 @@ def train_sft(
     elif not is_iha_model(model) and convert_to_iha:
         from .convert import llama_to_iha
 
+        logger.info("Converting the %s model to IHA with %s.", model.config.model_type, iha_options or {})
         model, converted = llama_to_iha(model, **(iha_options or {})), True
     if processing_class is None:
         source = model_name_or_path or getattr(model, "name_or_path", None)
