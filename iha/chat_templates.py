@@ -137,8 +137,14 @@ def main(argv=None):
     else:
         from transformers import AutoTokenizer
 
-        template = training_chat_template(AutoTokenizer.from_pretrained(args.tokenizer))
-    print(f"Wrote {write_chat_template(template, args.output)}")
+        try:
+            template = training_chat_template(AutoTokenizer.from_pretrained(args.tokenizer))
+        except ValueError as error:
+            parser.error(str(error))
+    try:
+        print(f"Wrote {write_chat_template(template, args.output)}")
+    except ValueError as error:
+        parser.error(str(error))
 
 
 if __name__ == "__main__":
