@@ -31,6 +31,7 @@ MASK_MODES = ("flat_causal", "token_causal")
 POSITION_MODES = ("virtual", "shared")
 COLLAPSE_MODES = ("per_head", "global")
 COLLAPSE_INITS = ("last", "mean", "first")
+CACHE_MODES = ("token", "pseudo")
 
 
 def is_iha_layer(attention_type: str) -> bool:
@@ -95,6 +96,11 @@ class IHAConfig(LlamaConfig):
     iha_collapse_init (`str`, defaults to `"last"`):
         Initial collapse weights: `"last"` (select pseudo-head P-1; exact with the flat mask), `"mean"` or
         `"first"`.
+    iha_cache_mode (`str`, defaults to `"token"`):
+        What the KV cache of IHA layers stores. `"token"`: the un-mixed keys and values, one entry per token and KV
+        head like Llama (the base model's cache memory); every decoding step re-mixes the cached keys and values.
+        `"pseudo"`: the mixed (and rotated) pseudo keys and values, P times the memory, nothing re-mixed per step.
+        Both keep the cache in token units, so every transformers cache class and `generate()` work unchanged.
     qkv_bias (`bool`, *optional*):
         Bias on the q/k/v projections (Qwen2 style). Defaults to `attention_bias`.
     o_proj_bias (`bool`, *optional*):
@@ -120,6 +126,7 @@ class IHAConfig(LlamaConfig):
     iha_position_mode: str = "virtual"
     iha_collapse_mode: str = "per_head"
     iha_collapse_init: str = "last"
+    iha_cache_mode: str = "token"
     qkv_bias: bool | None = None
     o_proj_bias: bool | None = None
 
@@ -154,6 +161,7 @@ class IHAConfig(LlamaConfig):
             "iha_position_mode": POSITION_MODES,
             "iha_collapse_mode": COLLAPSE_MODES,
             "iha_collapse_init": COLLAPSE_INITS,
+            "iha_cache_mode": CACHE_MODES,
         }
         for field_name, allowed in choices.items():
             value = getattr(self, field_name)

@@ -23,6 +23,7 @@ here may check `isinstance(config, IHAConfig)`.
 """
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -36,6 +37,7 @@ from transformers.masking_utils import (
     create_sliding_window_causal_mask,
     find_packed_sequence_indices,
     packed_sequence_mask_function,
+    padding_mask_function,
 )
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
@@ -78,11 +80,17 @@ def mix_and_interleave(states: torch.Tensor, alpha: torch.Tensor) -> torch.Tenso
 
     states [B, M, N, d] (M source heads), alpha [M, H, P] -> [B, H, N * P, d] where virtual index n * P + p holds
     pseudo-head p of token n: `out[b, h, n * P + p] = sum_m alpha[m, h, p] * states[b, m, n]`.
+
+    The result is a transposed view of a contiguous [B, N * P, H, d] tensor (the layout `q_proj` produces and SDPA
+    reads without a copy): one [P * H, M] @ [M, d] product per token writes every pseudo-head of that token in
+    place, where an einsum into [B, H, N, P, d] would need two extra permuting copies.
     """
     batch_size, _, seq_len, head_dim = states.shape
-    num_target_heads, num_pseudo_heads = alpha.shape[1], alpha.shape[2]
-    mixed = torch.einsum("bmnd,mhp->bhnpd", states, alpha.to(states.dtype))
-    return mixed.reshape(batch_size, num_target_heads, seq_len * num_pseudo_heads, head_dim)
+    num_source_heads, num_target_heads, num_pseudo_heads = alpha.shape
+    # Row p * H + h of the mixing matrix holds alpha[:, h, p].
+    mixing_matrix = alpha.permute(2, 1, 0).reshape(num_pseudo_heads * num_target_heads, num_source_heads)
+    mixed = torch.matmul(mixing_matrix.to(states.dtype), states.transpose(1, 2))  # [B, N, P * H, d]
+    return mixed.view(batch_size, seq_len * num_pseudo_heads, num_target_heads, head_dim).transpose(1, 2)
 
 
 def apply_pseudo_rotation(states: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -91,12 +99,16 @@ def apply_pseudo_rotation(states: torch.Tensor, cos: torch.Tensor, sin: torch.Te
     Virtual positions are n * P + p and Rot(n * P + p) = Rot(p) . Rot(n * P): the token-level rotation at n * P was
     applied before mixing (it commutes with mixing across heads), so only this small per-p rotation is left.
     """
-    num_tokens = states.shape[-2] // cos.shape[0]
-    cos = cos.repeat(num_tokens, 1)
-    sin = sin.repeat(num_tokens, 1)
+    num_pseudo_heads = cos.shape[0]
+    states = states.unflatten(2, (states.shape[2] // num_pseudo_heads, num_pseudo_heads))  # [B, H, N, P, d]
     half = states.shape[-1] // 2
-    rotated_half = torch.cat((-states[..., half:], states[..., :half]), dim=-1)
-    return states * cos + rotated_half * sin
+    # states * cos + rotate_half(states) * sin, with rotate_half(x) = (-x2, x1) added half by half in place: on these
+    # P-times larger tensors, fewer passes over memory than materialising rotate_half (this runs on the whole
+    # re-mixed cache at every decoding step in token cache mode).
+    rotated = states * cos
+    rotated[..., :half].addcmul_(states[..., half:], sin[..., :half], value=-1)
+    rotated[..., half:].addcmul_(states[..., :half], sin[..., half:])
+    return rotated.flatten(2, 3)
 
 
 class IHAHeadMixing(nn.Module):
@@ -169,13 +181,19 @@ class IHAHeadMixing(nn.Module):
     def collapse_heads(self, attn_output: torch.Tensor) -> torch.Tensor:
         """[B, N * P, H, d] pseudo-outputs -> [B, N, H, d] head outputs."""
         batch_size, virtual_len, num_heads, head_dim = attn_output.shape
-        pseudo = attn_output.view(
-            batch_size, virtual_len // self.num_pseudo_heads, self.num_pseudo_heads, num_heads, head_dim
-        )
+        num_tokens = virtual_len // self.num_pseudo_heads
         collapse = self.collapse.to(attn_output.dtype)
         if self.collapse_mode == "per_head":
-            return torch.einsum("bnphd,hp->bnhd", pseudo, collapse)
-        return torch.einsum("bnpmd,hmp->bnhd", pseudo, collapse)
+            # out[n, h] = sum_p R[h, p] * o[n, p, h]: a weighted sum over the pseudo axis, accumulated in place.
+            pseudo = attn_output.view(batch_size, num_tokens, self.num_pseudo_heads, num_heads, head_dim)
+            collapsed = pseudo[:, :, 0] * collapse[:, 0, None]
+            for pseudo_index in range(1, self.num_pseudo_heads):
+                collapsed.addcmul_(pseudo[:, :, pseudo_index], collapse[:, pseudo_index, None])
+            return collapsed
+        # out[n, h] = sum_{p, m} R[h, m, p] * o[n, p, m]: one [H, P * H] @ [P * H, d] product per token.
+        collapse_matrix = collapse.permute(0, 2, 1).reshape(num_heads, self.num_pseudo_heads * num_heads)
+        pseudo = attn_output.reshape(batch_size, num_tokens, self.num_pseudo_heads * num_heads, head_dim)
+        return torch.matmul(collapse_matrix, pseudo)
 
     def extra_repr(self):
         return (
@@ -214,6 +232,148 @@ def token_window_overlay(sliding_window: int, num_pseudo_heads: int) -> Callable
         return kv_idx // num_pseudo_heads > q_idx // num_pseudo_heads - sliding_window
 
     return inner_mask
+
+
+# Blocked local attention for sliding IHA layers. SDPA with a dense mask computes every (query, key) pair of the
+# N * P virtual tokens and then throws most of them away: a sliding layer would cost as much as a global one. Cutting
+# the sequence into blocks and running SDPA on [batch * blocks] computes only the keys a window can reach, so the cost
+# grows with N * W. Used without past tokens (training, prefill); when decoding, the sliding cache already holds only
+# the last W tokens.
+
+# Below this many virtual tokens per block, the overhead of many tiny products outweighs the skipped work.
+MIN_LOCAL_BLOCK_VIRTUAL_TOKENS = 64
+
+
+@dataclass
+class BlockedLocalMask:
+    """The mask of a sliding IHA layer, cut into blocks for `blocked_local_attention`.
+
+    The N * P virtual tokens are cut into blocks of `block_tokens` tokens (`block_len = block_tokens * P` virtual
+    tokens); block i attends to itself and to the `context_blocks` blocks before it, which hold every key its window
+    can reach. `key_index` [num_blocks * window_len] lists the virtual index of every key of every block's window
+    (clamped into the sequence) and `allowed` [B * num_blocks, 1, block_len, window_len] is the exact mask on them,
+    False for window positions outside the sequence.
+    """
+
+    allowed: torch.Tensor
+    key_index: torch.Tensor
+    block_tokens: int
+    context_blocks: int
+
+    def contiguous(self) -> "BlockedLocalMask":
+        # `generate` calls `.contiguous()` on the masks it prepares for static caches.
+        return BlockedLocalMask(
+            self.allowed.contiguous(), self.key_index.contiguous(), self.block_tokens, self.context_blocks
+        )
+
+
+def local_attention_blocks(sliding_window: int, num_pseudo_heads: int) -> tuple[int, int]:
+    """Block length in tokens and how many earlier blocks each block reads, for a window of `sliding_window` tokens.
+
+    A block of W / k tokens reads k + 1 such blocks of keys to cover its window: (k + 1) / k times the work of an
+    ideal kernel (2x for whole-window blocks). Quarter-window blocks (1.25x) were the fastest on CPU; smaller blocks
+    make products too small to run efficiently.
+    """
+    block_tokens = max(-(-sliding_window // 4), -(-MIN_LOCAL_BLOCK_VIRTUAL_TOKENS // num_pseudo_heads))
+    context_blocks = -(-(sliding_window - 1) // block_tokens)
+    return block_tokens, context_blocks
+
+
+def blocked_local_attention_saves_work(num_tokens: int, sliding_window: int, num_pseudo_heads: int) -> bool:
+    """Blocked attention computes (context_blocks + 1) blocks of keys per block of queries, dense attention all of them."""
+    block_tokens, context_blocks = local_attention_blocks(sliding_window, num_pseudo_heads)
+    return num_tokens > (context_blocks + 1) * block_tokens
+
+
+def create_blocked_local_mask(
+    mask_function: Callable,
+    batch_size: int,
+    num_tokens: int,
+    num_pseudo_heads: int,
+    sliding_window: int,
+    device: torch.device,
+) -> BlockedLocalMask:
+    """Evaluate the layer's index-based mask function (causal pattern, token window, padding, packed sequences) on the
+    (query, key) pairs of every block, in the same virtual indices the dense mask uses."""
+    block_tokens, context_blocks = local_attention_blocks(sliding_window, num_pseudo_heads)
+    num_blocks = -(-num_tokens // block_tokens)
+    block_len = block_tokens * num_pseudo_heads
+    window_len = (context_blocks + 1) * block_len
+    virtual_len = num_tokens * num_pseudo_heads
+
+    block_starts = torch.arange(num_blocks, device=device) * block_len
+    query_index = block_starts[:, None, None] + torch.arange(block_len, device=device)[None, :, None]
+    key_index = (block_starts - context_blocks * block_len)[:, None, None] + torch.arange(window_len, device=device)
+    # The last block runs past the sequence and the first windows start before it: clamped indices keep the lookups
+    # (padding, packed ids, the keys themselves) in range, and the mask drops the keys outside the sequence.
+    key_in_sequence = (key_index >= 0) & (key_index < virtual_len)
+    query_index = query_index.clamp(max=virtual_len - 1)
+    key_index = key_index.clamp(min=0, max=virtual_len - 1)
+    allowed = mask_function(
+        torch.arange(batch_size, device=device)[:, None, None, None],
+        torch.arange(1, device=device),
+        query_index[None],
+        key_index[None],
+    )
+    allowed = (allowed & key_in_sequence).expand(batch_size, num_blocks, block_len, window_len)
+    return BlockedLocalMask(
+        allowed=allowed.reshape(batch_size * num_blocks, 1, block_len, window_len),
+        key_index=key_index.flatten(),
+        block_tokens=block_tokens,
+        context_blocks=context_blocks,
+    )
+
+
+def blocked_local_attention(
+    module: nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: BlockedLocalMask,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
+    """SDPA of query block i against key blocks i - context_blocks .. i, batched over all blocks.
+
+    query [B, H, N * P, d], key / value [B, H_kv, N * P, d]; returns [B, N * P, H, d] and no weights, like
+    transformers' attention functions.
+    """
+    batch_size, num_heads, virtual_len, head_dim = query.shape
+    num_kv_heads = key.shape[1]
+    if key.shape[2] != virtual_len:
+        raise ValueError(
+            f"Blocked local attention needs as many keys as queries (no past tokens), got {key.shape[2]} keys for "
+            f"{virtual_len} queries: build the mask with `create_iha_masks` for the cache that is passed."
+        )
+    num_blocks = attention_mask.allowed.shape[0] // batch_size
+    block_len = attention_mask.allowed.shape[2]
+    window_len = attention_mask.allowed.shape[3]
+    padded_len = num_blocks * block_len
+
+    # In the token-major [B, N * P, heads, d] layout a block is a run of rows: [B * blocks, block_len, ...] is a view.
+    query_blocks = query.transpose(1, 2)
+    if padded_len > virtual_len:  # repeat the last query into the padding rows; their outputs are dropped below
+        fill_index = torch.arange(padded_len, device=query.device).clamp(max=virtual_len - 1)
+        query_blocks = query_blocks.index_select(1, fill_index)
+    query_blocks = query_blocks.reshape(batch_size * num_blocks, block_len, num_heads, head_dim).transpose(1, 2)
+
+    def key_windows(states: torch.Tensor) -> torch.Tensor:
+        # One gather builds every window (overlapping by `context_blocks` blocks); its backward is one scatter-add.
+        windows = states.transpose(1, 2).index_select(1, attention_mask.key_index)
+        return windows.view(batch_size * num_blocks, window_len, num_kv_heads, head_dim).transpose(1, 2)
+
+    attn_output = nn.functional.scaled_dot_product_attention(
+        query_blocks,
+        key_windows(key),
+        key_windows(value),
+        attn_mask=attention_mask.allowed,
+        dropout_p=dropout,
+        scale=scaling,
+        enable_gqa=num_heads != num_kv_heads,
+    )
+    attn_output = attn_output.transpose(1, 2).reshape(batch_size, padded_len, num_heads, head_dim)
+    return attn_output[:, :virtual_len], None
 
 
 def create_interleaved_mask(
@@ -268,6 +428,20 @@ def create_interleaved_mask(
     if attention_mask is not None:
         virtual_padding_mask = attention_mask.to(device=inputs_embeds.device, dtype=torch.bool)
         virtual_padding_mask = virtual_padding_mask.repeat_interleave(num_pseudo, dim=-1)
+
+    no_past_tokens = not isinstance(query_offset, torch.Tensor) and query_offset == 0 and kv_offset == 0
+    if (
+        sliding_window is not None
+        and config._attn_implementation == "sdpa"
+        and no_past_tokens
+        and kv_length == query_length
+        and blocked_local_attention_saves_work(query_length, sliding_window, num_pseudo)
+    ):
+        if virtual_padding_mask is not None:
+            mask_function = and_masks(mask_function, padding_mask_function(virtual_padding_mask))
+        return create_blocked_local_mask(
+            mask_function, batch_size, query_length, num_pseudo, sliding_window, inputs_embeds.device
+        )
 
     return mask_interface(
         batch_size=batch_size,
@@ -346,6 +520,50 @@ def virtual_flash_kwargs(kwargs: dict, position_ids: torch.Tensor | None, num_ps
     return kwargs
 
 
+def masked_sdpa_attention_sharing_kv_heads(
+    module: nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
+    """SDPA with an explicit mask that lets the kernel share each KV head among its query heads (CPU).
+
+    transformers' SDPA path copies keys and values once per query head (`repeat_kv`) whenever a mask is given. On
+    IHA's P-times longer key sequence that copy costs more than the attention itself when decoding (P queries per
+    step against the whole cache); torch's CPU kernel reads grouped heads directly with `enable_gqa`.
+    """
+    attn_output = nn.functional.scaled_dot_product_attention(
+        query,
+        key,
+        value,
+        attn_mask=attention_mask,
+        dropout_p=dropout,
+        scale=scaling,
+        enable_gqa=query.shape[1] != key.shape[1],
+    )
+    return attn_output.transpose(1, 2).contiguous(), None
+
+
+def update_pseudo_cache(
+    cache: Cache, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, num_pseudo_heads: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Pseudo cache mode: cache the mixed, rotated keys and values of the new tokens; return all of them.
+
+    A token's P pseudo-keys sit side by side in the head dimension ([B, H_kv, N, P * d]), so the cache still counts
+    tokens (sliding windows, static caches and `generate` bookkeeping unchanged) and reading it back as the
+    [B, H_kv, N * P, d] virtual sequence is a view.
+    """
+    batch_size, num_kv_heads, virtual_len, head_dim = key_states.shape
+    token_shape = (batch_size, num_kv_heads, virtual_len // num_pseudo_heads, num_pseudo_heads * head_dim)
+    keys, values = cache.update(key_states.reshape(token_shape), value_states.reshape(token_shape), layer_idx)
+    virtual_shape = (batch_size, num_kv_heads, -1, head_dim)
+    return keys.reshape(virtual_shape), values.reshape(virtual_shape)
+
+
 class IHAAttention(nn.Module):
     """Attention of one layer: Interleaved Head Attention on IHA layers, Llama's multi-head attention otherwise."""
 
@@ -400,7 +618,10 @@ class IHAAttention(nn.Module):
         cos, sin = position_embeddings
         query_states, key_states = apply_rotary_pos_emb(query_states, key_states, cos, sin)
 
-        if past_key_values is not None:
+        caches_pseudo_states = self.is_iha and self.config.iha_cache_mode == "pseudo"
+        if past_key_values is not None and not caches_pseudo_states:
+            # Token cache mode: un-mixed keys and values in token units (Llama's layout and memory), mixed below,
+            # so every decoding step re-mixes the whole cache.
             key_states, value_states = past_key_values.update(key_states, value_states, self.layer_idx)
 
         attention_kwargs = kwargs
@@ -411,12 +632,26 @@ class IHAAttention(nn.Module):
                 pseudo_cos, pseudo_sin = pseudo_rotation
                 query_states = apply_pseudo_rotation(query_states, pseudo_cos, pseudo_sin)
                 key_states = apply_pseudo_rotation(key_states, pseudo_cos, pseudo_sin)
+            if past_key_values is not None and caches_pseudo_states:
+                key_states, value_states = update_pseudo_cache(
+                    past_key_values, key_states, value_states, self.layer_idx, self.num_pseudo_heads
+                )
             if self.config._attn_implementation.startswith("flash"):
                 attention_kwargs = virtual_flash_kwargs(kwargs, kwargs.get("position_ids"), self.num_pseudo_heads)
 
-        attention_interface: Callable = ALL_ATTENTION_FUNCTIONS.get_interface(
-            self.config._attn_implementation, eager_attention_forward
-        )
+        if isinstance(attention_mask, BlockedLocalMask):
+            attention_interface: Callable = blocked_local_attention
+        elif (
+            self.is_iha
+            and self.config._attn_implementation == "sdpa"
+            and isinstance(attention_mask, torch.Tensor)
+            and query_states.device.type == "cpu"
+        ):
+            attention_interface: Callable = masked_sdpa_attention_sharing_kv_heads
+        else:
+            attention_interface: Callable = ALL_ATTENTION_FUNCTIONS.get_interface(
+                self.config._attn_implementation, eager_attention_forward
+            )
         attn_output, attn_weights = attention_interface(
             self,
             query_states,
@@ -627,6 +862,20 @@ class IHAForCausalLM(IHAPreTrainedModel, GenerationMixin):
         # `generate` prepares masks ahead of compiled forwards with static caches; token-level 4D masks would be
         # wrong for IHA layers, so hand over the per-type masks the model itself would build.
         return create_iha_masks(config, inputs_embeds, attention_mask, past_key_values, position_ids)
+
+    def _get_static_cache_init_shape(self):
+        # `generate` may allocate a StaticCache ahead of the first forward: in pseudo cache mode an IHA layer stores
+        # [B, H_kv, N, P * d], so its head dim is P times the model's.
+        init_shape = super()._get_static_cache_init_shape()
+        if init_shape is None or self.config.iha_cache_mode != "pseudo":
+            return init_shape
+        num_heads, head_dim = init_shape
+        head_dims = head_dim if isinstance(head_dim, list) else [head_dim] * self.config.num_hidden_layers
+        head_dims = [
+            dim * self.config.num_pseudo_heads if attention_type in IHA_ATTENTION_TYPES else dim
+            for dim, attention_type in zip(head_dims, self.config.attention_types)
+        ]
+        return num_heads, head_dims
 
     @can_return_tuple
     def forward(
