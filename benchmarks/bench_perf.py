@@ -1,0 +1,642 @@
+"""Speed and memory of IHA against the base Llama model with the same dimensions and weights, in one run.
+
+    python benchmarks/bench_perf.py            # full run: writes benchmarks/results/perf.md and perf.json
+    python benchmarks/bench_perf.py --quick    # seconds-long smoke run: benchmarks/results/perf_quick.{md,json}
+
+The model is shaped like SmolLM2-135M (hidden 576, 9 heads, 3 KV heads, head dim 64, MLP 1536, vocabulary 49152,
+tied embeddings) with fewer layers (`--layers`, 10 by default) to keep the run short. The base model is a random
+`LlamaForCausalLM`; every IHA model is converted from its weights (same state dict, identity head mixing), so both
+sides compute with the same parameters. Everything runs in float32. Base and IHA are timed alternately, every
+measurement repeated (`--repeats`) and reported as the median, so that load from other processes falls on both.
+
+For every sequence length N, number of pseudo-heads P and layout (every layer global IHA, or the paper's hybrid:
+4 sliding IHA layers with window N / (2 P^2) to 1 global MHA layer) the report gives forward and forward + backward
+time, prefill and decode speed, peak memory and KV-cache bytes, each next to the model FLOP ratio IHA / base
+(`model_flops`: analytic counts of the matmul work). A second table decodes with 1024 tokens of context in both
+cache modes (`iha_cache_mode="token"`, the default, and `"pseudo"`). The issue's three targets are checked at the
+end of the report.
+"""
+
+import argparse
+import ctypes
+import json
+import os
+import platform
+import re
+import statistics
+import sys
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+import torch
+from tqdm.auto import tqdm
+from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
+
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import iha  # noqa: E402
+
+
+RESULTS_DIR = Path(__file__).resolve().parent / "results"
+
+# SmolLM2-135M's dimensions (its config.json), without the number of layers.
+SMOLLM2_135M_SHAPE = dict(
+    vocab_size=49152,
+    hidden_size=576,
+    intermediate_size=1536,
+    num_attention_heads=9,
+    num_key_value_heads=3,
+    head_dim=64,
+    max_position_embeddings=8192,
+    rms_norm_eps=1e-5,
+    rope_parameters={"rope_type": "default", "rope_theta": 100000.0},
+    tie_word_embeddings=True,
+)
+QUICK_SHAPE = dict(
+    vocab_size=256,
+    hidden_size=64,
+    intermediate_size=128,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    max_position_embeddings=1024,
+    rms_norm_eps=1e-5,
+    tie_word_embeddings=True,
+)
+
+TARGETS = {
+    "forward_vs_flops": 1.15,  # global IHA, P=2, N=2048: forward time ratio <= 1.15 x FLOP ratio
+    "hybrid_train_time": 1.2,  # hybrid, P=2, N=2048: forward + backward time <= 1.2 x base
+    "decode_kv_bytes": 1.0,  # decode, P=2, global, 1024 context: KV bytes <= 1.0 x base (default cache mode)
+    "decode_speed_vs_flops": 0.8,  # ... and decode tok/s ratio >= 0.8 x inverse decode-step FLOP ratio
+}
+
+
+# --- analytic FLOPs -------------------------------------------------------------------------------------------------
+
+
+def attention_pairs(
+    num_tokens: int,
+    num_pseudo_heads: int = 1,
+    mask_mode: str = "flat_causal",
+    sliding_window: int | None = None,
+    past_tokens: int = 0,
+) -> int:
+    """(query, key) pairs one attention head scores for `num_tokens` new tokens after `past_tokens` earlier ones.
+
+    Queries and keys are pseudo-tokens (P per token; P = 1 is standard attention). Pseudo-token (n, p) sees the
+    pseudo-tokens of the earlier tokens inside the window (the last `sliding_window` tokens, or all) and, of its own
+    token, pseudo-tokens 0..p (flat causal) or all P (token causal).
+    """
+    pairs = 0
+    for token in range(past_tokens, past_tokens + num_tokens):
+        first_visible = 0 if sliding_window is None else max(0, token - sliding_window + 1)
+        earlier_keys = (token - first_visible) * num_pseudo_heads
+        if mask_mode == "flat_causal":
+            own_token_pairs = num_pseudo_heads * (num_pseudo_heads + 1) // 2
+        else:
+            own_token_pairs = num_pseudo_heads * num_pseudo_heads
+        pairs += num_pseudo_heads * earlier_keys + own_token_pairs
+    return pairs
+
+
+def model_flops(
+    shape: dict,
+    attention_types: list[str],
+    num_tokens: int,
+    past_tokens: int = 0,
+    num_pseudo_heads: int = 1,
+    sliding_window: int | None = None,
+    mask_mode: str = "flat_causal",
+    collapse_mode: str = "per_head",
+    cache_mode: str = "token",
+    logits_tokens: int | None = None,
+) -> dict[str, int]:
+    """Forward FLOPs (2 per multiply-add) of a Llama or IHA decoder on `num_tokens` new tokens after `past_tokens`.
+
+    Counts the matmul work: q/k/v/o projections, attention (q.k scores and weights @ v over the pairs the mask
+    allows: an ideal kernel skips the rest), IHA head mixing (queries of the new tokens; keys and values of every
+    token the layer attends to in token cache mode, where each step re-mixes the cache, or of the new tokens only in
+    pseudo cache mode), the collapse, the MLP and the LM head (`logits_tokens` rows, default all new tokens).
+    Element-wise work (norms, RoPE, softmax, activations) is not counted. Attention types as in `IHAConfig`;
+    a Llama model is all "full_attention".
+    """
+    hidden, heads, kv_heads = shape["hidden_size"], shape["num_attention_heads"], shape["num_key_value_heads"]
+    head_dim = shape.get("head_dim") or hidden // heads
+    logits_tokens = num_tokens if logits_tokens is None else logits_tokens
+    flops = {"projections": 0, "attention": 0, "mixing": 0, "mlp": 0, "lm_head": 0}
+    for attention_type in attention_types:
+        flops["projections"] += 2 * num_tokens * hidden * head_dim * (2 * heads + 2 * kv_heads)
+        flops["mlp"] += 2 * num_tokens * 3 * hidden * shape["intermediate_size"]
+        is_iha = attention_type.startswith("iha_")
+        window = sliding_window if attention_type.endswith("sliding_attention") else None
+        pseudo = num_pseudo_heads if is_iha else 1
+        pairs = attention_pairs(num_tokens, pseudo, mask_mode if is_iha else "flat_causal", window, past_tokens)
+        flops["attention"] += 2 * 2 * heads * head_dim * pairs
+        if is_iha:
+            if cache_mode == "pseudo" or past_tokens == 0:
+                mixed_kv_tokens = num_tokens
+            else:  # the cache holds the last `window - 1` tokens on sliding layers
+                cached = past_tokens if window is None else min(past_tokens, window - 1)
+                mixed_kv_tokens = cached + num_tokens
+            flops["mixing"] += 2 * num_tokens * pseudo * heads * head_dim * heads
+            flops["mixing"] += 2 * 2 * mixed_kv_tokens * pseudo * kv_heads * head_dim * kv_heads
+            collapse_sources = 1 if collapse_mode == "per_head" else heads
+            flops["mixing"] += 2 * num_tokens * pseudo * heads * head_dim * collapse_sources
+    flops["lm_head"] = 2 * logits_tokens * hidden * shape["vocab_size"]
+    flops["total"] = sum(flops.values())
+    return flops
+
+
+# --- measuring ------------------------------------------------------------------------------------------------------
+
+
+def keep_freed_memory_out_of_rss():
+    """Serve every allocation above 64 KiB with its own mmap and give freed memory back at once (glibc), so that the
+    process's peak resident size measures what a step allocates rather than what the allocator kept from before."""
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:
+        return
+    m_trim_threshold, m_mmap_threshold = -1, -3
+    libc.mallopt(m_mmap_threshold, 64 * 1024)
+    libc.mallopt(m_trim_threshold, 128 * 1024)
+
+
+def _proc_status_bytes(key: str) -> int:
+    with open("/proc/self/status") as status:
+        return int(re.search(rf"^{key}:\s+(\d+) kB", status.read(), re.MULTILINE).group(1)) * 1024
+
+
+def peak_memory_of(step) -> int | None:
+    """Bytes the process's resident size rose above its level before `step()` at the step's peak (Linux only)."""
+    try:
+        with open("/proc/self/clear_refs", "w") as clear_refs:
+            clear_refs.write("5")  # reset the high-water mark (VmHWM) to the current resident size
+        before = _proc_status_bytes("VmRSS")
+        step()
+        return _proc_status_bytes("VmHWM") - before
+    except (OSError, AttributeError):
+        step()
+        return None
+
+
+def alternate(steps: dict, repeats: int) -> dict[str, dict[str, list[float]]]:
+    """Time each step `repeats` times, alternating between them (and flipping the order every round).
+
+    Records wall-clock seconds and the process's CPU seconds. On a machine shared with other jobs, the CPU time of a
+    single-threaded run is the steadier measure of the work a step does: it does not count the time the thread
+    waits for a core.
+    """
+    times = {name: {"wall": [], "cpu": []} for name in steps}
+    names = list(steps)
+    for round_idx in range(repeats):
+        for name in names if round_idx % 2 == 0 else names[::-1]:
+            wall, cpu = time.perf_counter(), time.process_time()
+            steps[name]()
+            times[name]["cpu"].append(time.process_time() - cpu)
+            times[name]["wall"].append(time.perf_counter() - wall)
+    return times
+
+
+def forward_step(model, input_ids):
+    def step():
+        with torch.inference_mode():
+            model(input_ids, use_cache=False)
+
+    return step
+
+
+def train_step(model, input_ids):
+    def step():
+        model.zero_grad(set_to_none=True)
+        model(input_ids, labels=input_ids, use_cache=False).loss.backward()
+        model.zero_grad(set_to_none=True)
+
+    return step
+
+
+def generation_step(model, prompt, decode_tokens, record):
+    """Prefill `prompt` into a fresh cache, then decode `decode_tokens` greedy tokens one at a time."""
+
+    def step():
+        with torch.inference_mode():
+            cache = DynamicCache(config=model.config)
+            start = (time.perf_counter(), time.process_time())
+            logits = model(prompt, past_key_values=cache, use_cache=True, logits_to_keep=1).logits
+            prefilled = (time.perf_counter(), time.process_time())
+            next_token = logits[:, -1:].argmax(-1)
+            for _ in range(decode_tokens):
+                logits = model(next_token, past_key_values=cache, use_cache=True).logits
+                next_token = logits[:, -1:].argmax(-1)
+            done = (time.perf_counter(), time.process_time())
+        for clock, index in (("wall", 0), ("cpu", 1)):
+            record.setdefault(f"prefill_{clock}_s", []).append(prefilled[index] - start[index])
+            record.setdefault(f"decode_{clock}_s", []).append(done[index] - prefilled[index])
+        record["kv_cache_bytes"] = sum(layer.keys.nbytes + layer.values.nbytes for layer in cache.layers)
+
+    return step
+
+
+# --- models ---------------------------------------------------------------------------------------------------------
+
+
+def base_model(shape: dict, num_layers: int, seed: int = 0) -> LlamaForCausalLM:
+    torch.manual_seed(seed)
+    config = LlamaConfig(**shape, num_hidden_layers=num_layers, attn_implementation="sdpa")
+    return LlamaForCausalLM(config).eval()
+
+
+def layout_options(layout: str, num_layers: int, num_pseudo_heads: int, seq_len: int) -> dict:
+    if layout == "global":
+        return {"attention_types": ["iha_full_attention"] * num_layers}
+    return iha.paper_hybrid_layout(num_layers, num_pseudo_heads, training_length=seq_len)
+
+
+def converted_iha_model(base: LlamaForCausalLM, shape: dict, num_pseudo_heads: int, **iha_options):
+    """The base model's weights in an IHA model (identity head mixing: what the converter produces)."""
+    config = iha.IHAConfig(
+        **shape,
+        num_hidden_layers=base.config.num_hidden_layers,
+        num_pseudo_heads=num_pseudo_heads,
+        attn_implementation="sdpa",
+        **iha_options,
+    )
+    model = iha.IHAForCausalLM(config).eval()
+    result = model.load_state_dict(base.state_dict(), strict=False)
+    if result.unexpected_keys or any(".head_mixing." not in key for key in result.missing_keys):
+        raise RuntimeError(f"conversion mismatch: {result}")
+    return model
+
+
+# --- the run --------------------------------------------------------------------------------------------------------
+
+
+def median(values):
+    return statistics.median(values) if values else None
+
+
+def measure_grid(args, shape, base, progress) -> list[dict]:
+    rows = []
+    for seq_len in args.seq_lens:
+        input_ids = torch.randint(0, shape["vocab_size"], (1, seq_len), generator=torch.Generator().manual_seed(1))
+        for layout in args.layouts:
+            for num_pseudo in args.pseudo_heads:
+                progress.set_description(f"N={seq_len} P={num_pseudo} {layout}")
+                options = layout_options(layout, args.layers, num_pseudo, seq_len)
+                model = converted_iha_model(base, shape, num_pseudo, iha_position_mode=args.position_mode, **options)
+                models = {"base": base, "iha": model}
+                row = {"layout": layout, "P": num_pseudo, "N": seq_len, "sliding_window": options.get("sliding_window")}
+                row["attention_types"] = model.config.attention_types
+                flop_kwargs = dict(num_pseudo_heads=num_pseudo, sliding_window=options.get("sliding_window"))
+                base_types = ["full_attention"] * args.layers
+                row["flops"] = {
+                    "forward": {
+                        "base": model_flops(shape, base_types, seq_len)["total"],
+                        "iha": model_flops(shape, model.config.attention_types, seq_len, **flop_kwargs)["total"],
+                    },
+                    "decode_step": {
+                        "base": model_flops(shape, base_types, 1, past_tokens=seq_len)["total"],
+                        "iha": model_flops(shape, model.config.attention_types, 1, past_tokens=seq_len, **flop_kwargs)[
+                            "total"
+                        ],
+                    },
+                }
+                # The memory runs double as warm-up.
+                row["peak_memory_forward"] = {
+                    name: peak_memory_of(forward_step(m, input_ids)) for name, m in models.items()
+                }
+                row["forward_s"] = alternate({n: forward_step(m, input_ids) for n, m in models.items()}, args.repeats)
+                progress.update(1)
+                row["peak_memory_train"] = {
+                    name: peak_memory_of(train_step(m, input_ids)) for name, m in models.items()
+                }
+                row["train_s"] = alternate({n: train_step(m, input_ids) for n, m in models.items()}, args.repeats)
+                progress.update(1)
+                generation = {name: {} for name in models}
+                steps = {n: generation_step(m, input_ids, args.decode_tokens, generation[n]) for n, m in models.items()}
+                for step in steps.values():
+                    step()  # warm-up
+                for record in generation.values():
+                    record.clear()
+                alternate(steps, args.repeats)
+                row["generation"] = generation
+                progress.update(1)
+                rows.append(row)
+                del model, models
+    return rows
+
+
+def measure_decoding(args, shape, base, progress) -> list[dict]:
+    rows = []
+    context = args.decode_context
+    prompt = torch.randint(0, shape["vocab_size"], (1, context), generator=torch.Generator().manual_seed(2))
+    for layout in args.layouts:
+        for num_pseudo in args.pseudo_heads:
+            options = layout_options(layout, args.layers, num_pseudo, context)
+            flop_kwargs = dict(num_pseudo_heads=num_pseudo, sliding_window=options.get("sliding_window"))
+            for cache_mode in ("token", "pseudo"):
+                progress.set_description(f"decode P={num_pseudo} {layout} {cache_mode}")
+                model = converted_iha_model(
+                    base,
+                    shape,
+                    num_pseudo,
+                    iha_position_mode=args.position_mode,
+                    iha_cache_mode=cache_mode,
+                    **options,
+                )
+                generation = {"base": {}, "iha": {}}
+                steps = {
+                    name: generation_step(m, prompt, args.decode_tokens, generation[name])
+                    for name, m in (("base", base), ("iha", model))
+                }
+                for step in steps.values():
+                    step()
+                for record in generation.values():
+                    record.clear()
+                alternate(steps, args.repeats)
+                # FLOPs of the step in the middle of the decoded tokens.
+                past = context + args.decode_tokens // 2
+                flops = {
+                    "base": model_flops(shape, ["full_attention"] * args.layers, 1, past_tokens=past)["total"],
+                    "iha": model_flops(
+                        shape, model.config.attention_types, 1, past_tokens=past, cache_mode=cache_mode, **flop_kwargs
+                    )["total"],
+                }
+                rows.append(
+                    {
+                        "layout": layout,
+                        "P": num_pseudo,
+                        "cache_mode": cache_mode,
+                        "context": context,
+                        "sliding_window": options.get("sliding_window"),
+                        "generation": generation,
+                        "decode_step_flops": flops,
+                    }
+                )
+                progress.update(1)
+                del model
+    return rows
+
+
+# --- the report -----------------------------------------------------------------------------------------------------
+
+
+def ratio(iha_value, base_value):
+    return iha_value / base_value if iha_value is not None and base_value else None
+
+
+def fmt(value, digits=2, suffix=""):
+    return "n/a" if value is None else f"{value:.{digits}f}{suffix}"
+
+
+def mib(value):
+    return "n/a" if value is None else f"{value / 2**20:.0f}"
+
+
+def summarize(grid: list[dict], decoding: list[dict], decode_tokens: int) -> dict:
+    """Medians and ratios (IHA / base) per row, in CPU time (the primary clock) and in wall-clock time."""
+    for row in grid:
+        flops = row["flops"]
+        generation = row["generation"]
+        summary = {
+            "forward_flop_ratio": ratio(flops["forward"]["iha"], flops["forward"]["base"]),
+            "decode_flop_ratio": ratio(flops["decode_step"]["iha"], flops["decode_step"]["base"]),
+            "kv_cache_bytes": {name: record["kv_cache_bytes"] for name, record in generation.items()},
+        }
+        for clock in ("cpu", "wall"):
+            forward = {name: median(times[clock]) for name, times in row["forward_s"].items()}
+            train = {name: median(times[clock]) for name, times in row["train_s"].items()}
+            prefill = {name: row["N"] / median(record[f"prefill_{clock}_s"]) for name, record in generation.items()}
+            decode = {name: decode_tokens / median(record[f"decode_{clock}_s"]) for name, record in generation.items()}
+            summary[clock] = {
+                "forward_ms": {name: value * 1e3 for name, value in forward.items()},
+                "forward_time_ratio": ratio(forward["iha"], forward["base"]),
+                "train_ms": {name: value * 1e3 for name, value in train.items()},
+                "train_time_ratio": ratio(train["iha"], train["base"]),
+                "prefill_tok_s": prefill,
+                "decode_tok_s": decode,
+                "decode_speed_ratio": ratio(decode["iha"], decode["base"]),
+            }
+        row["summary"] = summary
+    for row in decoding:
+        flop_ratio = ratio(row["decode_step_flops"]["iha"], row["decode_step_flops"]["base"])
+        generation = row["generation"]
+        kv = {name: record["kv_cache_bytes"] for name, record in generation.items()}
+        summary = {
+            "decode_flop_ratio": flop_ratio,
+            "kv_cache_bytes": kv,
+            "kv_bytes_ratio": ratio(kv["iha"], kv["base"]),
+        }
+        for clock in ("cpu", "wall"):
+            decode = {name: decode_tokens / median(record[f"decode_{clock}_s"]) for name, record in generation.items()}
+            summary[clock] = {
+                "decode_tok_s": decode,
+                "decode_speed_ratio": ratio(decode["iha"], decode["base"]),
+                "speed_vs_inverse_flops": ratio(decode["iha"], decode["base"]) * flop_ratio,
+            }
+        row["summary"] = summary
+    return check_targets(grid, decoding)
+
+
+def check_targets(grid: list[dict], decoding: list[dict], clock: str = "cpu") -> dict:
+    def find(rows, **where):
+        return next((row for row in rows if all(row.get(k) == v for k, v in where.items())), None)
+
+    results = {}
+    row = find(grid, layout="global", P=2, N=2048)
+    if row:
+        flop_ratio = row["summary"]["forward_flop_ratio"]
+        time_ratio = row["summary"][clock]["forward_time_ratio"]
+        wall_ratio = row["summary"]["wall"]["forward_time_ratio"]
+        results["1"] = {
+            "target": "every layer global IHA, P = 2, N = 2048, forward: time ratio <= 1.15 x FLOP ratio",
+            "measured": f"time ratio {time_ratio:.2f} (wall {wall_ratio:.2f}), FLOP ratio {flop_ratio:.2f}: "
+            f"{time_ratio / flop_ratio:.2f} x the FLOP ratio (wall {wall_ratio / flop_ratio:.2f} x)",
+            "met": time_ratio / flop_ratio <= TARGETS["forward_vs_flops"],
+        }
+    row = find(grid, layout="hybrid", P=2, N=2048)
+    if row:
+        time_ratio = row["summary"][clock]["train_time_ratio"]
+        wall_ratio = row["summary"]["wall"]["train_time_ratio"]
+        results["2"] = {
+            "target": "paper's hybrid layout, P = 2, N = 2048, forward + backward: time <= 1.2 x base",
+            "measured": f"{time_ratio:.2f} x base (wall {wall_ratio:.2f} x)",
+            "met": time_ratio <= TARGETS["hybrid_train_time"],
+        }
+    row = find(decoding, layout="global", P=2, cache_mode="token", context=1024)
+    if row:
+        s = row["summary"]
+        speed = s[clock]["speed_vs_inverse_flops"]
+        results["3"] = {
+            "target": "decoding, P = 2, every layer global IHA, 1024 tokens of context, default (token) cache mode: "
+            "KV bytes <= 1.0 x base and tok/s ratio >= 0.8 x inverse decode-step FLOP ratio",
+            "measured": f"KV bytes {s['kv_bytes_ratio']:.2f} x base; tok/s ratio {s[clock]['decode_speed_ratio']:.2f} "
+            f"(wall {s['wall']['decode_speed_ratio']:.2f}), inverse FLOP ratio {1 / s['decode_flop_ratio']:.2f}: "
+            f"{speed:.2f} x (wall {s['wall']['speed_vs_inverse_flops']:.2f} x)",
+            "met": s["kv_bytes_ratio"] <= TARGETS["decode_kv_bytes"] and speed >= TARGETS["decode_speed_vs_flops"],
+        }
+    return results
+
+
+def markdown_report(meta: dict, grid: list[dict], decoding: list[dict], targets: dict) -> str:
+    lines = [
+        "# IHA vs base Llama: speed and memory",
+        "",
+        f"Command: `{meta['command']}`  ",
+        f"Date: {meta['date']}; machine: {meta['machine']}; torch {meta['torch']}, transformers "
+        f"{meta['transformers']}; {meta['threads']} torch thread(s); float32.  ",
+        f"Model: {meta['shape_name']} ({meta['shape_note']}) with **{meta['layers']} layers**, random weights; the "
+        "IHA model is converted from the base model's weights. IHA options: "
+        f"`iha_position_mode={meta['position_mode']!r}`, flat causal mask, per-head collapse, SDPA. "
+        f"Hybrid layout = the paper's 4 sliding IHA : 1 global MHA (layers {meta['global_layers_note']}), window "
+        "W = N / (2 P^2) tokens.  ",
+        f"Times: medians of {meta['repeats']} runs, base and IHA alternating, in **CPU time** of the process "
+        f"(wall-clock ratios in parentheses; all raw times in the JSON). {meta['machine_note']}",
+        "",
+        "Ratios are IHA / base. FLOP ratios come from `model_flops` (matmul work of an ideal kernel: attention counts "
+        "only the (query, key) pairs the mask allows; the LM head is "
+        f"{meta['lm_head_share']} of the base model's forward FLOPs at N = {meta['lm_head_share_at']}). A time ratio "
+        "close to the FLOP ratio means the IHA kernels waste little. Prefill: the N-token prompt into an empty cache "
+        f"(last logits only); decode: {meta['decode_tokens']} greedy tokens after it (batch 1). Peak memory: rise of "
+        "the process's resident memory during one step, above the loaded model. KV cache: after prefill + decode.",
+        "",
+        "| layout | P | N | forward ms base / IHA | time ratio | FLOP ratio | fwd+bwd ms base / IHA | time ratio "
+        "| prefill tok/s base / IHA | decode tok/s base / IHA | decode ratio | decode FLOP ratio "
+        "| peak MiB fwd base / IHA | peak MiB fwd+bwd base / IHA | KV cache MiB base / IHA |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for row in grid:
+        s, cpu, wall = row["summary"], row["summary"]["cpu"], row["summary"]["wall"]
+        layout = "global IHA" if row["layout"] == "global" else f"hybrid (W = {row['sliding_window']})"
+        lines.append(
+            f"| {layout} | {row['P']} | {row['N']} "
+            f"| {cpu['forward_ms']['base']:.0f} / {cpu['forward_ms']['iha']:.0f} "
+            f"| {fmt(cpu['forward_time_ratio'])} ({fmt(wall['forward_time_ratio'])}) | {fmt(s['forward_flop_ratio'])} "
+            f"| {cpu['train_ms']['base']:.0f} / {cpu['train_ms']['iha']:.0f} "
+            f"| {fmt(cpu['train_time_ratio'])} ({fmt(wall['train_time_ratio'])}) "
+            f"| {cpu['prefill_tok_s']['base']:.0f} / {cpu['prefill_tok_s']['iha']:.0f} "
+            f"| {cpu['decode_tok_s']['base']:.1f} / {cpu['decode_tok_s']['iha']:.1f} "
+            f"| {fmt(cpu['decode_speed_ratio'])} ({fmt(wall['decode_speed_ratio'])}) | {fmt(s['decode_flop_ratio'])} "
+            f"| {mib(row['peak_memory_forward']['base'])} / {mib(row['peak_memory_forward']['iha'])} "
+            f"| {mib(row['peak_memory_train']['base'])} / {mib(row['peak_memory_train']['iha'])} "
+            f"| {mib(s['kv_cache_bytes']['base'])} / {mib(s['kv_cache_bytes']['iha'])} |"
+        )
+    lines += [
+        "",
+        f"## Decoding with {meta['decode_context']} tokens of context: the two cache modes",
+        "",
+        '`iha_cache_mode="token"` (default) caches the un-mixed keys and values (the base model\'s memory) and '
+        're-mixes them every step; `"pseudo"` caches the mixed pseudo keys and values (P x the memory on IHA layers) '
+        "and mixes only the new token. The decode-step FLOP ratio counts each mode's own work (token mode includes "
+        "the re-mixing); `speed / inverse FLOPs` = (tok/s ratio) x (FLOP ratio): 1.0 means IHA decodes exactly as "
+        "much slower as its FLOPs say, more means its extra work runs more efficiently than the base model's.",
+        "",
+        "| layout | P | cache mode | decode tok/s base / IHA | tok/s ratio | decode-step FLOP ratio "
+        "| speed / inverse FLOPs | KV cache MiB base / IHA | KV ratio |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for row in decoding:
+        s, cpu, wall = row["summary"], row["summary"]["cpu"], row["summary"]["wall"]
+        layout = "global IHA" if row["layout"] == "global" else f"hybrid (W = {row['sliding_window']})"
+        lines.append(
+            f"| {layout} | {row['P']} | {row['cache_mode']} "
+            f"| {cpu['decode_tok_s']['base']:.1f} / {cpu['decode_tok_s']['iha']:.1f} "
+            f"| {fmt(cpu['decode_speed_ratio'])} ({fmt(wall['decode_speed_ratio'])}) | {fmt(s['decode_flop_ratio'])} "
+            f"| {fmt(cpu['speed_vs_inverse_flops'])} ({fmt(wall['speed_vs_inverse_flops'])}) "
+            f"| {mib(s['kv_cache_bytes']['base'])} / {mib(s['kv_cache_bytes']['iha'])} | {fmt(s['kv_bytes_ratio'])} |"
+        )
+    lines += ["", "## Targets of issue 6 (CPU-time ratios; wall-clock in parentheses)", ""]
+    if not targets:
+        lines.append("(not evaluated in this run: the grid does not contain the targets' settings)")
+    for number, target in targets.items():
+        verdict = "**met**" if target["met"] else "**not met**"
+        lines.append(f"{number}. {target['target']}: {target['measured']} -> {verdict}")
+    return "\n".join(lines) + "\n"
+
+
+def write_atomically(path: Path, text: str):
+    temporary = path.with_name(f".{path.name}.tmp")
+    temporary.write_text(text)
+    os.replace(temporary, path)
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--quick", action="store_true", help="tiny model and lengths: a seconds-long smoke run")
+    parser.add_argument("--layers", type=int, default=10, help="decoder layers (SmolLM2-135M has 30)")
+    parser.add_argument("--seq-lens", type=int, nargs="+", default=[512, 2048])
+    parser.add_argument("--pseudo-heads", type=int, nargs="+", default=[2, 4])
+    parser.add_argument("--layouts", nargs="+", default=["global", "hybrid"], choices=["global", "hybrid"])
+    parser.add_argument("--decode-context", type=int, default=1024)
+    parser.add_argument("--decode-tokens", type=int, default=32)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--position-mode", default="virtual", choices=["virtual", "shared"])
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="torch threads (default 1: on a machine shared with other jobs, every parallel op of a 2-thread run "
+        "waits for a second free core, which swamps the timings)",
+    )
+    parser.add_argument("--output-dir", type=Path, default=RESULTS_DIR)
+    parser.add_argument("--machine-note", default="", help="a sentence on the machine's load, put into the report")
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.layers, args.seq_lens, args.pseudo_heads = 5, [64, 128], [2]
+        args.decode_context, args.decode_tokens, args.repeats = 64, 4, 1
+    if args.layers < 1 or args.repeats < 1 or args.decode_tokens < 1:
+        parser.error("--layers, --repeats and --decode-tokens must be at least 1")
+    return args
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    keep_freed_memory_out_of_rss()
+    torch.set_num_threads(args.threads)
+    shape = QUICK_SHAPE if args.quick else SMOLLM2_135M_SHAPE
+    base = base_model(shape, args.layers)
+
+    grid_steps = 3 * len(args.seq_lens) * len(args.layouts) * len(args.pseudo_heads)
+    decode_steps = 2 * len(args.layouts) * len(args.pseudo_heads)
+    with tqdm(total=grid_steps + decode_steps, unit="measurement") as progress:
+        grid = measure_grid(args, shape, base, progress)
+        decoding = measure_decoding(args, shape, base, progress)
+    targets = summarize(grid, decoding, args.decode_tokens)
+
+    n_ref = 2048 if 2048 in args.seq_lens else max(args.seq_lens)
+    base_flops = model_flops(shape, ["full_attention"] * args.layers, n_ref)
+    hybrid_types = iha.paper_hybrid_layout(args.layers, 2, 64)["attention_types"]
+    hybrid_globals = [i for i, attention_type in enumerate(hybrid_types) if attention_type == "full_attention"]
+    meta = {
+        "command": "python " + " ".join([Path(sys.argv[0]).as_posix(), *(argv if argv is not None else sys.argv[1:])]),
+        "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPU cores",
+        "torch": torch.__version__,
+        "transformers": __import__("transformers").__version__,
+        "threads": torch.get_num_threads(),
+        "layers": args.layers,
+        "shape_note": ", ".join(f"{k} {v}" for k, v in shape.items() if k != "rope_parameters"),
+        "position_mode": args.position_mode,
+        "global_layers_note": ", ".join(str(i) for i in hybrid_globals) + " global",
+        "repeats": args.repeats,
+        "machine_note": args.machine_note,
+        "decode_tokens": args.decode_tokens,
+        "decode_context": args.decode_context,
+        "lm_head_share": f"{base_flops['lm_head'] / base_flops['total']:.0%}",
+        "lm_head_share_at": n_ref,
+        "shape_name": "a tiny smoke-test shape" if args.quick else "SmolLM2-135M's shape (30 layers in the original)",
+    }
+    args.output_dir.mkdir(parents=True, exist_ok=True)
+    stem = "perf_quick" if args.quick else "perf"
+    report = markdown_report(meta, grid, decoding, targets)
+    write_atomically(args.output_dir / f"{stem}.md", report)
+    payload = {"meta": meta, "grid": grid, "decoding": decoding, "targets": targets}
+    write_atomically(args.output_dir / f"{stem}.json", json.dumps(payload, indent=1, default=str))
+    print(report)
+    print(f"wrote {args.output_dir / f'{stem}.md'} and {stem}.json")
+
+
+if __name__ == "__main__":
+    main()
