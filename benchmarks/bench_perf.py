@@ -597,6 +597,7 @@ def main(argv=None):
     torch.set_num_threads(args.threads)
     shape = QUICK_SHAPE if args.quick else SMOLLM2_135M_SHAPE
     base = base_model(shape, args.layers)
+    load_at_start = os.getloadavg()[0]
 
     grid_steps = 3 * len(args.seq_lens) * len(args.layouts) * len(args.pseudo_heads)
     decode_steps = 2 * len(args.layouts) * len(args.pseudo_heads)
@@ -621,7 +622,10 @@ def main(argv=None):
         "position_mode": args.position_mode,
         "global_layers_note": ", ".join(str(i) for i in hybrid_globals) + " global",
         "repeats": args.repeats,
-        "machine_note": args.machine_note,
+        "machine_note": (
+            f"Load average (1 min) {load_at_start:.1f} at the start and {os.getloadavg()[0]:.1f} at the end of the run "
+            f"on {os.cpu_count()} cores. {args.machine_note}"
+        ).strip(),
         "decode_tokens": args.decode_tokens,
         "decode_context": args.decode_context,
         "lm_head_share": f"{base_flops['lm_head'] / base_flops['total']:.0%}",
