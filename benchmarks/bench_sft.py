@@ -151,7 +151,7 @@ def markdown_report(report: dict) -> str:
     lines = [
         "# SFT throughput: IHA vs the same base model (TRL SFTTrainer)",
         "",
-        f"Measured by `benchmarks/bench_sft.py` on {report['device']} ({report['threads']} threads), torch "
+        f"Measured by `benchmarks/bench_sft.py` on {report['device']} (torch threads: {report['threads']}), torch "
         f"{report['torch']}, transformers {report['transformers']}, trl {report['trl']}.",
         "",
         f"Base: `{settings['model']}`; IHA: the same checkpoint converted with `llama_to_iha` "
