@@ -490,6 +490,16 @@ def train_sft(
     trainer.train(resume_from_checkpoint=_resolve_resume(resume_from_checkpoint))
     if save:
         trainer.save_model(args.output_dir)
+        if trainer.accelerator.is_main_process:
+            write_training_card(
+                args.output_dir,
+                trainer,
+                base=model_name_or_path or getattr(model, "name_or_path", None),
+                converted=converted,
+                train_source=train_dataset,
+                num_rows=len(train_rows),
+                peft_config=peft_config,
+            )
         if peft_config is not None and trainer.accelerator.is_main_process:
             record = {
                 "base_model_name_or_path": str(model_name_or_path) if model_name_or_path is not None else None,
@@ -498,6 +508,51 @@ def train_sft(
             }
             Path(args.output_dir, BASE_RECORD_NAME).write_text(json.dumps(record, indent=2) + "\n", encoding="utf-8")
     return trainer
+
+
+def training_card_section(trainer, base, converted: bool, train_source, num_rows: int, peft_config) -> str:
+    """The model card's "Training" section: base model, data, method, settings and the loss reached."""
+    args = trainer.args
+    losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
+    source = train_source if isinstance(train_source, str | os.PathLike) else f"{type(train_source).__name__} in memory"
+    method = "full fine-tuning"
+    if peft_config is not None:
+        method = f"LoRA (r={peft_config.r}, alpha={peft_config.lora_alpha}; `head_mixing` trained in full)"
+    rows = [
+        ("base model", f"`{base}`" + (" (converted to IHA on the fly)" if converted else "")),
+        ("data", f"`{source}`, {num_rows} rows after length filtering"),
+        ("method", f"{method} with TRL's `SFTTrainer`"),
+        ("steps / epochs", f"{trainer.state.global_step} steps, {trainer.state.epoch or 0:.2f} epochs"),
+        (
+            "learning rate",
+            f"{args.learning_rate} ({args.lr_scheduler_type}); mixing parameters "
+            f"{getattr(args, 'mixing_learning_rate', None) or args.learning_rate}",
+        ),
+        (
+            "batch",
+            f"{args.per_device_train_batch_size} per device x {args.gradient_accumulation_steps} accumulation "
+            f"x {args.world_size} processes",
+        ),
+        ("max length / packing", f"{args.max_length} / {args.packing}"),
+        ("assistant-only loss", str(args.assistant_only_loss)),
+    ]
+    if losses:
+        rows.append(("training loss", f"{losses[0]:.4f} (first logged) -> {losses[-1]:.4f} (last logged)"))
+    return "| setting | value |\n|---|---|\n" + "\n".join(f"| {name} | {value} |" for name, value in rows)
+
+
+def write_training_card(output_dir, trainer, base, converted, train_source, num_rows, peft_config) -> None:
+    """Add the training section (and how to load) to the model card that conversion started, or start one."""
+    from .model_card import how_to_load_section, update_model_card
+
+    update_model_card(
+        output_dir,
+        sections={
+            "Training": training_card_section(trainer, base, converted, train_source, num_rows, peft_config),
+            "How to load": how_to_load_section(str(output_dir)),
+        },
+        metadata={"tags": ["iha", "interleaved-head-attention", "sft", "trl"]},
+    )
 
 
 # ---------------------------------------------------------------------------------------------------------------------

@@ -61,7 +61,11 @@ def test_demo_runs_every_step_on_a_tiny_model(tiny_llama_dir, tmp_path):
     config = json.loads((model_dir / "config.json").read_text())
     assert config["model_type"] == "iha" and "AutoModelForCausalLM" in config["auto_map"]
     assert (model_dir / "modeling_iha.py").is_file() and (model_dir / "README.md").is_file()
-    assert "Demo fine-tuning and evaluation" in (model_dir / "README.md").read_text()
+    card = (model_dir / "README.md").read_text()
+    for section in ("## Demo fine-tuning and evaluation", "## Training", "## How to load"):
+        assert section in card
+    assert "converted to IHA" not in card.split("## Training")[1].split("##")[0]  # it started from an IHA folder
+    assert "6 steps" in card and "trust_remote_code=True" in card
     assert (output / "loss_curve.png").stat().st_size > 1000
     assert json.loads((output / "summary.json").read_text())["after"] == summary["after"]
     # Nothing a user has is overwritten without being asked.
