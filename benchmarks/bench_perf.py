@@ -152,16 +152,36 @@ def model_flops(
 # --- measuring ------------------------------------------------------------------------------------------------------
 
 
-def keep_freed_memory_out_of_rss():
-    """Serve every allocation above 64 KiB with its own mmap and give freed memory back at once (glibc), so that the
-    process's peak resident size measures what a step allocates rather than what the allocator kept from before."""
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-    except OSError:
-        return
-    m_trim_threshold, m_mmap_threshold = -1, -3
-    libc.mallopt(m_mmap_threshold, 64 * 1024)
-    libc.mallopt(m_trim_threshold, 128 * 1024)
+class GlibcAllocator:
+    """Switch glibc's malloc between a setting for timing and one for measuring peak memory.
+
+    Timing: blocks under 32 MiB come from the heap and are reused (glibc's own steady state once large blocks have
+    been freed), so steps do not pay page faults for fresh memory. Peak memory: every block above 64 KiB gets its own
+    mmap and goes back to the system when freed, so the process's resident size follows what a step allocates
+    rather than what the allocator kept from before. No-ops where glibc is not the C library.
+    """
+
+    M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
+
+    def __init__(self):
+        try:
+            self.libc = ctypes.CDLL("libc.so.6")
+        except OSError:
+            self.libc = None
+
+    def for_timing(self):
+        if self.libc is not None:
+            self.libc.mallopt(self.M_MMAP_THRESHOLD, 32 * 2**20)
+            self.libc.mallopt(self.M_TRIM_THRESHOLD, 64 * 2**20)
+
+    def for_memory(self):
+        if self.libc is not None:
+            self.libc.malloc_trim(0)
+            self.libc.mallopt(self.M_MMAP_THRESHOLD, 64 * 2**10)
+            self.libc.mallopt(self.M_TRIM_THRESHOLD, 128 * 2**10)
+
+
+ALLOCATOR = GlibcAllocator()
 
 
 def _proc_status_bytes(key: str) -> int:
@@ -171,6 +191,7 @@ def _proc_status_bytes(key: str) -> int:
 
 def peak_memory_of(step) -> int | None:
     """Bytes the process's resident size rose above its level before `step()` at the step's peak (Linux only)."""
+    ALLOCATOR.for_memory()
     try:
         with open("/proc/self/clear_refs", "w") as clear_refs:
             clear_refs.write("5")  # reset the high-water mark (VmHWM) to the current resident size
@@ -180,6 +201,8 @@ def peak_memory_of(step) -> int | None:
     except (OSError, AttributeError):
         step()
         return None
+    finally:
+        ALLOCATOR.for_timing()
 
 
 def alternate(steps: dict, repeats: int) -> dict[str, dict[str, list[float]]]:
@@ -477,6 +500,14 @@ def check_targets(grid: list[dict], decoding: list[dict], clock: str = "cpu") ->
             f"{speed:.2f} x (wall {s['wall']['speed_vs_inverse_flops']:.2f} x)",
             "met": s["kv_bytes_ratio"] <= TARGETS["decode_kv_bytes"] and speed >= TARGETS["decode_speed_vs_flops"],
         }
+        pseudo_row = find(decoding, layout="global", P=2, cache_mode="pseudo", context=1024)
+        if pseudo_row:
+            # Stricter reading: the FLOPs of the cheapest decode step (pseudo mode, no re-mixing) as the yardstick.
+            minimal_flop_ratio = pseudo_row["summary"]["decode_flop_ratio"]
+            results["3"]["measured"] += (
+                f"; against the FLOPs of a step without re-mixing (ratio {minimal_flop_ratio:.2f}): "
+                f"{s[clock]['decode_speed_ratio'] * minimal_flop_ratio:.2f} x"
+            )
     return results
 
 
@@ -581,6 +612,7 @@ def parse_args(argv=None):
         "waits for a second free core, which swamps the timings)",
     )
     parser.add_argument("--output-dir", type=Path, default=RESULTS_DIR)
+    parser.add_argument("--render", type=Path, help="rewrite the report from this JSON of an earlier run, no measuring")
     parser.add_argument("--machine-note", default="", help="a sentence on the machine's load, put into the report")
     args = parser.parse_args(argv)
     if args.quick:
@@ -591,9 +623,22 @@ def parse_args(argv=None):
     return args
 
 
+def render(json_path: Path):
+    """Rewrite the markdown report next to `json_path` from its measurements (no measuring)."""
+    payload = json.loads(json_path.read_text())
+    targets = summarize(payload["grid"], payload["decoding"], payload["meta"]["decode_tokens"])
+    payload["targets"] = targets
+    write_atomically(json_path, json.dumps(payload, indent=1, default=str))
+    report = markdown_report(payload["meta"], payload["grid"], payload["decoding"], targets)
+    write_atomically(json_path.with_suffix(".md"), report)
+    print(report)
+
+
 def main(argv=None):
     args = parse_args(argv)
-    keep_freed_memory_out_of_rss()
+    if args.render is not None:
+        return render(args.render)
+    ALLOCATOR.for_timing()
     torch.set_num_threads(args.threads)
     shape = QUICK_SHAPE if args.quick else SMOLLM2_135M_SHAPE
     base = base_model(shape, args.layers)
