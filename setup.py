@@ -2,6 +2,7 @@ from pathlib import Path
 
 from setuptools import find_packages, setup
 
+
 HF_STACK = {
     "transformers": "transformers==5.23.0",
     "trl": "trl==1.16.0",
@@ -19,7 +20,16 @@ extras = {
     "convert": ["gguf>=0.10"],
 }
 extras["dev"] = sorted(
-    {*extras["train"], *extras["eval"], *extras["convert"], "pytest>=8", "ruff>=0.6", "nbclient>=0.10", "nbformat>=5.9", "ipykernel>=6"}
+    {
+        *extras["train"],
+        *extras["eval"],
+        *extras["convert"],
+        "pytest>=8",
+        "ruff>=0.6",
+        "nbclient>=0.10",
+        "nbformat>=5.9",
+        "ipykernel>=6",
+    }
 )
 extras["all"] = extras["dev"]
 

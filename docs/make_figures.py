@@ -1,6 +1,6 @@
 """Draw the README's pictures of IHA's attention patterns from the model's own mask functions.
 
-    python docs/make_figures.py            # writes docs/images/iha_masks.png
+python docs/make_figures.py            # writes docs/images/iha_masks.png
 """
 
 from pathlib import Path
