@@ -389,7 +389,9 @@ def create_interleaved_mask(
 
     transformers' mask helpers assume one query per token, so we call the backend's own mask function with every
     length and offset multiplied by P, the padding mask repeated P times and packed-sequence ids repeated P times.
-    The result has the backend's usual format (bool for sdpa, float for eager, BlockMask for flex, 2D for flash).
+    The result has the backend's usual format (bool for sdpa, float for eager, BlockMask for flex, 2D for flash),
+    except for sliding layers on SDPA without past tokens, which get a `BlockedLocalMask` for the blocked path. For
+    flat-causal full layers without padding `sdpa_mask` returns None, and SDPA runs its `is_causal` kernel.
     """
     num_pseudo = config.num_pseudo_heads
     if config._attn_implementation not in ALL_MASK_ATTENTION_FUNCTIONS:
