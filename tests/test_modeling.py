@@ -179,7 +179,10 @@ def greedy_without_cache(model, input_ids, attention_mask, steps):
     for _ in range(steps):
         with torch.no_grad():
             logits = model(
-                input_ids, attention_mask=attention_mask, position_ids=generation_position_ids(attention_mask)
+                input_ids,
+                attention_mask=attention_mask,
+                position_ids=generation_position_ids(attention_mask),
+                use_cache=False,  # no cache object at all: the ground truth must not share the cache code
             ).logits
         next_token = logits[:, -1].argmax(-1, keepdim=True)
         input_ids = torch.cat([input_ids, next_token], dim=-1)
