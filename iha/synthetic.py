@@ -303,8 +303,27 @@ def model_variants(config: SyntheticConfig) -> list[tuple[str, int | None]]:
     return [("MHA", None)] + [(f"IHA P={p}", p) for p in config.pseudo_heads]
 
 
-def run_comparison(config: SyntheticConfig, progress: bool = True) -> dict:
-    """Every task x model x learning rate; returns a JSON-ready dict (config, baselines, runs)."""
+def _load_checkpoint(path: Path | None, config: SyntheticConfig) -> list[dict]:
+    """Finished runs from an earlier, interrupted call with the same config (none if there is no checkpoint)."""
+    if path is None or not path.is_file():
+        return []
+    saved = json.loads(path.read_text(encoding="utf-8"))
+    if saved.get("config") != json.loads(json.dumps(asdict(config))):
+        raise ValueError(
+            f"{path} holds runs of a different configuration. Delete it (or pass --fresh) to start over, or use "
+            "another output folder."
+        )
+    return saved["runs"]
+
+
+def run_comparison(config: SyntheticConfig, progress: bool = True, checkpoint: str | os.PathLike | None = None) -> dict:
+    """Every task x model x learning rate; returns a JSON-ready dict (config, baselines, runs).
+
+    With `checkpoint`, every finished run is saved there at once, and a later call with the same config skips the
+    runs it finds: an interrupted comparison resumes where it stopped (each run is deterministic in the seed).
+    """
+    checkpoint = Path(checkpoint) if checkpoint is not None else None
+    finished = {(run["task"], run["model"], run["learning_rate"]): run for run in _load_checkpoint(checkpoint, config)}
     runs = []
     baselines = {}
     variants = model_variants(config)
@@ -326,8 +345,13 @@ def run_comparison(config: SyntheticConfig, progress: bool = True) -> dict:
         }
         for name, num_pseudo_heads in variants:
             for learning_rate in config.learning_rates:
-                model = build_model(m, config.hidden_size, config.num_heads, num_pseudo_heads, config.seed)
                 description = f"{task} m={m} {name} lr={learning_rate:g}"
+                if (task, name, learning_rate) in finished:
+                    runs.append(finished[(task, name, learning_rate)])
+                    overall.update(1)
+                    overall.set_postfix_str(f"{description}: done before")
+                    continue
+                model = build_model(m, config.hidden_size, config.num_heads, num_pseudo_heads, config.seed)
                 result = train_one(model, data, learning_rate, config, description)
                 runs.append(
                     {
@@ -340,6 +364,9 @@ def run_comparison(config: SyntheticConfig, progress: bool = True) -> dict:
                         **result,
                     }
                 )
+                if checkpoint is not None:
+                    checkpoint.parent.mkdir(parents=True, exist_ok=True)
+                    _write_atomic(json.dumps({"config": asdict(config), "runs": runs}, indent=2), checkpoint)
                 overall.update(1)
                 overall.set_postfix_str(f"{description}: test acc {result['test_accuracy']:.4f}")
     overall.close()
@@ -512,6 +539,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--patience", type=int, default=None)
     parser.add_argument("--seed", type=int, default=None)
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
+    parser.add_argument(
+        "--fresh", action="store_true", help="ignore finished runs saved by an interrupted call (results.partial.json)"
+    )
     args = parser.parse_args(argv)
     overrides = {
         "tasks": args.tasks,
@@ -534,12 +564,20 @@ def main(argv: list[str] | None = None) -> int:
     config = replace(preset, **{key: value for key, value in overrides.items() if value is not None})
     if args.threads is not None:
         torch.set_num_threads(args.threads)
+    checkpoint = Path(args.output_dir) / "results.partial.json"
+    if args.fresh and checkpoint.exists():
+        checkpoint.unlink()
     start = time.perf_counter()
-    results = run_comparison(config)
-    results["wall_seconds"] = time.perf_counter() - start
+    results = run_comparison(config, checkpoint=checkpoint)
+    results["wall_seconds"] = time.perf_counter() - start  # this call only (resumed runs are not counted)
+    results["train_seconds_total"] = sum(run["train_seconds"] for run in results["runs"])
     paths = write_outputs(results, args.output_dir)
+    checkpoint.unlink(missing_ok=True)
     print(results_table(results))
-    print(f"\nwall time {results['wall_seconds'] / 60:.1f} min; wrote " + ", ".join(str(p) for p in paths.values()))
+    print(
+        f"\ntraining time {results['train_seconds_total'] / 60:.1f} min (this call {results['wall_seconds'] / 60:.1f} min); "
+        "wrote " + ", ".join(str(p) for p in paths.values())
+    )
     return 0
 
 

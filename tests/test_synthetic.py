@@ -2,6 +2,7 @@
 
 import json
 import struct
+from dataclasses import replace
 
 import pytest
 import torch
@@ -133,3 +134,32 @@ def test_cli_runs_the_tiny_preset(tmp_path):
     assert data["config"]["tasks"] == ["binary"] and data["config"]["max_epochs"] == 1
     assert {run["model"] for run in data["runs"]} == {"MHA", "IHA P=2"}
     assert (tmp_path / "accuracy.png").is_file() and (tmp_path / "results.md").is_file()
+
+
+def test_an_interrupted_comparison_resumes_from_its_checkpoint(tmp_path, monkeypatch):
+    import iha.synthetic as synthetic
+
+    config = replace(TINY, tasks=["binary"], max_epochs=1)
+    checkpoint = tmp_path / "results.partial.json"
+    real_train_one = synthetic.train_one
+    calls = []
+
+    def train_then_fail_on_the_second_run(*args, **kwargs):
+        calls.append(args)
+        if len(calls) == 2:
+            raise KeyboardInterrupt  # the machine went away during the second run
+        return real_train_one(*args, **kwargs)
+
+    monkeypatch.setattr(synthetic, "train_one", train_then_fail_on_the_second_run)
+    with pytest.raises(KeyboardInterrupt):
+        run_comparison(config, progress=False, checkpoint=checkpoint)
+    saved = json.loads(checkpoint.read_text())
+    assert [run["model"] for run in saved["runs"]] == ["MHA"]
+
+    monkeypatch.setattr(synthetic, "train_one", real_train_one)
+    resumed = run_comparison(config, progress=False, checkpoint=checkpoint)
+    assert [run["model"] for run in resumed["runs"]] == ["MHA", "IHA P=2"]
+    assert resumed["runs"][0] == saved["runs"][0]  # taken over, not retrained
+    # A checkpoint of another configuration is refused rather than mixed in.
+    with pytest.raises(ValueError, match="different configuration"):
+        run_comparison(replace(config, seed=1), progress=False, checkpoint=checkpoint)
