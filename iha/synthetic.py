@@ -426,6 +426,39 @@ def results_table(results: dict) -> str:
     return "\n".join(lines)
 
 
+def seed_summary(results_per_seed: list[dict]) -> tuple[str, dict]:
+    """Test accuracy (validation-selected learning rate) over several seeds: a markdown table and its numbers.
+
+    Every element of `results_per_seed` is the output of one `run_comparison` (same tasks and models, another seed).
+    """
+    if not results_per_seed:
+        raise ValueError("No results to summarise.")
+    seeds = [results["config"]["seed"] for results in results_per_seed]
+    if len(set(seeds)) != len(seeds):
+        raise ValueError(f"Each result must come from a different seed; got seeds {seeds}.")
+    first = results_per_seed[0]["config"]
+    models = [name for name, _ in model_variants(SyntheticConfig(**first))]
+    selected = [best_runs(results) for results in results_per_seed]
+    summary = {}
+    header = ["Task", "m", "Model", *[f"seed {seed}" for seed in seeds], "mean", "std", "mean − MHA mean"]
+    lines = ["| " + " | ".join(header) + " |", "|---|---:|---|" + "---:|" * (len(header) - 3)]
+    for task in first["tasks"]:
+        mha_mean = None
+        for model in models:
+            try:
+                values = [100 * runs[(task, model)]["test_accuracy"] for runs in selected]
+            except KeyError:
+                raise ValueError(f"Seed results disagree: not every seed has {model} on {task}.") from None
+            mean = sum(values) / len(values)
+            std = math.sqrt(sum((v - mean) ** 2 for v in values) / (len(values) - 1)) if len(values) > 1 else 0.0
+            mha_mean = mean if model == "MHA" else mha_mean
+            summary[f"{task}/{model}"] = {"test_accuracy": values, "mean": mean, "std": std, "seeds": seeds}
+            delta = "–" if model == "MHA" or mha_mean is None else f"{mean - mha_mean:+.2f}"
+            row = [task, str(first["m"][task]), model, *[f"{v:.2f}" for v in values], f"**{mean:.2f}**", f"{std:.2f}"]
+            lines.append("| " + " | ".join(row + [delta]) + " |")
+    return "\n".join(lines), summary
+
+
 def plot_results(results: dict, path: str | os.PathLike) -> Path:
     """Test accuracy per model (validation-selected learning rate) and validation curves, one column per task."""
     import matplotlib
@@ -451,7 +484,7 @@ def plot_results(results: dict, path: str | os.PathLike) -> Path:
             )
         bar_axis.axhline(100 * baseline["majority_accuracy"], color="gray", linestyle="--", label="majority label")
         low = min(accuracies + [100 * baseline["majority_accuracy"]])
-        bar_axis.set_ylim(max(0, low - 5), min(100, max(accuracies) + 4))
+        bar_axis.set_ylim(max(0, low - 5), max(accuracies) + 8)  # room for the labels above the bars
         bar_axis.set_title(f"{task} composition, m = {baseline['m']}: test accuracy")
         bar_axis.set_ylabel("per-position accuracy (%)")
         bar_axis.legend(loc="lower right", fontsize=8)
@@ -540,9 +573,25 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=None)
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
     parser.add_argument(
+        "--summarize",
+        nargs="+",
+        default=None,
+        metavar="RESULTS_JSON",
+        help="no training: write seeds.md / seeds.json (mean and spread over the seeds of these results.json files)",
+    )
+    parser.add_argument(
         "--fresh", action="store_true", help="ignore finished runs saved by an interrupted call (results.partial.json)"
     )
     args = parser.parse_args(argv)
+    if args.summarize:
+        results_per_seed = [json.loads(Path(path).read_text(encoding="utf-8")) for path in args.summarize]
+        table, summary = seed_summary(results_per_seed)
+        output_dir = Path(args.output_dir)
+        output_dir.mkdir(parents=True, exist_ok=True)
+        _write_atomic(table + "\n", output_dir / "seeds.md")
+        _write_atomic(json.dumps(summary, indent=2), output_dir / "seeds.json")
+        print(table)
+        return 0
     overrides = {
         "tasks": args.tasks,
         "m": _parse_m(args.m),

@@ -1,5 +1,6 @@
 """The relation-composition comparison: data, the one-layer models (MHA vs IHA), training, outputs."""
 
+import copy
 import json
 import struct
 from dataclasses import replace
@@ -163,3 +164,23 @@ def test_an_interrupted_comparison_resumes_from_its_checkpoint(tmp_path, monkeyp
     # A checkpoint of another configuration is refused rather than mixed in.
     with pytest.raises(ValueError, match="different configuration"):
         run_comparison(replace(config, seed=1), progress=False, checkpoint=checkpoint)
+
+
+def test_seed_summary(tiny_results, tmp_path):
+    other = copy.deepcopy(tiny_results)
+    other["config"]["seed"] = 1
+    for run in other["runs"]:
+        run["test_accuracy"] = 0.5 if run["model"] == "MHA" else 0.7
+    for index, results in enumerate((tiny_results, other)):
+        (tmp_path / f"r{index}.json").write_text(json.dumps(results))
+    main(["--summarize", str(tmp_path / "r0.json"), str(tmp_path / "r1.json"), "--output-dir", str(tmp_path / "s")])
+    summary = json.loads((tmp_path / "s" / "seeds.json").read_text())
+    first = next(r for r in tiny_results["runs"] if r["task"] == "binary" and r["model"] == "IHA P=2")
+    entry = summary["binary/IHA P=2"]
+    assert entry["test_accuracy"] == pytest.approx([100 * first["test_accuracy"], 70.0])
+    assert entry["mean"] == pytest.approx((100 * first["test_accuracy"] + 70.0) / 2)
+    assert entry["std"] == pytest.approx(abs(100 * first["test_accuracy"] - 70.0) / 2**0.5)
+    table = (tmp_path / "s" / "seeds.md").read_text()
+    assert "| Task | m | Model | seed 0 | seed 1 | mean | std | mean − MHA mean |" in table
+    with pytest.raises(ValueError, match="different seed"):
+        main(["--summarize", str(tmp_path / "r0.json"), str(tmp_path / "r0.json"), "--output-dir", str(tmp_path)])
