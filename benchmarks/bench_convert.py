@@ -191,10 +191,11 @@ def main(argv=None) -> int:
         "runs": runs,
     }
     markdown = render_markdown(results)
+    from iha.atomic_files import write_json_atomic, write_text_atomic
+
     output = Path(args.output)
-    output.parent.mkdir(parents=True, exist_ok=True)
-    output.write_text(markdown)
-    output.with_suffix(".json").write_text(json.dumps(results, indent=2) + "\n")
+    write_text_atomic(markdown, output)
+    write_json_atomic(results, output.with_suffix(".json"))
     print(markdown)
     print(f"Wrote {output} and {output.with_suffix('.json')}")
     return 0

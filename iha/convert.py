@@ -47,6 +47,7 @@ from pathlib import Path
 
 import torch
 
+from .atomic_files import write_text_atomic
 from .builtin import make_staging_dir
 from .configuration_iha import (
     IHA_FULL,
@@ -1340,7 +1341,7 @@ def write_conversion_card(folder: Path, report: ConversionReport, source_dir: Pa
         metadata=metadata,
         intro=intro,
     )
-    (folder / "README.md").write_text(text, encoding="utf-8")
+    write_text_atomic(text, folder / "README.md")
 
 
 def push_to_hub(

@@ -34,12 +34,13 @@ import json
 import logging
 import os
 import re
-import tempfile
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 from datasets import Dataset, load_dataset
+
+from .atomic_files import write_jsonl_atomic
 
 
 logger = logging.getLogger(__name__)
@@ -436,18 +437,7 @@ def gsm8k_file_to_openthoughts(source: str | os.PathLike, limit: int | None = No
 
 def write_jsonl(rows: Iterable[dict], path: str | os.PathLike) -> Path:
     """Write rows as JSON lines, atomically: to a temporary file in the same folder, then renamed over `path`."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    handle = tempfile.NamedTemporaryFile("w", encoding="utf-8", dir=path.parent, prefix=f".{path.name}.", delete=False)
-    try:
-        with handle:
-            for row in rows:
-                handle.write(json.dumps(row, ensure_ascii=False) + "\n")
-        os.replace(handle.name, path)
-    except BaseException:
-        Path(handle.name).unlink(missing_ok=True)
-        raise
-    return path
+    return write_jsonl_atomic(rows, path)
 
 
 def main(argv=None):

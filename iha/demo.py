@@ -14,12 +14,13 @@ GSM8K-style rows), `--eval-data` (a GSM8K or MATH-500 jsonl).
 
 import argparse
 import inspect
-import json
 import os
 import shutil
 import sys
 import time
 from pathlib import Path
+
+from .atomic_files import save_figure_atomic, write_json_atomic
 
 
 def log(message: str) -> None:
@@ -111,9 +112,10 @@ def plot_loss_curve(log_history: list[dict], path: Path) -> Path | None:
     axis.set_title("IHA fine-tuning loss")
     axis.grid(alpha=0.3)
     figure.tight_layout()
-    figure.savefig(path, dpi=120)
-    plt.close(figure)
-    return path
+    try:
+        return save_figure_atomic(figure, path, dpi=120)
+    finally:
+        plt.close(figure)
 
 
 def run_demo(
@@ -222,7 +224,7 @@ def run_demo(
         },
     }
     update_model_card(model_dir, sections={"Demo fine-tuning and evaluation": demo_card_section(summary)})
-    (output_dir / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
+    write_json_atomic(summary, output_dir / "summary.json", default=str)
     print(format_summary(summary), flush=True)
     return summary
 

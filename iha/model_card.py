@@ -24,9 +24,10 @@ replace sections with `update_model_card(folder, sections={...})`, which keeps e
 """
 
 import os
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from .atomic_files import write_text_atomic
 
 
 MODEL_CARD_NAME = "README.md"
@@ -94,16 +95,7 @@ def write_model_card(folder: str | os.PathLike, content: ModelCardContent) -> Pa
     """Write `folder/README.md` atomically (temporary file in the same folder, then rename)."""
     path = Path(folder) / MODEL_CARD_NAME
     text = render_model_card(content.sections, title=content.title, metadata=content.metadata, intro=content.intro)
-    handle, temporary = tempfile.mkstemp(prefix=f".{MODEL_CARD_NAME}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(handle, "w", encoding="utf-8") as file:
-            file.write(text)
-        os.chmod(temporary, 0o644)
-        os.replace(temporary, path)
-    except BaseException:
-        Path(temporary).unlink(missing_ok=True)
-        raise
-    return path
+    return write_text_atomic(text, path)
 
 
 def read_model_card(folder: str | os.PathLike) -> ModelCardContent | None:

@@ -51,6 +51,7 @@ from trl import SFTConfig, SFTTrainer
 
 import iha  # noqa: F401  (registers IHAConfig / IHAForCausalLM with the Auto classes)
 
+from .atomic_files import write_json_atomic
 from .chat_templates import has_generation_markers, training_chat_template
 from .data import filter_by_length, load_sft_dataset
 
@@ -506,7 +507,7 @@ def train_sft(
                 "converted_to_iha": converted,
                 "iha_options": iha_options or {},
             }
-            Path(args.output_dir, BASE_RECORD_NAME).write_text(json.dumps(record, indent=2) + "\n", encoding="utf-8")
+            write_json_atomic(record, Path(args.output_dir, BASE_RECORD_NAME))
     return trainer
 
 

@@ -41,6 +41,7 @@ import torch.nn.functional as F
 from torch import nn
 from tqdm.auto import tqdm
 
+from .atomic_files import save_figure_atomic, write_json_atomic, write_text_atomic
 from .modeling_iha import IHAHeadMixing
 
 
@@ -365,8 +366,7 @@ def run_comparison(config: SyntheticConfig, progress: bool = True, checkpoint: s
                     }
                 )
                 if checkpoint is not None:
-                    checkpoint.parent.mkdir(parents=True, exist_ok=True)
-                    _write_atomic(json.dumps({"config": asdict(config), "runs": runs}, indent=2), checkpoint)
+                    write_json_atomic({"config": asdict(config), "runs": runs}, checkpoint)
                 overall.update(1)
                 overall.set_postfix_str(f"{description}: test acc {result['test_accuracy']:.4f}")
     overall.close()
@@ -504,19 +504,10 @@ def plot_results(results: dict, path: str | os.PathLike) -> Path:
         curve_axis.set_title(f"{task}: validation accuracy per epoch")
         curve_axis.legend(fontsize=7)
     figure.tight_layout()
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    temporary = path.with_name(f".{path.stem}.tmp-{os.getpid()}{path.suffix}")
-    figure.savefig(temporary, dpi=110)
-    plt.close(figure)
-    os.replace(temporary, path)
-    return path
-
-
-def _write_atomic(text: str, path: Path) -> None:
-    temporary = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    temporary.write_text(text, encoding="utf-8")
-    os.replace(temporary, path)
+    try:
+        return save_figure_atomic(figure, path, dpi=110)
+    finally:
+        plt.close(figure)
 
 
 def write_outputs(results: dict, output_dir: str | os.PathLike) -> dict[str, Path]:
@@ -528,8 +519,8 @@ def write_outputs(results: dict, output_dir: str | os.PathLike) -> dict[str, Pat
         output_dir / "results.md",
         output_dir / "accuracy.png",
     )
-    _write_atomic(json.dumps(results, indent=2), json_path)
-    _write_atomic(results_table(results) + "\n", table_path)
+    write_json_atomic(results, json_path)
+    write_text_atomic(results_table(results) + "\n", table_path)
     plot_results(results, plot_path)
     return {"json": json_path, "table": table_path, "plot": plot_path}
 
@@ -587,9 +578,8 @@ def main(argv: list[str] | None = None) -> int:
         results_per_seed = [json.loads(Path(path).read_text(encoding="utf-8")) for path in args.summarize]
         table, summary = seed_summary(results_per_seed)
         output_dir = Path(args.output_dir)
-        output_dir.mkdir(parents=True, exist_ok=True)
-        _write_atomic(table + "\n", output_dir / "seeds.md")
-        _write_atomic(json.dumps(summary, indent=2), output_dir / "seeds.json")
+        write_text_atomic(table + "\n", output_dir / "seeds.md")
+        write_json_atomic(summary, output_dir / "seeds.json")
         print(table)
         return 0
     overrides = {

@@ -24,6 +24,8 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
+from .. import atomic_files
+from ..atomic_files import write_text_atomic
 from .answers import extract_answer, gsm8k_gold_answer, majority_vote, parse_answer, parsed_equivalent
 
 
@@ -430,22 +432,8 @@ def load_model_and_tokenizer(
 
 
 def write_json_atomic(data, path: str | os.PathLike) -> Path:
-    """Write JSON next to its destination, then rename: an interrupted run never leaves a half-written file."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    temporary = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    temporary.write_text(json.dumps(data, indent=2, ensure_ascii=False, default=_json_default), encoding="utf-8")
-    os.replace(temporary, path)
-    return path
-
-
-def write_text_atomic(text: str, path: str | os.PathLike) -> Path:
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    temporary = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    temporary.write_text(text, encoding="utf-8")
-    os.replace(temporary, path)
-    return path
+    """Write evaluation results as JSON atomically; numpy / torch scalars are written as plain numbers."""
+    return atomic_files.write_json_atomic(data, path, default=_json_default)
 
 
 def _json_default(value):

@@ -1,0 +1,63 @@
+"""Writing files so that an interrupted or failing run never leaves a half-written one behind.
+
+Every writer here writes a temporary file in the destination's own folder and renames it over the destination
+only once it is complete (a rename within one filesystem is atomic); on any error the temporary file is removed
+and whatever was at the destination before is left untouched.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+
+@contextmanager
+def atomic_destination(path: str | os.PathLike) -> Iterator[Path]:
+    """Yield a temporary path next to `path`; rename it to `path` when the block succeeds, delete it if it fails.
+
+    The temporary name keeps the destination's suffix, so writers that infer a format from the name (matplotlib's
+    `savefig`) behave as they would on the destination itself.
+    """
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    handle, temporary_name = tempfile.mkstemp(prefix=f".{path.stem}.", suffix=f".tmp{path.suffix}", dir=path.parent)
+    os.close(handle)
+    temporary = Path(temporary_name)
+    try:
+        yield temporary
+        # mkstemp creates the file readable by its owner only; outputs are meant to be shared and uploaded.
+        os.chmod(temporary, 0o644)
+        os.replace(temporary, path)
+    except BaseException:
+        temporary.unlink(missing_ok=True)
+        raise
+
+
+def write_text_atomic(text: str, path: str | os.PathLike) -> Path:
+    with atomic_destination(path) as temporary:
+        temporary.write_text(text, encoding="utf-8")
+    return Path(path)
+
+
+def write_json_atomic(data, path: str | os.PathLike, default=None) -> Path:
+    """Indented, UTF-8 JSON with a final newline; `default` converts what `json` cannot (as in `json.dumps`)."""
+    return write_text_atomic(json.dumps(data, indent=2, ensure_ascii=False, default=default) + "\n", path)
+
+
+def write_jsonl_atomic(rows: Iterable[dict], path: str | os.PathLike) -> Path:
+    """One JSON object a line; `rows` may be a generator (it is consumed while writing, never held in memory)."""
+    with atomic_destination(path) as temporary, open(temporary, "w", encoding="utf-8") as handle:
+        for row in rows:
+            handle.write(json.dumps(row, ensure_ascii=False) + "\n")
+    return Path(path)
+
+
+def save_figure_atomic(figure, path: str | os.PathLike, dpi: int = 110) -> Path:
+    """`figure.savefig` through a temporary file (format from the destination's suffix)."""
+    with atomic_destination(path) as temporary:
+        figure.savefig(temporary, dpi=dpi)
+    return Path(path)
