@@ -54,6 +54,28 @@ def tiny_iha_model(seed: int = 0, randomize: bool = True, **overrides):
     return model
 
 
+def tiny_llama_for_tokenizer(tokenizer, seed: int = 0, **overrides):
+    """A tiny random Llama (GQA, tied embeddings) sized to `tokenizer`, with its special token ids: a stand-in for a
+    real checkpoint wherever a test needs real text (chat templates, generation, lm_eval) but not real weights."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    settings = dict(
+        vocab_size=len(tokenizer),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=1024,
+        tie_word_embeddings=True,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    torch.manual_seed(seed)
+    return LlamaForCausalLM(LlamaConfig(**{**settings, **overrides})).eval()
+
+
 def left_padded_batch(vocab_size: int = TINY["vocab_size"], seq_len: int = 9, seed: int = 0):
     generator = torch.Generator().manual_seed(seed)
     input_ids = torch.randint(3, vocab_size, (3, seq_len), generator=generator)

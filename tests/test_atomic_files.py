@@ -6,6 +6,7 @@ import stat
 import matplotlib
 import pytest
 
+
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 

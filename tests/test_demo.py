@@ -5,9 +5,8 @@ import re
 from pathlib import Path
 
 import pytest
-import torch
-from conftest import REPO_ROOT
-from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+from conftest import REPO_ROOT, tiny_llama_for_tokenizer
+from transformers import AutoTokenizer
 
 from iha.demo import build_eval_problems, build_training_rows, question_set, run_demo
 
@@ -18,22 +17,8 @@ def tiny_llama_dir(tmp_path_factory):
     from iha.builtin import smollm2_dir
 
     tokenizer = AutoTokenizer.from_pretrained(smollm2_dir())
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        tie_word_embeddings=True,
-        max_position_embeddings=1024,
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-    )
     folder = tmp_path_factory.mktemp("tiny-llama")
-    LlamaForCausalLM(config).save_pretrained(folder)
+    tiny_llama_for_tokenizer(tokenizer, hidden_size=64, intermediate_size=128).save_pretrained(folder)
     tokenizer.save_pretrained(folder)
     return folder
 

@@ -15,8 +15,8 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
-from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+from conftest import tiny_llama_for_tokenizer
+from transformers import AutoTokenizer
 
 from iha.builtin import smollm2_dir
 from iha.convert import llama_to_iha
@@ -87,20 +87,7 @@ def run_lm_eval(model_dir: Path, task_dir: Path, output_dir: Path) -> tuple[dict
 
 def test_lm_eval_runs_on_a_converted_iha_folder(tmp_path, shared_data):
     tokenizer = AutoTokenizer.from_pretrained(smollm2_dir())
-    config = LlamaConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=512,
-        tie_word_embeddings=True,
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-    )
-    torch.manual_seed(0)
-    llama = LlamaForCausalLM(config).eval()
+    llama = tiny_llama_for_tokenizer(tokenizer, max_position_embeddings=512, pad_token_id=None)
     converted = llama_to_iha(llama, num_pseudo_heads=2).eval()  # exact by default (design section 3)
     for name, model in (("llama", llama), ("iha", converted)):
         model.save_pretrained(tmp_path / name)

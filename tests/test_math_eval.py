@@ -3,8 +3,8 @@
 import json
 
 import pytest
-import torch
-from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+from conftest import tiny_llama_for_tokenizer
+from transformers import AutoTokenizer
 
 from iha.builtin import smollm2_dir
 from iha.convert import llama_to_iha
@@ -43,7 +43,7 @@ def test_load_rejects_bad_sources(tmp_path):
         load_problems(str(bad))
     broken = tmp_path / "broken.jsonl"
     broken.write_text('{"question": "1+1?", "answer": "#### 2"}\n{not json\n')
-    with pytest.raises(ValueError, match="broken.jsonl:2"):
+    with pytest.raises(ValueError, match="broken.jsonl, line 2: not valid JSON"):
         load_problems(str(broken))
     with pytest.raises(ValueError, match="Unknown benchmark"):
         load_problems(str(broken), benchmark="mmlu")
@@ -110,21 +110,7 @@ def tokenizer():
 @pytest.fixture(scope="module")
 def llama_and_iha(tokenizer):
     """A tiny random Llama with the SmolLM2 tokenizer, and its exact IHA conversion (P = 2)."""
-    config = LlamaConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=1024,
-        tie_word_embeddings=True,
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-    )
-    torch.manual_seed(0)
-    llama = LlamaForCausalLM(config).eval()
+    llama = tiny_llama_for_tokenizer(tokenizer)
     converted = llama_to_iha(llama, num_pseudo_heads=2).eval()  # exact by default (design section 3)
     return llama, converted
 

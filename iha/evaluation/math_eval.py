@@ -132,19 +132,12 @@ def _infer_benchmark(columns: Sequence[str], source: str) -> str:
 
 
 def _read_local_rows(path: Path) -> list[dict]:
-    text = path.read_text(encoding="utf-8")
     if path.suffix == ".jsonl":
-        rows = []
-        for line_number, line in enumerate(text.splitlines(), start=1):
-            if not line.strip():
-                continue
-            try:
-                rows.append(json.loads(line))
-            except json.JSONDecodeError as error:
-                raise ValueError(f"{path}:{line_number} is not valid JSON ({error}).") from None
-        return rows
+        from ..data import read_jsonl  # imports `datasets`: only when a local file is read
+
+        return read_jsonl(path)
     if path.suffix == ".json":
-        data = json.loads(text)
+        data = json.loads(path.read_text(encoding="utf-8"))
         if isinstance(data, dict) and "data" in data:
             data = data["data"]
         if not isinstance(data, list):
