@@ -452,7 +452,15 @@ def seed_summary(results_per_seed: list[dict]) -> tuple[str, dict]:
             mean = sum(values) / len(values)
             std = math.sqrt(sum((v - mean) ** 2 for v in values) / (len(values) - 1)) if len(values) > 1 else 0.0
             mha_mean = mean if model == "MHA" else mha_mean
-            summary[f"{task}/{model}"] = {"test_accuracy": values, "mean": mean, "std": std, "seeds": seeds}
+            summary[f"{task}/{model}"] = {
+                "task": task,
+                "m": first["m"][task],
+                "model": model,
+                "test_accuracy": values,
+                "mean": mean,
+                "std": std,
+                "seeds": seeds,
+            }
             delta = "–" if model == "MHA" or mha_mean is None else f"{mean - mha_mean:+.2f}"
             row = [task, str(first["m"][task]), model, *[f"{v:.2f}" for v in values], f"**{mean:.2f}**", f"{std:.2f}"]
             lines.append("| " + " | ".join(row + [delta]) + " |")
@@ -510,6 +518,57 @@ def plot_results(results: dict, path: str | os.PathLike) -> Path:
         plt.close(figure)
 
 
+def plot_seed_summary(summary: dict, path: str | os.PathLike) -> Path:
+    """Mean test accuracy per model over seeds (bars, +-1 std), every seed as a dot; one panel per task."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    tasks = list(dict.fromkeys(entry["task"] for entry in summary.values()))
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    figure, axes = plt.subplots(1, len(tasks), figsize=(5.5 * len(tasks), 4.2), squeeze=False)
+    for axis, task in zip(axes[0], tasks):
+        entries = [entry for entry in summary.values() if entry["task"] == task]
+        positions = range(len(entries))
+        means = [entry["mean"] for entry in entries]
+        axis.bar(
+            positions,
+            means,
+            yerr=[entry["std"] for entry in entries],
+            capsize=4,
+            color=colors[: len(entries)],
+            alpha=0.75,
+        )
+        for position, entry in zip(positions, entries):
+            values = entry["test_accuracy"]
+            axis.scatter([position] * len(values), values, color="black", s=12, zorder=3)
+            axis.text(position, max(values) + 0.4, f"{entry['mean']:.2f} ± {entry['std']:.2f}", ha="center", fontsize=8)
+        every_value = [value for entry in entries for value in entry["test_accuracy"]]
+        axis.set_ylim(min(every_value) - 3, max(every_value) + 2)
+        axis.set_xticks(list(positions), [entry["model"] for entry in entries])
+        seeds = ", ".join(str(seed) for seed in entries[0]["seeds"])
+        axis.set_title(f"{task} composition, m = {entries[0]['m']}: test accuracy, seeds {seeds}", fontsize=10)
+        axis.set_ylabel("per-position accuracy (%)")
+        axis.grid(axis="y", alpha=0.3)
+    figure.tight_layout()
+    try:
+        return save_figure_atomic(figure, path, dpi=110)
+    finally:
+        plt.close(figure)
+
+
+def write_seed_summary(results_per_seed: list[dict], output_dir: str | os.PathLike) -> dict[str, Path]:
+    """seeds.md (the table), seeds.json and seeds.png in `output_dir`."""
+    output_dir = Path(output_dir)
+    table, summary = seed_summary(results_per_seed)
+    paths = {"table": output_dir / "seeds.md", "json": output_dir / "seeds.json", "plot": output_dir / "seeds.png"}
+    write_text_atomic(table + "\n", paths["table"])
+    write_json_atomic(summary, paths["json"])
+    plot_seed_summary(summary, paths["plot"])
+    return paths
+
+
 def write_outputs(results: dict, output_dir: str | os.PathLike) -> dict[str, Path]:
     """results.json, results.md (the table) and accuracy.png in `output_dir`."""
     output_dir = Path(output_dir)
@@ -561,14 +620,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch-size", type=int, default=None)
     parser.add_argument("--max-epochs", type=int, default=None)
     parser.add_argument("--patience", type=int, default=None)
-    parser.add_argument("--seed", type=int, default=None)
+    parser.add_argument("--seed", type=int, default=None, help="one comparison with this seed (default 0)")
+    parser.add_argument(
+        "--seeds",
+        type=int,
+        nargs="+",
+        default=None,
+        help="one comparison per seed (in OUTPUT_DIR/seed-N), then seeds.md/.json/.png: mean and spread over seeds",
+    )
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
     parser.add_argument(
         "--summarize",
         nargs="+",
         default=None,
         metavar="RESULTS_JSON",
-        help="no training: write seeds.md / seeds.json (mean and spread over the seeds of these results.json files)",
+        help="no training: write seeds.md/.json/.png (mean and spread over the seeds of these results.json files)",
     )
     parser.add_argument(
         "--fresh", action="store_true", help="ignore finished runs saved by an interrupted call (results.partial.json)"
@@ -576,12 +642,11 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.summarize:
         results_per_seed = [json.loads(Path(path).read_text(encoding="utf-8")) for path in args.summarize]
-        table, summary = seed_summary(results_per_seed)
-        output_dir = Path(args.output_dir)
-        write_text_atomic(table + "\n", output_dir / "seeds.md")
-        write_json_atomic(summary, output_dir / "seeds.json")
-        print(table)
+        paths = write_seed_summary(results_per_seed, args.output_dir)
+        print(paths["table"].read_text(encoding="utf-8"))
         return 0
+    if args.seed is not None and args.seeds is not None:
+        raise SystemExit("Give either --seed or --seeds, not both.")
     overrides = {
         "tasks": args.tasks,
         "m": _parse_m(args.m),
@@ -595,7 +660,6 @@ def main(argv: list[str] | None = None) -> int:
         "batch_size": args.batch_size,
         "max_epochs": args.max_epochs,
         "patience": args.patience,
-        "seed": args.seed,
     }
     preset = PRESETS[args.preset]
     if overrides["m"] is not None:
@@ -603,21 +667,39 @@ def main(argv: list[str] | None = None) -> int:
     config = replace(preset, **{key: value for key, value in overrides.items() if value is not None})
     if args.threads is not None:
         torch.set_num_threads(args.threads)
-    checkpoint = Path(args.output_dir) / "results.partial.json"
-    if args.fresh and checkpoint.exists():
+    seeds = args.seeds or [preset.seed if args.seed is None else args.seed]
+    if len(set(seeds)) != len(seeds):
+        raise SystemExit(f"--seeds must be distinct, got {seeds}.")
+    output_dir = Path(args.output_dir)
+    results_per_seed = []
+    for seed in seeds:
+        # Several seeds: one complete comparison per seed in its own folder, then their mean and spread.
+        seed_dir = output_dir if len(seeds) == 1 else output_dir / f"seed-{seed}"
+        results_per_seed.append(_run_and_write(replace(config, seed=seed), seed_dir, fresh=args.fresh))
+    if len(seeds) > 1:
+        paths = write_seed_summary(results_per_seed, output_dir)
+        print("\n" + paths["table"].read_text(encoding="utf-8"))
+        print("wrote " + ", ".join(str(path) for path in paths.values()))
+    return 0
+
+
+def _run_and_write(config: SyntheticConfig, output_dir: Path, fresh: bool) -> dict:
+    """One comparison (resuming from `output_dir`'s checkpoint unless `fresh`), its outputs written to `output_dir`."""
+    checkpoint = output_dir / "results.partial.json"
+    if fresh and checkpoint.exists():
         checkpoint.unlink()
     start = time.perf_counter()
     results = run_comparison(config, checkpoint=checkpoint)
     results["wall_seconds"] = time.perf_counter() - start  # this call only (resumed runs are not counted)
     results["train_seconds_total"] = sum(run["train_seconds"] for run in results["runs"])
-    paths = write_outputs(results, args.output_dir)
+    paths = write_outputs(results, output_dir)
     checkpoint.unlink(missing_ok=True)
     print(results_table(results))
     print(
-        f"\ntraining time {results['train_seconds_total'] / 60:.1f} min (this call {results['wall_seconds'] / 60:.1f} min); "
-        "wrote " + ", ".join(str(p) for p in paths.values())
+        f"\nseed {config.seed}: training time {results['train_seconds_total'] / 60:.1f} min "
+        f"(this call {results['wall_seconds'] / 60:.1f} min); wrote " + ", ".join(str(p) for p in paths.values())
     )
-    return 0
+    return results
 
 
 if __name__ == "__main__":

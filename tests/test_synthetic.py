@@ -184,3 +184,34 @@ def test_seed_summary(tiny_results, tmp_path):
     assert "| Task | m | Model | seed 0 | seed 1 | mean | std | mean − MHA mean |" in table
     with pytest.raises(ValueError, match="different seed"):
         main(["--summarize", str(tmp_path / "r0.json"), str(tmp_path / "r0.json"), "--output-dir", str(tmp_path)])
+    assert (tmp_path / "s" / "seeds.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_cli_with_several_seeds_runs_each_and_summarizes(tmp_path):
+    main(
+        [
+            "--preset",
+            "tiny",
+            "--tasks",
+            "binary",
+            "--max-epochs",
+            "1",
+            "--seeds",
+            "3",
+            "5",
+            "--output-dir",
+            str(tmp_path),
+        ]
+    )
+    per_seed = {seed: json.loads((tmp_path / f"seed-{seed}" / "results.json").read_text()) for seed in (3, 5)}
+    assert {seed: results["config"]["seed"] for seed, results in per_seed.items()} == {3: 3, 5: 5}
+    # Another seed draws other data and another initialisation, so the measured accuracies differ.
+    assert per_seed[3]["runs"][0]["test_accuracy"] != per_seed[5]["runs"][0]["test_accuracy"]
+    summary = json.loads((tmp_path / "seeds.json").read_text())
+    assert summary["binary/MHA"]["seeds"] == [3, 5]
+    assert summary["binary/MHA"]["test_accuracy"] == pytest.approx(
+        [100 * per_seed[seed]["runs"][0]["test_accuracy"] for seed in (3, 5)]
+    )
+    assert (tmp_path / "seeds.png").is_file() and "| seed 3 | seed 5 |" in (tmp_path / "seeds.md").read_text()
+    with pytest.raises(SystemExit, match="either --seed or --seeds"):
+        main(["--preset", "tiny", "--seed", "1", "--seeds", "1", "2", "--output-dir", str(tmp_path)])
