@@ -607,7 +607,9 @@ def main(argv: list[str] | None = None) -> int:
         description="Relation composition (paper appendix): MHA vs IHA, one bidirectional attention layer, on CPU.",
     )
     parser.add_argument("--preset", choices=sorted(PRESETS), default="full", help="full: ~30 min on 2 cores")
-    parser.add_argument("--output-dir", default="benchmarks/synthetic", help="writes results.json/.md, accuracy.png")
+    parser.add_argument(
+        "--output-dir", default="runs/synthetic", help="writes results.json/.md and accuracy.png (default: %(default)s)"
+    )
     parser.add_argument("--tasks", nargs="+", choices=sorted(TASKS), default=None)
     parser.add_argument("--m", nargs="+", default=None, metavar="TASK=SIZE", help="matrix size per task")
     parser.add_argument("--num-train", type=int, default=None)
@@ -637,7 +639,10 @@ def main(argv: list[str] | None = None) -> int:
         help="no training: write seeds.md/.json/.png (mean and spread over the seeds of these results.json files)",
     )
     parser.add_argument(
-        "--fresh", action="store_true", help="ignore finished runs saved by an interrupted call (results.partial.json)"
+        "--fresh",
+        action="store_true",
+        help="run everything again: ignore (and replace) the finished runs of an earlier call in OUTPUT_DIR "
+        "(results.partial.json of an interrupted call, results.json of a finished one)",
     )
     args = parser.parse_args(argv)
     if args.summarize:
@@ -684,10 +689,25 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _run_and_write(config: SyntheticConfig, output_dir: Path, fresh: bool) -> dict:
-    """One comparison (resuming from `output_dir`'s checkpoint unless `fresh`), its outputs written to `output_dir`."""
+    """One comparison (resuming from `output_dir`'s checkpoint unless `fresh`), its outputs written to `output_dir`.
+
+    A finished comparison of the same configuration already in `output_dir` is reused rather than recomputed (so
+    `--seeds` picks up where an interrupted call stopped); one of another configuration is never overwritten
+    unless `fresh`.
+    """
     checkpoint = output_dir / "results.partial.json"
-    if fresh and checkpoint.exists():
-        checkpoint.unlink()
+    finished = output_dir / "results.json"
+    if fresh:
+        checkpoint.unlink(missing_ok=True)
+    elif finished.is_file():
+        saved = json.loads(finished.read_text(encoding="utf-8"))
+        if saved.get("config") == json.loads(json.dumps(asdict(config))):
+            print(f"{finished}: this comparison has already run; reusing it (--fresh runs it again).")
+            return saved
+        raise SystemExit(
+            f"{finished} holds a comparison with another configuration: pass --fresh to replace it, or choose "
+            "another --output-dir."
+        )
     start = time.perf_counter()
     results = run_comparison(config, checkpoint=checkpoint)
     results["wall_seconds"] = time.perf_counter() - start  # this call only (resumed runs are not counted)

@@ -215,3 +215,23 @@ def test_cli_with_several_seeds_runs_each_and_summarizes(tmp_path):
     assert (tmp_path / "seeds.png").is_file() and "| seed 3 | seed 5 |" in (tmp_path / "seeds.md").read_text()
     with pytest.raises(SystemExit, match="either --seed or --seeds"):
         main(["--preset", "tiny", "--seed", "1", "--seeds", "1", "2", "--output-dir", str(tmp_path)])
+
+
+def test_a_finished_comparison_is_reused_and_never_overwritten_by_another(tmp_path, monkeypatch):
+    import iha.synthetic as synthetic
+
+    arguments = ["--preset", "tiny", "--tasks", "binary", "--max-epochs", "1", "--output-dir", str(tmp_path)]
+    main(arguments)
+    first = (tmp_path / "results.json").read_text()
+
+    def no_training(*args, **kwargs):
+        raise AssertionError("a finished comparison must not be trained again")
+
+    monkeypatch.setattr(synthetic, "train_one", no_training)
+    main(arguments)  # same configuration: reused
+    assert (tmp_path / "results.json").read_text() == first
+    with pytest.raises(SystemExit, match="another configuration: pass --fresh"):
+        main([*arguments, "--num-train", "256"])
+    assert (tmp_path / "results.json").read_text() == first
+    with pytest.raises(AssertionError, match="must not be trained again"):
+        main([*arguments, "--fresh"])  # --fresh does train again
