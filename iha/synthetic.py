@@ -540,12 +540,16 @@ def plot_seed_summary(summary: dict, path: str | os.PathLike) -> Path:
             color=colors[: len(entries)],
             alpha=0.75,
         )
-        for position, entry in zip(positions, entries):
+        # Labels sit above both the error bar and the highest seed, so that neither hides them.
+        tops = [max(entry["mean"] + entry["std"], *entry["test_accuracy"]) for entry in entries]
+        bottoms = [min(entry["mean"] - entry["std"], *entry["test_accuracy"]) for entry in entries]
+        span = max(max(tops) - min(bottoms), 1.0)
+        for position, entry, top in zip(positions, entries, tops):
             values = entry["test_accuracy"]
             axis.scatter([position] * len(values), values, color="black", s=12, zorder=3)
-            axis.text(position, max(values) + 0.4, f"{entry['mean']:.2f} ± {entry['std']:.2f}", ha="center", fontsize=8)
-        every_value = [value for entry in entries for value in entry["test_accuracy"]]
-        axis.set_ylim(min(every_value) - 3, max(every_value) + 2)
+            label = f"{entry['mean']:.2f} ± {entry['std']:.2f}"
+            axis.text(position, top + 0.03 * span, label, ha="center", va="bottom", fontsize=8)
+        axis.set_ylim(min(bottoms) - 0.3 * span, max(tops) + 0.15 * span)
         axis.set_xticks(list(positions), [entry["model"] for entry in entries])
         seeds = ", ".join(str(seed) for seed in entries[0]["seeds"])
         axis.set_title(f"{task} composition, m = {entries[0]['m']}: test accuracy, seeds {seeds}", fontsize=10)
