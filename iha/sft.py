@@ -544,7 +544,7 @@ def training_card_section(trainer, base, converted: bool, train_source, num_rows
 
 def write_training_card(output_dir, trainer, base, converted, train_source, num_rows, peft_config) -> None:
     """Add the training section (and how to load) to the model card that conversion started, or start one."""
-    from .model_card import how_to_load_section, update_model_card
+    from .model_card import DEFAULT_TAGS, how_to_load_section, update_model_card
 
     update_model_card(
         output_dir,
@@ -552,7 +552,7 @@ def write_training_card(output_dir, trainer, base, converted, train_source, num_
             "Training": training_card_section(trainer, base, converted, train_source, num_rows, peft_config),
             "How to load": how_to_load_section(str(output_dir)),
         },
-        metadata={"tags": ["iha", "interleaved-head-attention", "sft", "trl"]},
+        metadata={"tags": [*DEFAULT_TAGS, "sft", "trl"]},
     )
 
 

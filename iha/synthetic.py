@@ -304,12 +304,18 @@ def model_variants(config: SyntheticConfig) -> list[tuple[str, int | None]]:
     return [("MHA", None)] + [(f"IHA P={p}", p) for p in config.pseudo_heads]
 
 
+def _config_as_saved(config: SyntheticConfig) -> dict:
+    """The config as it reads back from a results file (JSON turns tuples into lists, int keys into strings), so
+    that a saved comparison can be matched against the one asked for."""
+    return json.loads(json.dumps(asdict(config)))
+
+
 def _load_checkpoint(path: Path | None, config: SyntheticConfig) -> list[dict]:
     """Finished runs from an earlier, interrupted call with the same config (none if there is no checkpoint)."""
     if path is None or not path.is_file():
         return []
     saved = json.loads(path.read_text(encoding="utf-8"))
-    if saved.get("config") != json.loads(json.dumps(asdict(config))):
+    if saved.get("config") != _config_as_saved(config):
         raise ValueError(
             f"{path} holds runs of a different configuration. Delete it (or pass --fresh) to start over, or use "
             "another output folder."
@@ -705,7 +711,7 @@ def _run_and_write(config: SyntheticConfig, output_dir: Path, fresh: bool) -> di
         checkpoint.unlink(missing_ok=True)
     elif finished.is_file():
         saved = json.loads(finished.read_text(encoding="utf-8"))
-        if saved.get("config") == json.loads(json.dumps(asdict(config))):
+        if saved.get("config") == _config_as_saved(config):
             print(f"{finished}: this comparison has already run; reusing it (--fresh runs it again).")
             return saved
         raise SystemExit(
