@@ -14,8 +14,12 @@
 """Interleaved Head Attention (IHA) model configuration.
 
 This file is copied next to the weights by `save_pretrained`, so it may import only torch, transformers and
-its sibling `modeling_iha.py`: never the `iha` package itself.
+its siblings (`compat_iha.py`, `modeling_iha.py`): never the `iha` package itself.
 """
+
+# First: importing the compatibility module refuses a transformers below the supported range with one clear error,
+# before the imports below fail with unrelated ones (releases before 5.4 cannot even define this class).
+from .compat_iha import MINIMUM_TRANSFORMERS  # noqa: F401  # isort: skip
 
 from huggingface_hub.dataclasses import strict
 from transformers import LlamaConfig
@@ -32,6 +36,10 @@ POSITION_MODES = ("virtual", "shared")
 COLLAPSE_MODES = ("per_head", "global")
 COLLAPSE_INITS = ("last", "mean", "first")
 CACHE_MODES = ("token", "pseudo")
+
+# transformers' sliding-window caches keep `sliding_window - 1` past tokens; with a 1-token window they keep none,
+# and decoding fails with a size mismatch.
+MINIMUM_SLIDING_WINDOW = 2
 
 
 def is_iha_layer(attention_type: str) -> bool:
@@ -55,11 +63,12 @@ def paper_hybrid_layout(
     if global_every < 1:
         raise ValueError(f"`global_every` must be >= 1, got {global_every}.")
     window = training_length // (2 * num_pseudo_heads**2)
-    if window < 1:
+    if window < MINIMUM_SLIDING_WINDOW:
         raise ValueError(
             f"`training_length` ({training_length}) is too short for P={num_pseudo_heads}: the window "
-            f"training_length / (2 * P^2) would be {training_length / (2 * num_pseudo_heads**2):.2f} tokens. "
-            f"Use a training length of at least {2 * num_pseudo_heads**2}."
+            f"training_length / (2 * P^2) would be {training_length / (2 * num_pseudo_heads**2):.2f} tokens, and "
+            f"sliding layers need at least {MINIMUM_SLIDING_WINDOW}. Use a training length of at least "
+            f"{MINIMUM_SLIDING_WINDOW * 2 * num_pseudo_heads**2}."
         )
     attention_types = [
         STANDARD_FULL if (layer_idx + 1) % global_every == 0 else IHA_SLIDING for layer_idx in range(num_hidden_layers)
@@ -115,8 +124,9 @@ class IHAConfig(LlamaConfig):
 
     model_type = "iha"
     # Tensor parallelism that shards q/k/v by heads would cut the cross-head mixing apart: no TP plan for
-    # attention (the MLP could still be split, but we keep one consistent rule: no inherited Llama plan).
-    base_model_tp_plan = {}
+    # attention (the MLP could still be split, but we keep one consistent rule: no inherited Llama plan). `None` says
+    # "no plan"; an empty dict would read as a plan that covers no parameter.
+    base_model_tp_plan = None
 
     num_pseudo_heads: int = 2
     attention_types: list[str] | None = None
@@ -178,10 +188,11 @@ class IHAConfig(LlamaConfig):
         if unknown:
             raise ValueError(f"`attention_types` entries must be in {list(ATTENTION_TYPES)}, got {unknown}.")
         has_sliding = any(is_sliding_layer(t) for t in self.attention_types)
-        if has_sliding and (self.sliding_window is None or self.sliding_window < 1):
+        if has_sliding and (self.sliding_window is None or self.sliding_window < MINIMUM_SLIDING_WINDOW):
             raise ValueError(
                 f"`attention_types` has sliding layers but `sliding_window` is {self.sliding_window!r}: "
-                "set `sliding_window` to the window in tokens (an integer >= 1)."
+                f"set `sliding_window` to the window in tokens (an integer >= {MINIMUM_SLIDING_WINDOW}; "
+                "transformers' sliding caches cannot decode with a 1-token window)."
             )
         if self.num_key_value_heads is not None and self.num_attention_heads % self.num_key_value_heads != 0:
             raise ValueError(

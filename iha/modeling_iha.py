@@ -18,8 +18,9 @@ interleaves the pseudo-tokens token-major into a sequence of N * P virtual token
 and folds the H * P pseudo-outputs back to H heads with a learned collapse before `o_proj`.
 
 This file is copied next to the weights by `save_pretrained`, so it imports only torch, transformers and its
-sibling `configuration_iha.py`. Remote-code classes are different objects from the installed package's: nothing
-here may check `isinstance(config, IHAConfig)`.
+siblings `configuration_iha.py` and `compat_iha.py` (where every difference between transformers releases is
+handled). Remote-code classes are different objects from the installed package's: nothing here may check
+`isinstance(config, IHAConfig)`.
 """
 
 from collections.abc import Callable
@@ -54,6 +55,13 @@ from transformers.utils import TransformersKwargs, can_return_tuple, logging
 from transformers.utils.generic import merge_with_config_defaults
 from transformers.utils.output_capturing import capture_outputs
 
+from .compat_iha import (
+    cache_keyword,
+    cache_query_offset,
+    check_untested_release,
+    output_cache,
+    take_cache_argument,
+)
 from .configuration_iha import IHAConfig
 
 
@@ -400,7 +408,7 @@ def create_interleaved_mask(
 
     batch_size, query_length = inputs_embeds.shape[:2]
     if past_key_values is not None:
-        query_offset = past_key_values.get_query_offset(layer_idx)
+        query_offset = cache_query_offset(past_key_values, layer_idx)
         if isinstance(query_offset, torch.Tensor):
             query_offset = query_offset.to(inputs_embeds.device)
         kv_length, kv_offset = past_key_values.get_mask_sizes(query_length, layer_idx)
@@ -486,16 +494,16 @@ def create_iha_masks(
                 config=config,
                 inputs_embeds=inputs_embeds,
                 attention_mask=attention_mask,
-                past_key_values=past_key_values,
                 position_ids=position_ids,
+                **cache_keyword(past_key_values),
             )
         elif attention_type == "sliding_attention":
             masks[attention_type] = create_sliding_window_causal_mask(
                 config=config,
                 inputs_embeds=inputs_embeds,
                 attention_mask=attention_mask,
-                past_key_values=past_key_values,
                 position_ids=position_ids,
+                **cache_keyword(past_key_values),
             )
         else:
             masks[attention_type] = create_interleaved_mask(
@@ -695,6 +703,9 @@ class IHADecoderLayer(GradientCheckpointingLayer):
         pseudo_rotation: tuple[torch.Tensor, torch.Tensor] | None = None,
         **kwargs: Unpack[TransformersKwargs],
     ) -> torch.Tensor:
+        # The model passes the cache under this release's name, the one `GradientCheckpointingLayer` clears when it
+        # recomputes the layer (a cache updated again on the backward replay would hold every token twice).
+        past_key_values = take_cache_argument(past_key_values, kwargs)
         residual = hidden_states
         hidden_states = self.input_layernorm(hidden_states)
         hidden_states, _ = self.self_attn(
@@ -722,7 +733,7 @@ class IHAPreTrainedModel(PreTrainedModel):
     base_model_prefix = "model"
     supports_gradient_checkpointing = True
     _no_split_modules = ["IHADecoderLayer"]
-    _skip_keys_device_placement = ["past_key_values"]
+    _skip_keys_device_placement = ["past_key_values", "cache"]
     _supports_flash_attn = True
     _supports_sdpa = True
     _supports_flex_attn = True
@@ -800,6 +811,7 @@ class IHAModel(IHAPreTrainedModel):
     ) -> BaseModelOutputWithPast:
         if (input_ids is None) ^ (inputs_embeds is not None):
             raise ValueError("You must specify exactly one of input_ids or inputs_embeds")
+        past_key_values = take_cache_argument(past_key_values, kwargs)
 
         if inputs_embeds is None:
             inputs_embeds: torch.Tensor = self.embed_tokens(input_ids)
@@ -835,16 +847,13 @@ class IHAModel(IHAPreTrainedModel):
                 position_embeddings=rotations["iha"] if is_iha_layer else rotations["standard"],
                 pseudo_rotation=rotations["pseudo"] if is_iha_layer else None,
                 position_ids=position_ids,
-                past_key_values=past_key_values,
                 use_cache=use_cache,
+                **cache_keyword(past_key_values),
                 **kwargs,
             )
 
         hidden_states = self.norm(hidden_states)
-        return BaseModelOutputWithPast(
-            last_hidden_state=hidden_states,
-            past_key_values=past_key_values,
-        )
+        return BaseModelOutputWithPast(last_hidden_state=hidden_states, **cache_keyword(past_key_values))
 
 
 class IHAForCausalLM(IHAPreTrainedModel, GenerationMixin):
@@ -859,10 +868,11 @@ class IHAForCausalLM(IHAPreTrainedModel, GenerationMixin):
 
     @staticmethod
     def create_masks_for_generate(
-        config, inputs_embeds, attention_mask, past_key_values, position_ids=None, **kwargs
+        config, inputs_embeds, attention_mask, past_key_values=None, position_ids=None, **kwargs
     ) -> dict:
         # `generate` prepares masks ahead of compiled forwards with static caches; token-level 4D masks would be
         # wrong for IHA layers, so hand over the per-type masks the model itself would build.
+        past_key_values = take_cache_argument(past_key_values, kwargs)
         return create_iha_masks(config, inputs_embeds, attention_mask, past_key_values, position_ids)
 
     def _get_static_cache_init_shape(self):
@@ -904,6 +914,7 @@ class IHAForCausalLM(IHAPreTrainedModel, GenerationMixin):
         >>> inputs = tokenizer("The capital of France is", return_tensors="pt")
         >>> output_ids = model.generate(**inputs, max_new_tokens=8)
         ```"""
+        past_key_values = take_cache_argument(past_key_values, kwargs)
         outputs: BaseModelOutputWithPast = self.model(
             input_ids=input_ids,
             attention_mask=attention_mask,
@@ -925,10 +936,14 @@ class IHAForCausalLM(IHAPreTrainedModel, GenerationMixin):
         return CausalLMOutputWithPast(
             loss=loss,
             logits=logits,
-            past_key_values=outputs.past_key_values,
+            **cache_keyword(output_cache(outputs)),
             hidden_states=outputs.hidden_states,
             attentions=outputs.attentions,
         )
+
+
+# On a transformers newer than the newest tested release, prove the cache path on a tiny model before any model runs.
+check_untested_release(IHAConfig, IHAForCausalLM)
 
 
 __all__ = ["IHAForCausalLM", "IHAModel", "IHAPreTrainedModel", "IHAHeadMixing"]

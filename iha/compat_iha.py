@@ -1,0 +1,193 @@
+# Copyright 2026 The iha authors.
+#
+# Licensed under the Apache License, Version 2.0 (the "License");
+# you may not use this file except in compliance with the License.
+# You may obtain a copy of the License at
+#
+#     http://www.apache.org/licenses/LICENSE-2.0
+#
+# Unless required by applicable law or agreed to in writing, software
+# distributed under the License is distributed on an "AS IS" BASIS,
+# WITHOUT WARRANTIES OR CONDITIONS OF ANY KIND, either express or implied.
+# See the License for the specific language governing permissions and
+# limitations under the License.
+"""Everything that differs between the transformers releases IHA supports, in one place.
+
+A model folder carries this file next to `configuration_iha.py` and `modeling_iha.py`, and whoever loads it brings
+their own transformers. The model files never test a version themselves: they call the names below.
+
+- The supported range and its guard: a release below `MINIMUM_TRANSFORMERS` is refused at import with one message
+  that names the fix; a release above `NEWEST_TESTED_TRANSFORMERS` is allowed only after a self-check of the cache path
+  on a tiny model (`check_untested_release`, called at the end of `modeling_iha.py`).
+- The cache argument: transformers 5.24 renamed `past_key_values` to `cache` in model inputs, model outputs, mask
+  helpers and `create_masks_for_generate`. A model that only knows the old name receives the cache in `**kwargs`,
+  ignores it and decodes garbage without any error, so the name is resolved here for every call.
+- The query offset of a cache: `Cache.get_query_offset` exists from 5.14; earlier releases' own mask helpers use
+  `get_seq_length()`.
+
+This file may import only torch and transformers (it travels with the weights), and must import nothing from
+transformers before the version check: an unsupported release may lack any of it.
+"""
+
+import os
+import re
+
+import transformers
+
+
+MINIMUM_TRANSFORMERS = (5, 4, 0)
+# Newest release line the version matrix (`scripts/check_transformers_matrix.py`) ran; patch releases of it count.
+NEWEST_TESTED_TRANSFORMERS = (5, 24)
+INSTALL_COMMAND = 'pip install "transformers>=5.4.0,<5.25"'
+SKIP_SELF_CHECK_VARIABLE = "IHA_SKIP_TRANSFORMERS_SELF_CHECK"
+
+
+def release_tuple(version: str) -> tuple[int, ...]:
+    """(major, minor, patch) of a version string such as "5.24.0" or "5.25.0.dev0"."""
+    numbers = re.match(r"(\d+)\.(\d+)(?:\.(\d+))?", version)
+    if numbers is None:
+        raise ValueError(f"Cannot read the transformers version {version!r}.")
+    return tuple(int(number or 0) for number in numbers.groups())
+
+
+def supported_range_text() -> str:
+    minimum = ".".join(map(str, MINIMUM_TRANSFORMERS))
+    newest = ".".join(map(str, NEWEST_TESTED_TRANSFORMERS))
+    return f"transformers >= {minimum} (tested up to {newest}.x)"
+
+
+class UnsupportedTransformersError(ImportError):
+    """The installed transformers cannot run IHA models correctly."""
+
+
+def check_minimum_release(version: str = transformers.__version__):
+    if release_tuple(version) < MINIMUM_TRANSFORMERS:
+        raise UnsupportedTransformersError(
+            f"IHA models need {supported_range_text()}, but transformers {version} is installed. Fix: {INSTALL_COMMAND}"
+        )
+
+
+def is_untested_release(version: str = transformers.__version__) -> bool:
+    return release_tuple(version)[:2] > NEWEST_TESTED_TRANSFORMERS
+
+
+check_minimum_release()
+
+# Imported only once the release is known to have them.
+import torch  # noqa: E402
+from transformers.modeling_outputs import BaseModelOutputWithPast  # noqa: E402
+
+
+# The name transformers uses for the cache in model inputs, outputs and mask helpers.
+CACHE_ARGUMENT = "cache" if "cache" in BaseModelOutputWithPast.__dataclass_fields__ else "past_key_values"
+OTHER_CACHE_ARGUMENT = "past_key_values" if CACHE_ARGUMENT == "cache" else "cache"
+
+
+def take_cache_argument(past_key_values, kwargs: dict):
+    """The cache passed to a forward under either name; removes the other name from `kwargs`.
+
+    `generate` passes `cache=` from transformers 5.24 on and `past_key_values=` before; users, TRL and PEFT may use
+    either. Both at once is ambiguous and refused, like transformers itself does.
+    """
+    other = kwargs.pop("cache", None)
+    if other is not None and past_key_values is not None:
+        raise ValueError("Pass the cache as `cache` or as `past_key_values`, not both.")
+    return past_key_values if past_key_values is not None else other
+
+
+def cache_keyword(cache) -> dict:
+    """`{name: cache}` with the name this release's mask helpers and model outputs take."""
+    return {CACHE_ARGUMENT: cache}
+
+
+def output_cache(outputs):
+    """The cache a model output carries, read under this release's field name (no deprecation warning)."""
+    return getattr(outputs, CACHE_ARGUMENT)
+
+
+def cache_query_offset(cache, layer_idx: int):
+    """How many tokens precede the current queries in `cache` (an int, or a tensor for static caches)."""
+    if hasattr(cache, "get_query_offset"):
+        return cache.get_query_offset(layer_idx)
+    # Before 5.14 transformers' own mask helpers use the number of cached tokens.
+    return cache.get_seq_length()
+
+
+def check_untested_release(config_class, causal_lm_class, version: str = transformers.__version__):
+    """On a transformers newer than the newest tested release, prove the cache path before any model runs.
+
+    Silent wrong output is what an API change in a new release does to a model that keeps running (5.24 renamed the
+    cache argument: models that missed it decode garbage with no error). So on an untested release this builds a tiny
+    IHA model and checks, in well under a second: (1) at identity mixing it gives the logits and the cached greedy
+    tokens of a Llama model with the same weights, on a left-padded batch; (2) with random mixing, greedy tokens with
+    the cache equal those without it. If either fails, importing the model fails with the fix; if both pass, a warning
+    says the release is untested. Setting IHA_SKIP_TRANSFORMERS_SELF_CHECK=1 skips the check.
+    """
+    if not is_untested_release(version) or os.environ.get(SKIP_SELF_CHECK_VARIABLE) == "1":
+        return
+    failure = cache_path_self_check(config_class, causal_lm_class)
+    if failure is not None:
+        raise UnsupportedTransformersError(
+            f"transformers {version} is newer than the releases IHA was tested with ({supported_range_text()}), and "
+            f"IHA's self-check on it failed: {failure}. Output would be wrong. Fix: {INSTALL_COMMAND} (or update the "
+            f"model's code files to a newer iha release). Set {SKIP_SELF_CHECK_VARIABLE}=1 to load anyway."
+        )
+    transformers.logging.get_logger(__name__).warning(
+        f"transformers {version} is newer than the releases IHA was tested with ({supported_range_text()}); its "
+        "cache self-check passed."
+    )
+
+
+def cache_path_self_check(config_class, causal_lm_class) -> str | None:
+    """Run the self-check of `check_untested_release`; returns what failed, or None."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    sizes = dict(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=None,
+    )
+    exact = dict(iha_position_mode="shared", iha_mask_mode="flat_causal", iha_collapse_init="last")
+    generator = torch.Generator().manual_seed(0)
+    input_ids = torch.randint(2, sizes["vocab_size"], (2, 7), generator=generator)
+    attention_mask = torch.ones_like(input_ids)
+    attention_mask[1, :3] = 0
+    greedy = dict(max_new_tokens=6, do_sample=False, pad_token_id=0)
+
+    with torch.device("cpu"), torch.no_grad():
+        torch.manual_seed(0)
+        llama = LlamaForCausalLM(LlamaConfig(**sizes)).eval()
+        iha = causal_lm_class(config_class(**sizes, **exact, num_pseudo_heads=2)).eval()
+        missing, _ = iha.load_state_dict(llama.state_dict(), strict=False)
+        if any(".head_mixing." not in name for name in missing):
+            return f"the Llama weights did not fit the IHA model ({missing})"
+        logit_difference = (
+            (
+                llama(input_ids, attention_mask=attention_mask).logits
+                - iha(input_ids, attention_mask=attention_mask).logits
+            )
+            .abs()
+            .max()
+            .item()
+        )
+        if not logit_difference < 1e-4:
+            return f"logits differ from Llama's by {logit_difference:.2e} at identity mixing"
+        llama_tokens = llama.generate(input_ids, attention_mask=attention_mask, **greedy)
+        if not torch.equal(iha.generate(input_ids, attention_mask=attention_mask, **greedy), llama_tokens):
+            return "cached greedy generation differs from Llama's at identity mixing"
+
+        for parameter_name, parameter in iha.named_parameters():
+            if ".head_mixing." in parameter_name:
+                parameter.add_(0.3 * torch.randn(parameter.shape, generator=generator))
+        cached = iha.generate(input_ids, attention_mask=attention_mask, use_cache=True, **greedy)
+        uncached = iha.generate(input_ids, attention_mask=attention_mask, use_cache=False, **greedy)
+        if not torch.equal(cached, uncached):
+            return "greedy generation with the cache differs from generation without it"
+    return None

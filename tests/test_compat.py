@@ -1,0 +1,82 @@
+"""The transformers-release compatibility layer (`iha/compat_iha.py`): the supported range, the cache argument under
+both names, and the self-check that guards releases newer than the newest tested one."""
+
+import logging
+
+import pytest
+import torch
+from conftest import TINY, left_padded_batch, tiny_iha_model
+
+import iha
+import iha.modeling_iha
+from iha import compat_iha
+
+
+@pytest.mark.parametrize("version", ["4.57.6", "5.0.0", "5.3.0"])
+def test_releases_below_the_minimum_are_refused_with_the_fix(version):
+    with pytest.raises(compat_iha.UnsupportedTransformersError) as error:
+        compat_iha.check_minimum_release(version)
+    message = str(error.value)
+    assert f"transformers {version} is installed" in message
+    assert "transformers >= 5.4.0" in message
+    assert 'pip install "transformers>=5.4.0,<5.25"' in message
+
+
+@pytest.mark.parametrize("version", ["5.4.0", "5.13.1", "5.24.0", "5.24.3", "5.25.0.dev0"])
+def test_supported_and_newer_releases_pass_the_minimum(version):
+    compat_iha.check_minimum_release(version)
+
+
+def test_only_releases_after_the_newest_tested_line_are_untested():
+    assert not compat_iha.is_untested_release("5.23.0")
+    assert not compat_iha.is_untested_release("5.24.2")
+    assert compat_iha.is_untested_release("5.25.0")
+    assert compat_iha.is_untested_release("6.0.0")
+
+
+def test_cache_is_taken_under_either_name():
+    cache = object()
+    assert compat_iha.take_cache_argument(cache, {}) is cache
+    kwargs = {"cache": cache, "output_attentions": False}
+    assert compat_iha.take_cache_argument(None, kwargs) is cache
+    assert "cache" not in kwargs and "output_attentions" in kwargs
+    with pytest.raises(ValueError, match="not both"):
+        compat_iha.take_cache_argument(cache, {"cache": object()})
+
+
+def test_model_decodes_the_same_with_the_cache_passed_as_cache_or_past_key_values():
+    model = tiny_iha_model(num_key_value_heads=2)
+    input_ids, attention_mask = left_padded_batch()
+    with torch.no_grad():
+        full = model(input_ids, attention_mask=attention_mask, use_cache=False).logits[:, -1]
+        for name in ("past_key_values", "cache"):
+            prefill = model(input_ids[:, :-1], attention_mask=attention_mask[:, :-1], use_cache=True)
+            cache = compat_iha.output_cache(prefill)
+            step = model(input_ids[:, -1:], attention_mask=attention_mask, **{name: cache}).logits[:, -1]
+            torch.testing.assert_close(step, full, rtol=1e-5, atol=1e-5)
+
+
+def test_self_check_passes_on_this_release_and_warns_for_an_untested_one(caplog):
+    assert compat_iha.cache_path_self_check(iha.IHAConfig, iha.IHAForCausalLM) is None
+    with caplog.at_level(logging.WARNING):
+        compat_iha.check_untested_release(iha.IHAConfig, iha.IHAForCausalLM, version="5.99.0")
+    assert "newer than the releases IHA was tested with" in caplog.text
+
+
+def test_self_check_catches_a_model_that_ignores_the_cache(monkeypatch):
+    # What transformers 5.24 did to a model that only knew `past_key_values`: the cache arrives under another name,
+    # the model never sees it, and generation continues from nothing but the last token, without an error.
+    monkeypatch.setattr(iha.modeling_iha, "take_cache_argument", lambda past_key_values, kwargs: None)
+    with pytest.raises(compat_iha.UnsupportedTransformersError) as error:
+        compat_iha.check_untested_release(iha.IHAConfig, iha.IHAForCausalLM, version="5.99.0")
+    message = str(error.value)
+    assert "transformers 5.99.0" in message and "self-check" in message
+    assert 'pip install "transformers>=5.4.0,<5.25"' in message
+    monkeypatch.setenv(compat_iha.SKIP_SELF_CHECK_VARIABLE, "1")
+    compat_iha.check_untested_release(iha.IHAConfig, iha.IHAForCausalLM, version="5.99.0")
+
+
+def test_saved_folders_carry_the_compatibility_module(tmp_path):
+    iha.IHAForCausalLM(iha.IHAConfig(**TINY)).save_pretrained(tmp_path)
+    for name in ("configuration_iha.py", "modeling_iha.py", "compat_iha.py"):
+        assert (tmp_path / name).is_file(), name
