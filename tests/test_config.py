@@ -1,7 +1,8 @@
 """IHAConfig: defaults, the paper's hybrid layout, serialisation and every validation error."""
 
 import pytest
-from conftest import TINY, tiny_iha_config
+import torch
+from conftest import TINY, tiny_iha_config, tiny_iha_model
 
 import iha
 from iha import IHAConfig
@@ -103,3 +104,30 @@ def test_invalid_settings_fail_at_construction(overrides, message):
 def test_hybrid_layout_rejects_too_short_training_length():
     with pytest.raises(ValueError, match="training_length"):
         iha.paper_hybrid_layout(num_hidden_layers=5, num_pseudo_heads=4, training_length=16)
+
+
+@pytest.mark.parametrize("training_length", [8, 15])
+def test_hybrid_layout_refuses_a_one_token_window(training_length):
+    # 2 P^2 <= training_length < 4 P^2 gives a window of one token, which transformers' sliding caches cannot decode.
+    with pytest.raises(ValueError, match="sliding layers need at least 2. Use a training length of at least 16"):
+        iha.paper_hybrid_layout(num_hidden_layers=5, num_pseudo_heads=2, training_length=training_length)
+    assert iha.paper_hybrid_layout(num_hidden_layers=5, num_pseudo_heads=2, training_length=16)["sliding_window"] == 2
+
+
+def test_one_token_sliding_window_is_refused():
+    with pytest.raises(ValueError, match=r"an integer >= 2"):
+        tiny_iha_config(sliding_window=1)
+
+
+def test_smallest_window_decodes_like_a_full_forward():
+    model = tiny_iha_model(sliding_window=2, num_pseudo_heads=2)
+    input_ids = torch.randint(3, TINY["vocab_size"], (1, 6), generator=torch.Generator().manual_seed(0))
+    generated = model.generate(input_ids, max_new_tokens=4, do_sample=False)
+    uncached = model.generate(input_ids, max_new_tokens=4, do_sample=False, use_cache=False)
+    assert torch.equal(generated, uncached)
+
+
+def test_no_tensor_parallel_plan():
+    # `None` says "no plan" to transformers; an empty dict reads as a plan that matches no parameter.
+    assert iha.IHAConfig.base_model_tp_plan is None
+    assert tiny_iha_config().base_model_tp_plan is None
