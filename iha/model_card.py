@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .atomic_files import write_text_atomic
+from .compat_iha import supported_range_text
 
 
 MODEL_CARD_NAME = "README.md"
@@ -156,7 +157,10 @@ from transformers import pipeline
 generator = pipeline("text-generation", model="{model_id}", trust_remote_code=True)
 messages = [{{"role": "user", "content": "What is 7 * 6?"}}]
 print(generator(messages, max_new_tokens=64)[0]["generated_text"][-1]["content"])
-```"""
+```
+
+Supported: {supported_range_text()}. On an older release, loading stops with the command that fixes it; on a newer,
+untested one, the code files first check their cache path on a tiny model and refuse to run if it fails."""
 
 
 __all__ = [
