@@ -3,8 +3,13 @@ from pathlib import Path
 from setuptools import find_packages, setup
 
 
+# The transformers releases the model files are tested with (the version matrix, scripts/transformers_matrix.py):
+# a range, so that installing the package keeps a user's supported transformers. iha/compat_iha.py holds the same
+# range for the files that travel with the weights. Development and the test suite use one release of it.
+SUPPORTED_TRANSFORMERS = "transformers>=5.4.0,<5.25"
+DEVELOPMENT_TRANSFORMERS = "transformers==5.23.0"
+
 HF_STACK = {
-    "transformers": "transformers==5.23.0",
     "trl": "trl==1.16.0",
     "peft": "peft==0.21.2",
     "accelerate": "accelerate==1.15.0",
@@ -24,6 +29,7 @@ extras["dev"] = sorted(
         *extras["train"],
         *extras["eval"],
         *extras["convert"],
+        DEVELOPMENT_TRANSFORMERS,
         "pytest>=8",
         "ruff>=0.6",
         "nbclient>=0.10",
@@ -44,7 +50,7 @@ setup(
     packages=find_packages(include=["iha", "iha.*"]),
     install_requires=[
         "torch>=2.4",
-        HF_STACK["transformers"],
+        SUPPORTED_TRANSFORMERS,
         "safetensors>=0.4",
         "huggingface_hub>=1.0",
         "tqdm>=4.66",
