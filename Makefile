@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 export HF_HUB_OFFLINE ?= 1
 export TOKENIZERS_PARALLELISM ?= false
 
-.PHONY: install demo test lint
+.PHONY: install demo test lint matrix
 
 $(VENV)/.installed: setup.py
 	$(PYTHON) -m venv $(VENV)
@@ -25,6 +25,11 @@ demo: install
 
 test: install
 	$(PY) -m pytest -q
+
+# Converted models on the oldest supported, a middle, the development and the newest transformers release, each in
+# an environment without iha (built once into ~/.cache/iha/transformers-matrix, then reused).
+matrix: install
+	$(PY) scripts/transformers_matrix.py
 
 lint: install
 	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check .

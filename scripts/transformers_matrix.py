@@ -1,0 +1,266 @@
+"""Run converted IHA models on several transformers releases, each in an environment that cannot import `iha`.
+
+A model folder travels with its code files (`configuration_iha.py`, `modeling_iha.py`, `compat_iha.py`) and is
+loaded by whatever transformers its user has. For each release this script builds (once, then reuses) an environment
+with torch and only that transformers, and runs `transformers_matrix_check.py` there on folders converted here once:
+a tiny Llama (GQA), a tiny Mistral (sliding window) and the real SmolLM2-135M-Instruct. Per release and model it
+checks that the logits equal the source's on a left-padded batch (within fp32 rounding, measured as the source's own
+sdpa-vs-eager difference) and that greedy tokens with DynamicCache, StaticCache and no cache equal the source's.
+Below the supported range it checks that loading is refused with one clear message.
+
+    python scripts/transformers_matrix.py                      # the default releases (see RELEASES)
+    python scripts/transformers_matrix.py --releases 5.20.0    # others, or several
+    python scripts/transformers_matrix.py --no-smollm2         # tiny models only
+
+Environments are cached in `--cache-dir` (default ~/.cache/iha/transformers-matrix); the report (a Markdown table and
+JSON) goes to `--output-dir`. Exits 1 when any release fails. Needs the package index for the first build of each
+environment; runs offline afterwards.
+"""
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO_ROOT))
+
+from iha.atomic_files import write_json_atomic, write_text_atomic  # noqa: E402
+from iha.compat_iha import MINIMUM_TRANSFORMERS, NEWEST_TESTED_TRANSFORMERS, supported_range_text  # noqa: E402
+
+
+# The oldest supported release, the last one before `Cache.get_query_offset` (the compatibility fallback), the
+# development release, and the newest on the package index when this list was last updated.
+RELEASES = ["5.4.0", "5.13.1", "5.23.0", "5.24.0"]
+# Releases below the supported range, where loading must be refused clearly.
+REFUSED_RELEASES = ["5.3.0"]
+CHECK_SCRIPT = Path(__file__).resolve().with_name("transformers_matrix_check.py")
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--releases", nargs="+", default=RELEASES, help="supported releases to check (%(default)s)")
+    parser.add_argument(
+        "--refused-releases", nargs="*", default=REFUSED_RELEASES, help="releases that must be refused (%(default)s)"
+    )
+    parser.add_argument("--cache-dir", type=Path, default=Path("~/.cache/iha/transformers-matrix").expanduser())
+    parser.add_argument("--output-dir", type=Path, default=Path("runs/transformers_matrix"))
+    parser.add_argument("--no-smollm2", action="store_true", help="check the tiny models only")
+    return parser.parse_args(argv)
+
+
+def log(message: str):
+    print(f"[transformers-matrix] {message}", flush=True)
+
+
+def public_version(version: str) -> str:
+    return version.split("+")[0]
+
+
+def torch_environment(cache_dir: Path) -> Path:
+    """A virtual environment holding torch alone (the version installed here); returns its interpreter."""
+    import torch
+
+    venv = cache_dir / f"torch-{public_version(torch.__version__)}"
+    python = venv / "bin" / "python"
+    if (venv / ".complete").is_file():
+        return python
+    log(f"building {venv} (torch {public_version(torch.__version__)})")
+    shutil.rmtree(venv, ignore_errors=True)
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+    subprocess.run(
+        [str(python), "-m", "pip", "install", "--quiet", f"torch=={public_version(torch.__version__)}"], check=True
+    )
+    (venv / ".complete").touch()
+    return python
+
+
+def transformers_environment(cache_dir: Path, python: Path, release: str) -> Path:
+    """A folder with one transformers release and its dependencies, put on PYTHONPATH of the torch environment."""
+    target = cache_dir / f"transformers-{release}"
+    if (target / ".complete").is_file():
+        return target
+    log(f"installing transformers {release} into {target}")
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".transformers-{release}-", dir=cache_dir))
+    try:
+        subprocess.run(
+            [str(python), "-m", "pip", "install", "--quiet", "--target", str(staging), f"transformers=={release}"],
+            check=True,
+        )
+        (staging / ".complete").touch()
+        shutil.rmtree(target, ignore_errors=True)
+        staging.rename(target)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return target
+
+
+def tiny_sources(work_dir: Path) -> list[Path]:
+    """A tiny Llama (GQA, untied head) and a tiny Mistral (sliding window of 4 tokens), random weights, saved."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM
+
+    sizes = dict(
+        vocab_size=128,
+        hidden_size=48,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=None,
+    )
+    sources = []
+    for name, model_class, config in [
+        ("tiny-llama", LlamaForCausalLM, LlamaConfig(**sizes, tie_word_embeddings=False)),
+        ("tiny-mistral", MistralForCausalLM, MistralConfig(**sizes, sliding_window=4)),
+    ]:
+        torch.manual_seed(0)
+        model_class(config).save_pretrained(work_dir / name)
+        sources.append(work_dir / name)
+    return sources
+
+
+def convert_sources(sources: list[Path], work_dir: Path) -> list[tuple[Path, Path]]:
+    from iha.convert import convert_checkpoint
+
+    pairs = []
+    for source in sources:
+        converted = work_dir / f"{source.name}-iha"
+        report = convert_checkpoint(source, converted, show_progress=False)
+        log(f"converted {source.name}: {report.verification.message if report.verification else 'not verified'}")
+        pairs.append((source, converted))
+    return pairs
+
+
+def run_check(python: Path, site: Path, arguments: list[str]) -> dict:
+    """Run the check script in the clean environment, from an empty folder (so `iha` cannot be imported)."""
+    environment = {
+        key: value for key, value in os.environ.items() if key not in ("PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV")
+    }
+    environment.update(PYTHONPATH=str(site), HF_HUB_OFFLINE="1", PYTHONNOUSERSITE="1", TOKENIZERS_PARALLELISM="false")
+    with tempfile.TemporaryDirectory() as empty:
+        completed = subprocess.run(
+            [str(python), str(CHECK_SCRIPT), *arguments],
+            cwd=empty,
+            env=environment,
+            capture_output=True,
+            text=True,
+        )
+    lines = completed.stdout.strip().splitlines()
+    try:
+        return json.loads(lines[-1])
+    except (IndexError, json.JSONDecodeError):
+        return {"passed": False, "crash": completed.stderr.strip().splitlines()[-5:]}
+
+
+def package_import_error(python: Path, site: Path) -> str:
+    """What `import iha` (the installed package, not a model folder) says on this release: the same guard."""
+    environment = {key: value for key, value in os.environ.items() if key not in ("PYTHONHOME", "VIRTUAL_ENV")}
+    environment.update(PYTHONPATH=f"{site}{os.pathsep}{REPO_ROOT}", PYTHONNOUSERSITE="1")
+    completed = subprocess.run(
+        [str(python), "-c", "import iha; print('imported')"], env=environment, capture_output=True, text=True
+    )
+    output = (completed.stdout + completed.stderr).strip().splitlines()
+    return output[-1] if output else ""
+
+
+def markdown_table(results: list[dict]) -> str:
+    lines = [
+        f"Supported: {supported_range_text()}. Each row ran in an environment with torch and only that transformers "
+        "(`iha` not importable), loading the converted folders through `trust_remote_code`. Logit difference: max "
+        "|IHA - source| over the real tokens of a left-padded batch of 3 (tolerance in brackets: 4x the source's own "
+        "sdpa-vs-eager difference, at least 1e-5). Greedy: 16 new tokens, equal to the source's.",
+        "",
+        "| transformers | model | load | logit difference | greedy, DynamicCache | greedy, StaticCache | greedy, no cache |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for result in results:
+        if "models" not in result:
+            outcome = "refused: " + (result.get("error") or "NOT REFUSED").split("\n")[0]
+            if not result["passed"]:
+                outcome = f"**{outcome}** (import iha: {result.get('package_import')})"
+            lines.append(f"| {result['transformers']} | all | {outcome} | - | - | - | - |")
+            continue
+        for model in result["models"]:
+
+            def mark(key, model=model):
+                return "equal" if model[key] else ("**error**" if f"{key}_error" in model else "**different**")
+
+            lines.append(
+                f"| {result['transformers']} | {Path(model['source']).name} | ok | "
+                f"{model['logit_difference']:.1e} ({model['tolerance']:.0e}) | {mark('dynamic_cache')} | "
+                f"{mark('static_cache')} | {mark('no_cache')} |"
+            )
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    started = time.perf_counter()
+    log(f"supported {supported_range_text()}; checking {args.releases}, refusal on {args.refused_releases}")
+    work_dir = Path(tempfile.mkdtemp(prefix="iha-matrix-"))
+    try:
+        sources = tiny_sources(work_dir)
+        if not args.no_smollm2:
+            from iha.builtin import smollm2_dir
+
+            sources.append(smollm2_dir())
+        pairs = convert_sources(sources, work_dir)
+        python = torch_environment(args.cache_dir)
+
+        results = []
+        for release in args.refused_releases:
+            site = transformers_environment(args.cache_dir, python, release)
+            result = run_check(python, site, ["refuse", str(pairs[0][1])])
+            result.setdefault("transformers", release)
+            result["package_import"] = package_import_error(python, site)
+            result["passed"] = result["passed"] and "UnsupportedTransformersError: " in result["package_import"]
+            log(f"transformers {release}: {'refused clearly' if result['passed'] else 'FAILED'}: {result.get('error')}")
+            results.append(result)
+        for release in args.releases:
+            site = transformers_environment(args.cache_dir, python, release)
+            result = run_check(python, site, ["check", *[str(path) for pair in pairs for path in pair]])
+            result.setdefault("transformers", release)
+            for model in result.get("models", []):
+                log(
+                    f"transformers {release}, {Path(model['source']).name}: {'ok' if model['passed'] else 'FAILED'} "
+                    f"(logits {model['logit_difference']:.1e}, dynamic {model['dynamic_cache']}, static "
+                    f"{model['static_cache']}, no cache {model['no_cache']}, {model['seconds']} s)"
+                )
+            if "crash" in result:
+                log(f"transformers {release}: the check crashed:\n" + "\n".join(result["crash"]))
+            results.append(result)
+    finally:
+        shutil.rmtree(work_dir, ignore_errors=True)
+
+    failed = [result["transformers"] for result in results if not result["passed"]]
+    summary = {
+        "supported": supported_range_text(),
+        "minimum": ".".join(map(str, MINIMUM_TRANSFORMERS)),
+        "newest_tested": ".".join(map(str, NEWEST_TESTED_TRANSFORMERS)),
+        "results": results,
+        "failed": failed,
+        "seconds": round(time.perf_counter() - started, 1),
+    }
+    args.output_dir.mkdir(parents=True, exist_ok=True)
+    write_json_atomic(summary, args.output_dir / "transformers_matrix.json")
+    write_text_atomic(markdown_table(results), args.output_dir / "transformers_matrix.md")
+    print(markdown_table(results))
+    log(f"{'FAILED on ' + ', '.join(failed) if failed else 'all releases passed'} in {summary['seconds']} s")
+    print(f"transformers-matrix: {len(results) - len(failed)} passed, {len(failed)} failed")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,137 @@
+"""Check converted IHA folders against their source models in a process that cannot import `iha`.
+
+Run by `scripts/transformers_matrix.py` with an interpreter that has torch and one transformers release and nothing
+else: the IHA model loads through remote code only (the code files in the folder), like a Hub user's would. Prints one
+JSON object on its last line.
+
+    python transformers_matrix_check.py check SOURCE CONVERTED [SOURCE CONVERTED ...]
+    python transformers_matrix_check.py refuse CONVERTED
+"""
+
+import json
+import sys
+import time
+from pathlib import Path
+
+
+def cannot_import_iha() -> bool:
+    try:
+        import iha  # noqa: F401
+    except ImportError:
+        return True
+    return False
+
+
+def prompt_batch(source: str, vocab_size: int):
+    """A left-padded batch of three prompts: chat prompts where the folder has a tokenizer, random ids otherwise."""
+    import torch
+    from transformers import AutoTokenizer
+
+    if (Path(source) / "tokenizer_config.json").is_file():
+        tokenizer = AutoTokenizer.from_pretrained(source)
+        tokenizer.padding_side = "left"
+        if tokenizer.pad_token is None:
+            tokenizer.pad_token = tokenizer.eos_token
+        questions = ["What is 2 + 3?", "Name a prime number larger than ten.", "Hi"]
+        # Older releases do not read a folder's chat_template.jinja: plain prompts there.
+        if tokenizer.chat_template:
+            texts = [
+                tokenizer.apply_chat_template(
+                    [{"role": "user", "content": q}], tokenize=False, add_generation_prompt=True
+                )
+                for q in questions
+            ]
+        else:
+            texts = questions
+        batch = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=not tokenizer.chat_template)
+        return batch["input_ids"], batch["attention_mask"], tokenizer.pad_token_id
+    generator = torch.Generator().manual_seed(0)
+    input_ids = torch.randint(3, vocab_size, (3, 11), generator=generator)
+    attention_mask = torch.ones_like(input_ids)
+    attention_mask[1, :4] = 0
+    attention_mask[2, :7] = 0
+    input_ids[attention_mask == 0] = 0
+    return input_ids, attention_mask, 0
+
+
+def check_pair(source: str, converted: str, max_new_tokens: int = 16) -> dict:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    started = time.perf_counter()
+    base = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32).eval()
+    base_eager = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32, attn_implementation="eager").eval()
+    model = AutoModelForCausalLM.from_pretrained(converted, dtype=torch.float32, trust_remote_code=True).eval()
+    result = {"source": source, "model_class": type(model).__name__, "loaded_from": type(model).__module__}
+    input_ids, attention_mask, pad_token_id = prompt_batch(source, base.config.vocab_size)
+    valid = attention_mask.bool()
+    with torch.no_grad():
+        base_logits = base(input_ids, attention_mask=attention_mask).logits
+        eager_logits = base_eager(input_ids, attention_mask=attention_mask).logits
+        iha_logits = model(input_ids, attention_mask=attention_mask, use_cache=False).logits
+    # The bar the converter uses: fp32 rounding, measured as how far the source moves when only its kernel changes.
+    source_noise = (base_logits - eager_logits)[valid].abs().max().item()
+    result["logit_difference"] = (base_logits - iha_logits)[valid].abs().max().item()
+    result["tolerance"] = max(1e-5, 4 * source_noise)
+    result["logits_equal"] = result["logit_difference"] <= result["tolerance"]
+
+    greedy = dict(max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=pad_token_id)
+    expected = base.generate(input_ids, attention_mask=attention_mask, **greedy)
+    for name, options in {
+        "dynamic_cache": {},
+        "static_cache": {"cache_implementation": "static"},
+        "no_cache": {"use_cache": False},
+    }.items():
+        try:
+            tokens = model.generate(input_ids, attention_mask=attention_mask, **greedy, **options)
+            result[name] = bool(torch.equal(tokens, expected))
+        except Exception as error:  # a crash is a result to report, like a difference
+            result[name] = False
+            result[f"{name}_error"] = f"{type(error).__name__}: {error}"[:300]
+    result["seconds"] = round(time.perf_counter() - started, 1)
+    result["passed"] = result["logits_equal"] and all(result[k] for k in ("dynamic_cache", "static_cache", "no_cache"))
+    return result
+
+
+def refuse(converted: str) -> dict:
+    """Below the supported range, loading must fail at once with the version, the range and the fix."""
+    from transformers import AutoConfig
+
+    started = time.perf_counter()
+    try:
+        AutoConfig.from_pretrained(converted, trust_remote_code=True)
+    except Exception as error:
+        message = str(error)
+        import transformers
+
+        clear = (
+            type(error).__name__ == "UnsupportedTransformersError"
+            and transformers.__version__ in message
+            and "pip install" in message
+        )
+        return {
+            "refused": True,
+            "clear": clear,
+            "error": f"{type(error).__name__}: {message}",
+            "seconds": round(time.perf_counter() - started, 1),
+        }
+    return {"refused": False, "clear": False, "error": None}
+
+
+def main(argv: list[str]) -> int:
+    import transformers
+
+    report = {"transformers": transformers.__version__, "iha_importable": not cannot_import_iha()}
+    if argv[0] == "refuse":
+        report.update(refuse(argv[1]))
+        report["passed"] = report["refused"] and report["clear"] and not report["iha_importable"]
+    else:
+        pairs = list(zip(argv[1::2], argv[2::2]))
+        report["models"] = [check_pair(source, converted) for source, converted in pairs]
+        report["passed"] = not report["iha_importable"] and all(m["passed"] for m in report["models"])
+    print(json.dumps(report))
+    return 0 if report["passed"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
