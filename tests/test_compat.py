@@ -80,3 +80,15 @@ def test_saved_folders_carry_the_compatibility_module(tmp_path):
     iha.IHAForCausalLM(iha.IHAConfig(**TINY)).save_pretrained(tmp_path)
     for name in ("configuration_iha.py", "modeling_iha.py", "compat_iha.py"):
         assert (tmp_path / name).is_file(), name
+
+
+def test_install_requirement_is_the_supported_range():
+    # `pip install` must keep any supported transformers a user has: setup.py states the same range as the guard.
+    import re
+    from pathlib import Path
+
+    setup_text = (Path(__file__).resolve().parents[1] / "setup.py").read_text()
+    requirement = re.search(r'SUPPORTED_TRANSFORMERS = "([^"]+)"', setup_text).group(1)
+    assert requirement == "transformers>=5.4.0,<5.25"
+    assert f'pip install "{requirement}"' == compat_iha.INSTALL_COMMAND
+    assert compat_iha.MINIMUM_TRANSFORMERS == (5, 4, 0) and compat_iha.NEWEST_TESTED_TRANSFORMERS == (5, 24)
