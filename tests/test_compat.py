@@ -66,7 +66,11 @@ def test_self_check_passes_on_this_release_and_warns_for_an_untested_one(caplog)
 def test_self_check_catches_a_model_that_ignores_the_cache(monkeypatch):
     # What transformers 5.24 did to a model that only knew `past_key_values`: the cache arrives under another name,
     # the model never sees it, and generation continues from nothing but the last token, without an error.
-    monkeypatch.setattr(iha.modeling_iha, "take_cache_argument", lambda past_key_values, kwargs: None)
+    def lose_the_cache(past_key_values, kwargs):
+        kwargs.pop("cache", None)
+        return None
+
+    monkeypatch.setattr(iha.modeling_iha, "take_cache_argument", lose_the_cache)
     with pytest.raises(compat_iha.UnsupportedTransformersError) as error:
         compat_iha.check_untested_release(iha.IHAConfig, iha.IHAForCausalLM, version="5.99.0")
     message = str(error.value)
