@@ -1,27 +1,31 @@
-"""The paper's trained synthetic tasks, reproduced on a CPU: relation composition with one attention layer.
+"""The paper's trained synthetic tasks: relation composition with one attention layer, MHA, 2-simplicial and IHA.
 
 Task (paper, appendix): a random boolean relation R on {0..m-1} (each pair related with probability `density`) is
 flattened row-major into m^2 tokens (token (i, j) is the bit R[i, j]). The label of position (i, j) is
 (R o R)[i, j] = OR_k R[i, k] AND R[k, j] ("binary" composition) or (R o R o R)[i, j] ("ternary"). Solving position
-(i, j) needs row i and column j (and, for ternary, the pairs in between), so attention is bidirectional.
+(i, j) needs row i and column j (and, for ternary, the pairs in between), so attention is bidirectional. As in the
+paper, m is drawn per example (binary m ~ U{6..10} at density 0.325, ternary m ~ U{5..8} at density 0.264; a fixed
+m is an option), a batch is right-padded to its largest m^2 and padded keys are masked out of the attention; loss
+and accuracy count the real positions only, and accuracy is also reported per m.
 
-Model (identical for MHA and IHA except for the attention; our choices where the paper is silent):
+Model (identical for every attention; our choices where the paper is silent):
 
 * embedding = bit embedding + learned row embedding (i) + learned column embedding (j): the model knows where each
   bit sits without any order bias (no RoPE, no causal mask);
 * one pre-norm transformer block: x + Attention(LayerNorm(x)), then x + MLP(LayerNorm(x)) (GELU, 4x width);
 * a final LayerNorm and a linear readout to one logit per position (binary cross-entropy).
 
-The attention is plain bidirectional softmax attention with H heads over the m^2 tokens (MHA), or IHA: the same
-q/k/v/o projections plus `iha.modeling_iha.IHAHeadMixing` (alpha_q/k/v [H, H, P], per-head collapse [H, P]),
-softmax attention over the m^2 * P interleaved pseudo-tokens without a mask, then the collapse back to H heads.
-IHA here is trained from scratch, so its mixing does not start at identity (which would keep every pseudo-copy of
-a key identical forever under a mask-free attention): alphas are drawn like fresh linear weights over heads,
-N(0, 1/H), and the collapse weights N(0, 1/P).
+The attention is plain bidirectional softmax attention with H heads over the m^2 tokens (MHA); 2-simplicial
+attention (`iha.simplicial_attention`: trilinear scores over pairs of keys, two more projections); or IHA: the
+MHA projections plus `iha.modeling_iha.IHAHeadMixing` (alpha_q/k/v [H, H, P], per-head collapse [H, P]), softmax
+attention over the m^2 * P interleaved pseudo-tokens (the padding mask repeated over each token's P pseudo-tokens),
+then the collapse back to H heads. IHA here is trained from scratch, so its mixing does not start at identity
+(which would keep every pseudo-copy of a key identical forever under a mask-free attention): alphas are drawn like
+fresh linear weights over heads, N(0, 1/H), and the collapse weights N(0, 1/P).
 
-Training: AdamW (weight decay 0.01), batch 128, per-epoch validation, early stopping on validation accuracy
-(patience epochs), the best validation checkpoint is tested. Metrics: per-position accuracy (the paper's) and
-per-matrix exact match.
+Training: AdamW (weight decay 0.01), per-epoch validation, early stopping on validation accuracy (patience 10 by
+default), the best validation checkpoint is tested. Metrics: per-position accuracy (the paper's) and per-matrix
+exact match, overall and per m. Runs on CUDA when there is one.
 """
 
 from __future__ import annotations
@@ -33,7 +37,7 @@ import math
 import os
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import NamedTuple
@@ -323,10 +327,11 @@ PAPER = SyntheticConfig()
 # by other jobs; ternary ~27 / ~140 ms. IHA P = 8 (8 m^2 pseudo-tokens) and 2-simplicial (m^4 pairs of keys per
 # query) take almost all of it: at m = 10 one example costs them 20-150 ms where MHA costs 1-10 ms. What had to
 # give, in order: lr 1e-3 only (the rate validation picked for every model in the fixed-m runs; lr 1e-4 needs many
-# more epochs to stop by patience), width 32 (head dim 4), 320 / 160 / 1,000 examples with batch 32 (12 steps an
-# epoch), at most 60 epochs. Estimate: ~25 minutes per seed at ~30 epochs a run on a quiet machine (about 75 minutes
-# for the three seeds at a 1.5x slowdown); several times that when the cores are busy. The data is small, so the
-# results measure learning from few examples rather than the paper's 40k.
+# more epochs to stop by patience), width 32 (head dim 4), 320 / 160 / 1,000 examples with batch 32 (10 steps an
+# epoch), at most 60 epochs. Estimate: ~30 minutes per seed if every run uses its 60 epochs on a quiet machine
+# (about 2 hours for the three seeds at a 1.5x slowdown), several times that when the cores are busy: seed 0's
+# binary MHA run used all 60 epochs (still rising) in 8.7 minutes with the 2 cores shared by other jobs (load ~8).
+# The data is small, so the results measure learning from few examples rather than the paper's 40k.
 CPU = replace(
     PAPER,
     num_train=320,
@@ -516,12 +521,14 @@ def run_comparison(
     progress: bool = True,
     checkpoint: str | os.PathLike | None = None,
     device: str | torch.device | None = None,
+    only: Collection[tuple[str, str]] | None = None,
 ) -> dict:
     """Every task x model x learning rate; returns a JSON-ready dict (config, baselines, runs).
 
     With `checkpoint`, every finished run is saved there at once, and a later call with the same config skips the
     runs it finds: an interrupted comparison resumes where it stopped (each run is deterministic in the seed).
-    `device` defaults to CUDA when there is one.
+    `device` defaults to CUDA when there is one. `only` ((task, model) pairs) trains just those runs now, keeping
+    the checkpoint's other runs, so that a caller can order the work across seeds (cheap models first).
     """
     device = torch.device(device) if device is not None else default_device()
     checkpoint = Path(checkpoint) if checkpoint is not None else None
@@ -542,6 +549,9 @@ def run_comparison(
         baselines[task] = {"m": m, **majority_baseline(data["test"])}
         data = {split: split_data.to(device) for split, split_data in data.items()}
         for name, attention, num_pseudo_heads in variants:
+            if only is not None and (task, name) not in only:
+                overall.update(len(config.learning_rates))
+                continue
             for learning_rate in config.learning_rates:
                 description = f"{task} m={describe_m(m)} {name} lr={learning_rate:g}"
                 if (task, name, learning_rate) in finished:
@@ -566,7 +576,9 @@ def run_comparison(
                     }
                 )
                 if checkpoint is not None:
-                    write_json_atomic({"config": asdict(config), "runs": runs}, checkpoint)
+                    done = {(run["task"], run["model"], run["learning_rate"]) for run in runs}
+                    kept = [run for key, run in finished.items() if key not in done]  # runs outside `only`
+                    write_json_atomic({"config": asdict(config), "runs": runs + kept}, checkpoint)
                 overall.update(1)
                 overall.set_postfix_str(f"{description}: test acc {result['test_accuracy']:.4f}")
     overall.close()
@@ -594,18 +606,28 @@ def best_runs(results: dict) -> dict[tuple[str, str], dict]:
     return best
 
 
+def _saved_config(config: dict) -> SyntheticConfig:
+    """A results file's config; those written before the 2-simplicial baseline existed ran without it."""
+    return SyntheticConfig(**{"simplicial": False, **config})
+
+
 def _model_names(config: dict) -> list[str]:
-    return [name for name, _, _ in model_variants(SyntheticConfig(**config))]
+    return [name for name, _, _ in model_variants(_saved_config(config))]
 
 
 def _sizes(config: dict, task: str) -> list[int]:
-    low, high = SyntheticConfig(**config).m[task]
+    low, high = _saved_config(config).m[task]
     return list(range(low, high + 1))
 
 
 def _stopping_line(runs: list[dict]) -> str:
-    by_patience = sum(run.get("stopped_by") == "patience" for run in runs)
-    return f"{by_patience} of {len(runs)} runs stopped by patience, {len(runs) - by_patience} by the epoch budget."
+    recorded = [run for run in runs if "stopped_by" in run]  # results written before it was recorded lack it
+    if not recorded:
+        return "How the runs stopped was not recorded."
+    by_patience = sum(run["stopped_by"] == "patience" for run in recorded)
+    return (
+        f"{by_patience} of {len(recorded)} runs stopped by patience, {len(recorded) - by_patience} by the epoch budget."
+    )
 
 
 def results_table(results: dict) -> str:
@@ -692,11 +714,13 @@ def seed_summary(results_per_seed: list[dict]) -> tuple[str, dict]:
                         for run in results["runs"]
                         if run["task"] == task and run["model"] == model and run["learning_rate"] == lr
                     ]
-                    if not matching:
-                        raise ValueError(f"Seed results disagree: not every seed has {model} on {task} at lr {lr:g}.")
-                    values.append(100 * matching[0])
-                per_rate[f"{lr:g}"] = dict(zip(("mean", "std"), _mean_std(values)), test_accuracy=values)
-            values = [100 * runs[(task, model)]["test_accuracy"] for runs in selected]
+                    values += [100 * accuracy for accuracy in matching[:1]]
+                if values:  # a seed may have run fewer learning rates (then the table says over how many seeds)
+                    per_rate[f"{lr:g}"] = dict(zip(("mean", "std"), _mean_std(values)), test_accuracy=values)
+            try:
+                values = [100 * runs[(task, model)]["test_accuracy"] for runs in selected]
+            except KeyError:
+                raise ValueError(f"Seed results disagree: not every seed has {model} on {task}.") from None
             mean, std = _mean_std(values)
             by_m = {}
             for size in _sizes(first, task):
@@ -723,7 +747,12 @@ def seed_summary(results_per_seed: list[dict]) -> tuple[str, dict]:
                 "runs": len(results_per_seed) * len(learning_rates),
             }
             row = [task, describe_m(first["m"][task]), model]
-            row += [f"{per_rate[f'{lr:g}']['mean']:.2f} ± {per_rate[f'{lr:g}']['std']:.2f}" for lr in learning_rates]
+            for lr in learning_rates:
+                rate = per_rate.get(f"{lr:g}")
+                cell = "–" if rate is None else f"{rate['mean']:.2f} ± {rate['std']:.2f}"
+                if rate is not None and len(rate["test_accuracy"]) < len(seeds):
+                    cell += f" ({len(rate['test_accuracy'])} of {len(seeds)} seeds)"
+                row.append(cell)
             row += [f"**{mean:.2f} ± {std:.2f}**", *[f"{v:.2f}" for v in values]]
             for name in baselines:
                 reference = summary.get(f"{task}/{name}")
@@ -1023,6 +1052,8 @@ def main(argv: list[str] | None = None) -> int:
     if len(set(seeds)) != len(seeds):
         raise SystemExit(f"--seeds must be distinct, got {seeds}.")
     output_dir = Path(args.output_dir)
+    if len(seeds) > 1 and not args.fresh:
+        _train_cheap_models_first(config, seeds, output_dir, args.device)
     results_per_seed = []
     for seed in seeds:
         # Several seeds: one complete comparison per seed in its own folder, then their mean and spread.
@@ -1033,6 +1064,28 @@ def main(argv: list[str] | None = None) -> int:
         print("\n" + paths["table"].read_text(encoding="utf-8"))
         print("wrote " + ", ".join(str(path) for path in paths.values()))
     return 0
+
+
+def _train_cheap_models_first(config: SyntheticConfig, seeds: list[int], output_dir: Path, device: str | None) -> None:
+    """Several seeds: train every seed's MHA and IHA P = 2 first, then the costly models (IHA with P > 2 attends
+    P m^2 pseudo-tokens, 2-simplicial m^4 pairs of keys), the cheaper task first, so that an interrupted call has
+    whole models over all seeds. Runs go to each seed's checkpoint; the outputs are written afterwards."""
+    cheap = {"MHA", "IHA P=1", "IHA P=2"}
+    tasks_by_cost = sorted(config.tasks, key=lambda task: config.m[task][1])  # the largest m costs the most
+    passes = [{(task, name) for task in config.tasks for name, _, _ in model_variants(config) if name in cheap}]
+    for task in tasks_by_cost:
+        passes.append({(task, name) for name, _, _ in model_variants(config) if name not in cheap})
+    for only in passes:
+        for seed in seeds:
+            seed_config = replace(config, seed=seed)
+            seed_dir = output_dir / f"seed-{seed}"
+            finished = seed_dir / "results.json"
+            if finished.is_file():
+                saved = json.loads(finished.read_text(encoding="utf-8"))
+                if saved.get("config") == _config_as_saved(seed_config):
+                    continue  # done; another configuration is refused by _run_and_write
+                return
+            run_comparison(seed_config, checkpoint=seed_dir / "results.partial.json", device=device, only=only)
 
 
 def _run_and_write(config: SyntheticConfig, output_dir: Path, fresh: bool, device: str | None = None) -> dict:
