@@ -322,16 +322,18 @@ def describe_m(low_high: list[int] | int) -> str:
 # epoch of IHA P = 8 or 2-simplicial at m = 10 takes tens of minutes.
 PAPER = SyntheticConfig()
 # The full comparison of PAPER (MHA, 2-simplicial, IHA P = 2 and 8; both tasks with the paper's m ranges; H = 8;
-# seeds 0, 1, 2; patience 10) shrunk for 2 shared CPU cores. Measured here (width 32, one training example, all
-# four models of one task, forward and backward): binary ~50 ms on a quiet machine, ~300 ms with the 2 cores shared
-# by other jobs; ternary ~27 / ~140 ms. IHA P = 8 (8 m^2 pseudo-tokens) and 2-simplicial (m^4 pairs of keys per
-# query) take almost all of it: at m = 10 one example costs them 20-150 ms where MHA costs 1-10 ms. What had to
-# give, in order: lr 1e-3 only (the rate validation picked for every model in the fixed-m runs; lr 1e-4 needs many
-# more epochs to stop by patience), width 32 (head dim 4), 320 / 160 / 1,000 examples with batch 32 (10 steps an
-# epoch), at most 60 epochs. Estimate: ~30 minutes per seed if every run uses its 60 epochs on a quiet machine
-# (about 2 hours for the three seeds at a 1.5x slowdown), several times that when the cores are busy: seed 0's
-# binary MHA run used all 60 epochs (still rising) in 8.7 minutes with the 2 cores shared by other jobs (load ~8).
-# The data is small, so the results measure learning from few examples rather than the paper's 40k.
+# seeds 0, 1, 2; patience 10) shrunk for 2 shared CPU cores. IHA P = 8 (8 m^2 pseudo-tokens) and 2-simplicial (m^4
+# pairs of keys per query) take almost all of the time: measured per training example at m up to 10 (width 32,
+# forward and backward), MHA and IHA P = 2 cost 1-20 ms, IHA P = 8 20-25 ms on a quiet machine and ~200 ms with the
+# 2 cores shared by other jobs (load ~10), 2-simplicial ~35 and ~400 ms. What had to give, in order: lr 1e-3 only
+# (the rate validation picked for every model in the fixed-m runs; lr 1e-4 needs many more epochs), width 32 (head
+# dim 4), 320 / 160 / 1,000 examples with batch 32 (10 steps an epoch), at most 60 epochs. Estimate on a quiet
+# machine: ~30 minutes per seed if every run uses its 60 epochs, most of it the two costly models; on shared cores
+# several times that. Several seeds train every seed's MHA and IHA P = 2 first (about 15 minutes per seed even with
+# busy cores), then the costly models, ternary before binary. With busy cores pass `--threads 1`: small ops ran 3-5x
+# faster on one thread than on two, the costly ones as fast. The data is small, so the results measure learning
+# from few examples rather than the paper's 40k, and the 60-epoch budget, not patience, ends most runs (MHA on
+# binary is still rising slowly at epoch 60).
 CPU = replace(
     PAPER,
     num_train=320,
@@ -717,14 +719,15 @@ def seed_summary(results_per_seed: list[dict]) -> tuple[str, dict]:
                     values += [100 * accuracy for accuracy in matching[:1]]
                 if values:  # a seed may have run fewer learning rates (then the table says over how many seeds)
                     per_rate[f"{lr:g}"] = dict(zip(("mean", "std"), _mean_std(values)), test_accuracy=values)
-            try:
-                values = [100 * runs[(task, model)]["test_accuracy"] for runs in selected]
-            except KeyError:
-                raise ValueError(f"Seed results disagree: not every seed has {model} on {task}.") from None
+            # Seeds that have this model (all, unless some results are a partial checkpoint of a running call).
+            having = [(seed, runs[(task, model)]) for seed, runs in zip(seeds, selected) if (task, model) in runs]
+            if not having:
+                continue
+            values = [100 * run["test_accuracy"] for _, run in having]
             mean, std = _mean_std(values)
             by_m = {}
             for size in _sizes(first, task):
-                per_seed = [runs[(task, model)].get("test_accuracy_by_m", {}).get(str(size)) for runs in selected]
+                per_seed = [run.get("test_accuracy_by_m", {}).get(str(size)) for _, run in having]
                 if None not in per_seed:
                     by_m[str(size)] = dict(zip(("mean", "std"), _mean_std([100 * value for value in per_seed])))
             summary[f"{task}/{model}"] = {
@@ -734,8 +737,8 @@ def seed_summary(results_per_seed: list[dict]) -> tuple[str, dict]:
                 "test_accuracy": values,
                 "mean": mean,
                 "std": std,
-                "seeds": seeds,
-                "learning_rates": [runs[(task, model)]["learning_rate"] for runs in selected],
+                "seeds": [seed for seed, _ in having],
+                "learning_rates": [run["learning_rate"] for _, run in having],
                 "by_learning_rate": per_rate,
                 "by_m": by_m,
                 "stopped_by_patience": sum(
@@ -744,7 +747,11 @@ def seed_summary(results_per_seed: list[dict]) -> tuple[str, dict]:
                     for run in results["runs"]
                     if run["task"] == task and run["model"] == model
                 ),
-                "runs": len(results_per_seed) * len(learning_rates),
+                "runs": sum(
+                    run["task"] == task and run["model"] == model
+                    for results in results_per_seed
+                    for run in results["runs"]
+                ),
             }
             row = [task, describe_m(first["m"][task]), model]
             for lr in learning_rates:
@@ -753,7 +760,11 @@ def seed_summary(results_per_seed: list[dict]) -> tuple[str, dict]:
                 if rate is not None and len(rate["test_accuracy"]) < len(seeds):
                     cell += f" ({len(rate['test_accuracy'])} of {len(seeds)} seeds)"
                 row.append(cell)
-            row += [f"**{mean:.2f} ± {std:.2f}**", *[f"{v:.2f}" for v in values]]
+            selected_cell = f"**{mean:.2f} ± {std:.2f}**"
+            if len(having) < len(seeds):
+                selected_cell += f" ({len(having)} of {len(seeds)} seeds)"
+            by_seed = {seed: 100 * run["test_accuracy"] for seed, run in having}
+            row += [selected_cell, *[f"{by_seed[seed]:.2f}" if seed in by_seed else "–" for seed in seeds]]
             for name in baselines:
                 reference = summary.get(f"{task}/{name}")
                 row.append("–" if name == model or reference is None else f"{mean - reference['mean']:+.2f}")
@@ -764,6 +775,8 @@ def seed_summary(results_per_seed: list[dict]) -> tuple[str, dict]:
         lines.append("| " + " | ".join([f"{task}: model", *[f"m = {size}" for size in sizes]]) + " |")
         lines.append("|---|" + "---:|" * len(sizes))
         for model in models:
+            if f"{task}/{model}" not in summary:
+                continue
             by_m = summary[f"{task}/{model}"]["by_m"]
             cells = [
                 f"{by_m[str(size)]['mean']:.2f} ± {by_m[str(size)]['std']:.2f}" if str(size) in by_m else "–"

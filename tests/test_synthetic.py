@@ -286,6 +286,15 @@ def test_seed_summary(tiny_results, tmp_path):
     assert set(entry["by_m"]) == {"3", "4"}
     with pytest.raises(ValueError, match="different seed"):
         main(["--summarize", str(tmp_path / "r0.json"), str(tmp_path / "r0.json"), "--output-dir", str(tmp_path)])
+    # A running call's checkpoint (seed 1 without its 2-simplicial runs yet) summarises over the seeds that have them.
+    partial = {"config": other["config"], "runs": [run for run in other["runs"] if run["model"] != "2-simplicial"]}
+    (tmp_path / "partial.json").write_text(json.dumps(partial))
+    main(
+        ["--summarize", str(tmp_path / "r0.json"), str(tmp_path / "partial.json"), "--output-dir", str(tmp_path / "p")]
+    )
+    summary = json.loads((tmp_path / "p" / "seeds.json").read_text())
+    assert summary["binary/2-simplicial"]["seeds"] == [0] and summary["binary/IHA P=2"]["seeds"] == [0, 1]
+    assert "(1 of 2 seeds)" in (tmp_path / "p" / "seeds.md").read_text()
     assert (tmp_path / "s" / "seeds.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
