@@ -978,7 +978,7 @@ def main(argv: list[str] | None = None) -> int:
         "--preset",
         choices=sorted(PRESETS),
         default="cpu",
-        help="cpu: the full comparison shrunk to about an hour on 2 CPU cores (default); paper: the paper's scale "
+        help="cpu: the full comparison shrunk for 2 CPU cores (~30 min a seed on a quiet machine; default); paper: the paper's scale "
         "(for a GPU); fixed: every example at m = 6 / 5, MHA and IHA only; tiny: seconds",
     )
     parser.add_argument(
