@@ -4,7 +4,7 @@ iha demo        convert SmolLM2-135M-Instruct, verify, fine-tune briefly, evalua
 iha convert     convert a Llama-style checkpoint to IHA                 (same as `iha-convert`)
 iha sft         reasoning SFT with TRL, full or LoRA                     (same as `iha-sft`)
 iha eval        GSM8K / MATH-500 / needle-in-a-haystack evaluation       (same as `iha-eval`)
-iha synthetic   the paper's relation-composition comparison, MHA vs IHA
+iha synthetic   the paper's relation-composition comparison: MHA, 2-simplicial, IHA
 iha push        upload an IHA folder to the Hub                          (same as `iha-convert push`)
 """
 
@@ -18,7 +18,7 @@ COMMANDS = {
     "convert": ("iha.convert", [], "convert a Llama / Mistral / Qwen2 checkpoint to IHA"),
     "sft": ("iha.sft", [], "supervised fine-tuning (OpenThoughts-style reasoning) with TRL"),
     "eval": ("iha.evaluation.cli", [], "math (GSM8K, MATH-500) and long-context retrieval evaluation"),
-    "synthetic": ("iha.synthetic", [], "the paper's synthetic relation-composition comparison, MHA vs IHA"),
+    "synthetic": ("iha.synthetic", [], "the paper's synthetic relation-composition comparison: MHA, 2-simplicial, IHA"),
     "push": ("iha.convert", ["push"], "upload an IHA folder (converted or fine-tuned) to the Hugging Face Hub"),
 }
 

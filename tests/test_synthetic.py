@@ -1,4 +1,4 @@
-"""The relation-composition comparison: data, the one-layer models (MHA vs IHA), training, outputs."""
+"""The relation-composition comparison: data, the one-layer models (MHA, 2-simplicial, IHA), training, outputs."""
 
 import copy
 import json
@@ -7,15 +7,21 @@ from dataclasses import replace
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from iha.synthetic import (
+    PRESETS,
     TINY,
+    CompositionData,
     build_model,
     compose_relation,
     count_parameters,
+    evaluate,
     main,
     make_composition_data,
+    masked_loss,
     run_comparison,
+    valid_positions,
     write_outputs,
 )
 
@@ -40,12 +46,12 @@ def test_composition_matches_brute_force(order):
         assert torch.equal(compose_relation(relation, order), brute_force_composition(relation, order))
 
 
-def test_data_is_seeded_and_has_the_expected_label_rate():
-    inputs, labels = make_composition_data("binary", 6, 2000, seed=3)
-    again_inputs, again_labels = make_composition_data("binary", 6, 2000, seed=3)
-    assert torch.equal(inputs, again_inputs) and torch.equal(labels, again_labels)
-    assert not torch.equal(inputs, make_composition_data("binary", 6, 2000, seed=4)[0])
-    assert inputs.shape == labels.shape == (2000, 36)
+def test_fixed_m_data_is_seeded_and_has_the_expected_label_rate():
+    inputs, labels, sizes = make_composition_data("binary", 6, 2000, seed=3)
+    again = make_composition_data("binary", 6, 2000, seed=3)
+    assert torch.equal(inputs, again.bits) and torch.equal(labels, again.labels)
+    assert not torch.equal(inputs, make_composition_data("binary", 6, 2000, seed=4).bits)
+    assert inputs.shape == labels.shape == (2000, 36) and torch.equal(sizes, torch.full((2000,), 6))
     # Row-major flattening: label (i, j) is (R o R)[i, j].
     relation = inputs[0].view(6, 6)
     assert torch.equal(labels[0].view(6, 6).bool(), compose_relation(relation, 2))
@@ -56,9 +62,87 @@ def test_data_is_seeded_and_has_the_expected_label_rate():
         make_composition_data("quaternary", 6, 10, 0)
 
 
+@pytest.mark.parametrize("task, low, high", [("binary", 6, 10), ("ternary", 5, 8)])
+def test_variable_m_data_draws_the_paper_ranges_and_right_pads(task, low, high):
+    data = make_composition_data(task, [low, high], 3000, seed=0)
+    assert data.bits.shape == data.labels.shape == (3000, high * high)
+    # Uniform over the range: every size drawn, each about equally often.
+    counts = torch.bincount(data.sizes, minlength=high + 1)[low:]
+    assert data.sizes.min() == low and data.sizes.max() == high
+    assert counts.min() > 0.8 * 3000 / (high - low + 1)
+    order = 2 if task == "binary" else 3
+    for index in range(0, 3000, 97):
+        m = int(data.sizes[index])
+        relation = data.bits[index, : m * m].view(m, m)
+        assert torch.equal(data.labels[index, : m * m].view(m, m).bool(), compose_relation(relation, order))
+        assert not data.bits[index, m * m :].any() and not data.labels[index, m * m :].any()  # padding
+    # The paper's densities balance the labels over the whole range only: the positive rate rises with m.
+    rates = [data.labels[data.sizes == m, : m * m].mean().item() for m in range(low, high + 1)]
+    assert rates == sorted(rates)
+    # Expected positive rates at the ends of the ranges: binary 0.495 (m = 6) to 0.669 (m = 10), ternary 0.357
+    # (m = 5) to 0.579 (m = 8).
+    ends = {"binary": (0.495, 0.669), "ternary": (0.357, 0.579)}[task]
+    assert rates[0] == pytest.approx(ends[0], abs=0.03) and rates[-1] == pytest.approx(ends[1], abs=0.03)
+    # A batch is padded to its own largest m only.
+    batch = data.subset(torch.nonzero(data.sizes <= low + 1).squeeze(1)[:8])
+    assert batch.bits.shape == (8, int(batch.sizes.max()) ** 2)
+
+
+@pytest.mark.parametrize("attention, num_pseudo_heads", [("mha", None), ("iha", 3), ("simplicial", None)])
+def test_padded_batches_compute_what_each_relation_computes_alone(attention, num_pseudo_heads):
+    # The key-padding mask (repeated over the P pseudo-tokens for IHA) hides padding from every real position.
+    model = build_model(6, 16, 4, num_pseudo_heads, seed=0, attention=attention).double()
+    model.eval()
+    data = make_composition_data("binary", [3, 6], 12, seed=1)
+    batch = data.subset(torch.arange(12))
+    logits = model(batch.bits, batch.sizes)
+    for index in range(12):
+        m = int(batch.sizes[index])
+        alone = model(batch.bits[index : index + 1, : m * m])
+        torch.testing.assert_close(logits[index, : m * m], alone[0], rtol=0, atol=1e-10)
+    # Whatever sits in the padding changes nothing on the real positions.
+    noisy_bits = torch.where(valid_positions(batch.sizes, batch.bits.shape[1]), batch.bits, 1)
+    is_real = valid_positions(batch.sizes, batch.bits.shape[1])
+    torch.testing.assert_close(model(noisy_bits, batch.sizes)[is_real], logits[is_real], rtol=0, atol=1e-10)
+
+
+def test_loss_and_accuracy_count_real_positions_only():
+    data = make_composition_data("ternary", [3, 5], 40, seed=2)
+    batch = data.subset(torch.arange(40))
+    is_real = valid_positions(batch.sizes, batch.bits.shape[1])
+    logits = torch.randn(batch.bits.shape, generator=torch.Generator().manual_seed(0))
+    expected = torch.cat(
+        [
+            F.binary_cross_entropy_with_logits(logits[i, : m * m], batch.labels[i, : m * m], reduction="none")
+            for i, m in enumerate(batch.sizes.tolist())
+        ]
+    ).mean()
+    torch.testing.assert_close(masked_loss(logits, batch), expected)
+    # Labels and logits in the padding do not count.
+    padded_labels = torch.where(is_real, batch.labels, 1.0)
+    torch.testing.assert_close(
+        masked_loss(torch.where(is_real, logits, 50.0), CompositionData(batch.bits, padded_labels, batch.sizes)),
+        expected,
+    )
+    # Accuracy: per position over real positions, per m, and independent of the evaluation batch size.
+    model = build_model(5, 16, 4, 2, seed=0)
+    small, large = evaluate(model, data, batch_size=7), evaluate(model, data, batch_size=64)
+    assert small["accuracy"] == pytest.approx(large["accuracy"]) and small["loss"] == pytest.approx(large["loss"])
+    assert set(small["accuracy_by_m"]) == {"3", "4", "5"}
+    positions = {m: int((data.sizes == m).sum()) * m * m for m in (3, 4, 5)}
+    weighted = sum(small["accuracy_by_m"][str(m)] * count for m, count in positions.items())
+    assert small["accuracy"] == pytest.approx(weighted / sum(positions.values()))
+    with torch.no_grad():
+        model.eval()
+        predictions = (model(data.bits, data.sizes) > 0).float()
+    real = valid_positions(data.sizes, data.bits.shape[1])
+    manual = (predictions == data.labels)[real].float().mean().item()
+    assert small["accuracy"] == pytest.approx(manual)
+
+
 def test_mha_and_iha_differ_only_in_the_mixing():
-    mha = build_model(m=5, hidden_size=32, num_heads=8, num_pseudo_heads=None, seed=0)
-    iha_model = build_model(m=5, hidden_size=32, num_heads=8, num_pseudo_heads=4, seed=0)
+    mha = build_model(max_m=5, hidden_size=32, num_heads=8, num_pseudo_heads=None, seed=0)
+    iha_model = build_model(max_m=5, hidden_size=32, num_heads=8, num_pseudo_heads=4, seed=0)
     mha_state, iha_state = mha.state_dict(), iha_model.state_dict()
     extra = set(iha_state) - set(mha_state)
     assert extra == {f"attention.head_mixing.{name}" for name in ("alpha_q", "alpha_k", "alpha_v", "collapse")}
@@ -73,23 +157,25 @@ def test_mha_and_iha_differ_only_in_the_mixing():
 @pytest.mark.parametrize("collapse_init", ["last", "mean"])
 def test_iha_at_identity_computes_mha(collapse_init):
     # Without a mask, P identical copies of every key leave the softmax unchanged: identity IHA is MHA exactly.
-    mha = build_model(m=4, hidden_size=16, num_heads=4, num_pseudo_heads=None, seed=1).double()
-    iha_model = build_model(m=4, hidden_size=16, num_heads=4, num_pseudo_heads=3, seed=1).double()
+    mha = build_model(max_m=4, hidden_size=16, num_heads=4, num_pseudo_heads=None, seed=1).double()
+    iha_model = build_model(max_m=4, hidden_size=16, num_heads=4, num_pseudo_heads=3, seed=1).double()
     iha_model.attention.head_mixing.collapse_init = collapse_init
     iha_model.attention.head_mixing.reset_to_identity()
     if collapse_init == "mean":  # the float32 1/3 of the identity tensors is not 1/3 in float64
         iha_model.attention.head_mixing.collapse.data.fill_(1 / 3)
-    bits, _ = make_composition_data("binary", 4, 8, seed=0)
-    torch.testing.assert_close(iha_model(bits), mha(bits), rtol=0, atol=1e-12)
+    bits, _, sizes = make_composition_data("binary", [2, 4], 8, seed=0)  # padded, so through the mask too
+    torch.testing.assert_close(iha_model(bits, sizes), mha(bits, sizes), rtol=0, atol=1e-12)
     # ... and random mixing computes something else.
-    randomized = build_model(m=4, hidden_size=16, num_heads=4, num_pseudo_heads=3, seed=1).double()
-    assert (randomized(bits) - mha(bits)).abs().max() > 1e-3
+    randomized = build_model(max_m=4, hidden_size=16, num_heads=4, num_pseudo_heads=3, seed=1).double()
+    assert (randomized(bits, sizes) - mha(bits, sizes)).abs().max() > 1e-3
 
 
 def test_model_checks_the_sequence_length():
-    model = build_model(m=4, hidden_size=16, num_heads=4, num_pseudo_heads=None, seed=0)
-    with pytest.raises(ValueError, match="Expected 16 tokens"):
-        model(torch.zeros(2, 9, dtype=torch.long))
+    model = build_model(max_m=4, hidden_size=16, num_heads=4, num_pseudo_heads=None, seed=0)
+    with pytest.raises(ValueError, match="10 tokens are no m x m relation"):
+        model(torch.zeros(2, 10, dtype=torch.long))
+    with pytest.raises(ValueError, match="m = 5 need 25 tokens"):
+        model(torch.zeros(2, 25, dtype=torch.long))
 
 
 @pytest.fixture(scope="module")
@@ -101,7 +187,7 @@ def tiny_results():
 def test_tiny_comparison_trains_every_variant(tiny_results):
     runs = tiny_results["runs"]
     assert {(run["task"], run["model"]) for run in runs} == {
-        (task, model) for task in ("binary", "ternary") for model in ("MHA", "IHA P=2")
+        (task, model) for task in ("binary", "ternary") for model in ("MHA", "2-simplicial", "IHA P=2")
     }
     for run in runs:
         history = run["history"]
@@ -109,19 +195,32 @@ def test_tiny_comparison_trains_every_variant(tiny_results):
         assert 1 <= run["best_epoch"] <= run["epochs_run"] <= TINY.max_epochs
         assert run["val_accuracy"] == max(point["val_accuracy"] for point in history)
         assert 0.0 <= run["test_exact_match"] <= run["test_accuracy"] <= 1.0
+        assert set(run["test_accuracy_by_m"]) == {"3", "4"} and run["m"] == [3, 4]
+        assert run["stopped_by"] == ("patience" if run["epochs_run"] < TINY.max_epochs else "epoch budget")
+    assert tiny_results["device"] == "cpu"
     mha = next(run for run in runs if run["model"] == "MHA")
     iha_run = next(run for run in runs if run["model"] == "IHA P=2")
     assert iha_run["parameters"] - mha["parameters"] == 3 * 4 * 4 * 2 + 4 * 2
+    simplicial = next(run for run in runs if run["model"] == "2-simplicial")
+    assert simplicial["parameters"] - mha["parameters"] == 2 * 16 * 16
 
 
 def test_outputs_are_written(tiny_results, tmp_path):
     paths = write_outputs(tiny_results, tmp_path)
     data = json.loads(paths["json"].read_text())
-    assert len(data["runs"]) == 4
+    assert len(data["runs"]) == 6
     table = paths["table"].read_text()
     assert table.startswith("| Task | m | Model | Parameters | test acc, lr 0.01 |")
-    for line in ("| binary | 4 | MHA |", "| binary | 4 | IHA P=2 |", "| ternary | 4 | constant (majority label) |"):
+    for line in (
+        "| binary | 3..4 | MHA |",
+        "| binary | 3..4 | 2-simplicial |",
+        "| binary | 3..4 | IHA P=2 |",
+        "| ternary | 3..4 | constant (majority label) |",
+        "| binary: model | m = 3 | m = 4 |",
+    ):
         assert line in table
+    stopped = sum(run["stopped_by"] == "patience" for run in tiny_results["runs"])
+    assert f"{stopped} of 6 runs stopped by patience, {6 - stopped} by the epoch budget." in table
     png = paths["plot"].read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n"
     width, height = struct.unpack(">II", png[16:24])
@@ -133,7 +232,7 @@ def test_cli_runs_the_tiny_preset(tmp_path):
     main(["--preset", "tiny", "--tasks", "binary", "--max-epochs", "1", "--output-dir", str(tmp_path)])
     data = json.loads((tmp_path / "results.json").read_text())
     assert data["config"]["tasks"] == ["binary"] and data["config"]["max_epochs"] == 1
-    assert {run["model"] for run in data["runs"]} == {"MHA", "IHA P=2"}
+    assert {run["model"] for run in data["runs"]} == {"MHA", "2-simplicial", "IHA P=2"}
     assert (tmp_path / "accuracy.png").is_file() and (tmp_path / "results.md").is_file()
 
 
@@ -159,7 +258,7 @@ def test_an_interrupted_comparison_resumes_from_its_checkpoint(tmp_path, monkeyp
 
     monkeypatch.setattr(synthetic, "train_one", real_train_one)
     resumed = run_comparison(config, progress=False, checkpoint=checkpoint)
-    assert [run["model"] for run in resumed["runs"]] == ["MHA", "IHA P=2"]
+    assert [run["model"] for run in resumed["runs"]] == ["MHA", "2-simplicial", "IHA P=2"]
     assert resumed["runs"][0] == saved["runs"][0]  # taken over, not retrained
     # A checkpoint of another configuration is refused rather than mixed in.
     with pytest.raises(ValueError, match="different configuration"):
@@ -181,9 +280,21 @@ def test_seed_summary(tiny_results, tmp_path):
     assert entry["mean"] == pytest.approx((100 * first["test_accuracy"] + 70.0) / 2)
     assert entry["std"] == pytest.approx(abs(100 * first["test_accuracy"] - 70.0) / 2**0.5)
     table = (tmp_path / "s" / "seeds.md").read_text()
-    assert "| Task | m | Model | seed 0 | seed 1 | mean | std | mean − MHA mean |" in table
+    assert "| Task | m | Model | lr 0.01 | val-selected lr | seed 0 | seed 1 | − MHA | − 2-simplicial |" in table
+    mha_mean = summary["binary/MHA"]["mean"]
+    assert f"| {entry['mean']:.2f} ± {entry['std']:.2f}" in table and f"{entry['mean'] - mha_mean:+.2f}" in table
+    assert set(entry["by_m"]) == {"3", "4"}
     with pytest.raises(ValueError, match="different seed"):
         main(["--summarize", str(tmp_path / "r0.json"), str(tmp_path / "r0.json"), "--output-dir", str(tmp_path)])
+    # A running call's checkpoint (seed 1 without its 2-simplicial runs yet) summarises over the seeds that have them.
+    partial = {"config": other["config"], "runs": [run for run in other["runs"] if run["model"] != "2-simplicial"]}
+    (tmp_path / "partial.json").write_text(json.dumps(partial))
+    main(
+        ["--summarize", str(tmp_path / "r0.json"), str(tmp_path / "partial.json"), "--output-dir", str(tmp_path / "p")]
+    )
+    summary = json.loads((tmp_path / "p" / "seeds.json").read_text())
+    assert summary["binary/2-simplicial"]["seeds"] == [0] and summary["binary/IHA P=2"]["seeds"] == [0, 1]
+    assert "(1 of 2 seeds)" in (tmp_path / "p" / "seeds.md").read_text()
     assert (tmp_path / "s" / "seeds.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
@@ -231,7 +342,79 @@ def test_a_finished_comparison_is_reused_and_never_overwritten_by_another(tmp_pa
     main(arguments)  # same configuration: reused
     assert (tmp_path / "results.json").read_text() == first
     with pytest.raises(SystemExit, match="another configuration: pass --fresh"):
-        main([*arguments, "--num-train", "256"])
+        main([*arguments, "--num-train", "128"])
     assert (tmp_path / "results.json").read_text() == first
     with pytest.raises(AssertionError, match="must not be trained again"):
         main([*arguments, "--fresh"])  # --fresh does train again
+
+
+def test_presets_and_size_ranges_on_the_command_line(tmp_path):
+    paper, cpu = PRESETS["paper"], PRESETS["cpu"]
+    # The paper's stated scale.
+    assert (paper.hidden_size, paper.num_heads, paper.num_train, paper.num_val, paper.num_test) == (
+        128,
+        8,
+        40_000,
+        5_000,
+        5_000,
+    )
+    assert 8 in paper.pseudo_heads and paper.patience == 10 and paper.learning_rates == [1e-3, 1e-4]
+    assert paper.m == {"binary": [6, 10], "ternary": [5, 8]}
+    # The CPU preset runs the same comparison (models, tasks, ranges, heads, patience) smaller.
+    assert (cpu.m, cpu.num_heads, cpu.pseudo_heads, cpu.simplicial, cpu.patience) == (
+        paper.m,
+        paper.num_heads,
+        paper.pseudo_heads,
+        True,
+        10,
+    )
+    main(
+        ["--preset", "tiny", "--tasks", "ternary", "--m", "ternary=5", "--max-epochs", "1", "--no-simplicial"]
+        + [
+            "--output-dir",
+            str(tmp_path),
+        ]
+    )
+    data = json.loads((tmp_path / "results.json").read_text())
+    assert data["config"]["m"] == {"binary": [3, 4], "ternary": [5, 5]} and data["config"]["simplicial"] is False
+    assert {run["model"] for run in data["runs"]} == {"MHA", "IHA P=2"}
+    assert set(data["runs"][0]["test_accuracy_by_m"]) == {"5"}
+    with pytest.raises(SystemExit, match="TASK=SIZE or TASK=LOW-HIGH"):
+        main(["--preset", "tiny", "--m", "binary=6..10", "--output-dir", str(tmp_path / "other")])
+    with pytest.raises(ValueError, match="2 <= low <= high"):
+        main(["--preset", "tiny", "--m", "binary=9-6", "--output-dir", str(tmp_path / "other")])
+
+
+def test_several_seeds_train_the_cheap_models_first_and_resume_after_an_interruption(tmp_path, monkeypatch):
+    import iha.synthetic as synthetic
+
+    arguments = ["--preset", "tiny", "--max-epochs", "1", "--seeds", "0", "1", "--output-dir", str(tmp_path)]
+    real_train_one = synthetic.train_one
+    order = []
+
+    def record(model, data, learning_rate, config, description=""):
+        order.append((config.seed, description.split(" lr=")[0]))
+        if len(order) == 10:
+            raise KeyboardInterrupt  # the machine went away in the second costly run
+        return real_train_one(model, data, learning_rate, config, description)
+
+    monkeypatch.setattr(synthetic, "train_one", record)
+    with pytest.raises(KeyboardInterrupt):
+        main(arguments)
+    # MHA and IHA P=2 of both tasks for every seed before any 2-simplicial run.
+    cheap = [f"{task} m=3..4 {model}" for task in ("binary", "ternary") for model in ("MHA", "IHA P=2")]
+    assert order[:8] == [(seed, name) for seed in (0, 1) for name in cheap]
+    assert order[8:] == [(0, "binary m=3..4 2-simplicial"), (1, "binary m=3..4 2-simplicial")]
+    saved = json.loads((tmp_path / "seed-0" / "results.partial.json").read_text())
+    assert len(saved["runs"]) == 5 and not (tmp_path / "seed-0" / "results.json").exists()
+
+    order.clear()
+    monkeypatch.setattr(
+        synthetic, "train_one", lambda *args, **kwargs: (order.append(args[3].seed), real_train_one(*args, **kwargs))[1]
+    )
+    main(arguments)  # the same command resumes: 4 runs of seed 0 and 1 of seed 1 are not trained again
+    assert sorted(order) == [0, 1, 1]  # seed 0's ternary 2-simplicial, seed 1's two
+    for seed in (0, 1):
+        results = json.loads((tmp_path / f"seed-{seed}" / "results.json").read_text())
+        assert len(results["runs"]) == 6 and not (tmp_path / f"seed-{seed}" / "results.partial.json").exists()
+    assert (tmp_path / "seeds.md").is_file()
