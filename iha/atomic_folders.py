@@ -148,6 +148,8 @@ def make_missing_parents(folder: Path) -> list[Path]:
     missing = []
     for ancestor in [folder, *folder.parents]:
         if ancestor.exists():
+            if not ancestor.is_dir():
+                raise NotADirectoryError(errno.ENOTDIR, f"{ancestor} is a file, not a folder; choose another output")
             break
         missing.append(ancestor)
     folder.mkdir(parents=True, exist_ok=True)
@@ -202,6 +204,8 @@ def staged_folder(destination: str | os.PathLike, tool: str, *, replace: bool = 
     destination = Path(destination).absolute()
     try:
         created_parents = make_missing_parents(destination.parent)
+    except NotADirectoryError:
+        raise
     except OSError as error:
         raise OSError(
             error.errno, f"cannot create the folder {destination.parent} ({error.strerror}); choose another output"
