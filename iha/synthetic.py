@@ -42,6 +42,7 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from .atomic_files import save_figure_atomic, write_json_atomic, write_text_atomic
+from .atomic_folders import run_command
 from .modeling_iha import IHAHeadMixing
 
 
@@ -655,8 +656,27 @@ def main(argv: list[str] | None = None) -> int:
         "(results.partial.json of an interrupted call, results.json of a finished one)",
     )
     args = parser.parse_args(argv)
+    return run_command(
+        "iha synthetic",
+        lambda: _run(args),
+        errors=(ValueError,),
+        interrupted=f"the runs finished so far are kept in {args.output_dir}: the same command resumes from them",
+    )
+
+
+def _read_results(path: str) -> dict:
+    try:
+        results = json.loads(Path(path).read_text(encoding="utf-8"))
+    except ValueError as error:
+        raise ValueError(f"{path} is not valid JSON ({error}).") from None
+    if not isinstance(results, dict) or not {"config", "runs"} <= set(results):
+        raise ValueError(f"{path} is not a results.json written by `iha synthetic`.")
+    return results
+
+
+def _run(args: argparse.Namespace) -> int:
     if args.summarize:
-        results_per_seed = [json.loads(Path(path).read_text(encoding="utf-8")) for path in args.summarize]
+        results_per_seed = [_read_results(path) for path in args.summarize]
         paths = write_seed_summary(results_per_seed, args.output_dir)
         print(paths["table"].read_text(encoding="utf-8"))
         return 0
