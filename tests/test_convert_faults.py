@@ -4,99 +4,27 @@ settings whose change only shows on long inputs."""
 import json
 import os
 import signal
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import pytest
+from fault_utils import finish
 from test_convert import folder_listing, make_source
 
 from iha import convert
 from iha.builtin import smollm2_dir
 
 
-# Runs `iha-convert ARGS` in a fresh interpreter, pausing at a known point (after the third tensor of the weights
-# file is written, or when the converted model is about to run during verification) and writing READY there, so
-# that the test can signal it in the middle of the work.
-PAUSING_CONVERSION = """
-import os, signal, sys, time
-from pathlib import Path
-from iha import convert
-
-# As in an interactive shell, even when the test runs as a background job (which starts with Ctrl-C ignored).
-signal.signal(signal.SIGINT, signal.default_int_handler)
-ready, point = Path(sys.argv[1]), sys.argv[2]
-
-def pause():
-    ready.write_text(str(os.getpid()))
-    time.sleep(600)
-
-if point == "writing":
-    real_copy, copied = convert.SafetensorsReader.copy_raw, []
-
-    def copy_then_pause(self, name, out_file, *args):
-        real_copy(self, name, out_file, *args)
-        copied.append(name)
-        if len(copied) == 3:
-            pause()
-
-    convert.SafetensorsReader.copy_raw = copy_then_pause
-else:
-    real_logits = convert.logits_of_real_tokens
-
-    def logits_then_pause(model, batch):
-        if isinstance(model, convert.IHAForCausalLM):
-            pause()
-        return real_logits(model, batch)
-
-    convert.logits_of_real_tokens = logits_then_pause
-sys.exit(convert.main(sys.argv[3:]))
-"""
-# Generous: the subprocess imports torch and transformers on a shared machine. Only a hang hits it.
-STARTUP_LIMIT_S = 300
+# Where the kill tests stop a conversion: before the third tensor copied into the weights file (mid-write), and
+# before the converted model's forward pass (mid-verification: the source ran on the fixed batch twice already).
+PAUSE_POINTS = {
+    "writing": ("iha.convert:SafetensorsReader.copy_raw", 3),
+    "verifying": ("iha.convert:logits_of_real_tokens", 3),
+}
 
 
-def subprocess_env() -> dict:
-    root = str(Path(__file__).resolve().parent.parent)
-    return {**os.environ, "PYTHONPATH": root, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
-
-
-@pytest.fixture
-def start_paused_conversion():
-    """start(ready, point, args): a conversion subprocess that has reached `point` and waits there (killed at the
-    end of the test if it is still running)."""
-    processes = []
-
-    def start(ready: Path, point: str, args: list[str]) -> subprocess.Popen:
-        process = start_process(ready, point, args)
-        processes.append(process)
-        return process
-
-    yield start
-    for process in processes:
-        if process.poll() is None:
-            process.kill()
-            process.communicate()
-
-
-def start_process(ready: Path, point: str, args: list[str]) -> subprocess.Popen:
-    process = subprocess.Popen(
-        [sys.executable, "-c", PAUSING_CONVERSION, str(ready), point, *args],
-        env=subprocess_env(),
-        stdin=subprocess.DEVNULL,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    deadline = time.monotonic() + STARTUP_LIMIT_S
-    while not ready.exists():
-        if process.poll() is not None or time.monotonic() > deadline:
-            process.kill()
-            out, err = process.communicate()
-            pytest.fail(f"the conversion never reached {point!r}:\n{out}\n{err}")
-        time.sleep(0.05)
-    return process
+def start_paused_conversion(paused_command, tmp_path: Path, point: str, args: list[str]):
+    target, nth = PAUSE_POINTS[point]
+    return paused_command(tmp_path / f"ready-{point}", target, nth, ["convert", *args])
 
 
 def staging_folders(folder: Path) -> list[str]:
@@ -111,27 +39,28 @@ def tiny_source(tmp_path_factory) -> Path:
 @pytest.mark.parametrize("point", ["writing", "verifying"])
 @pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
 def test_signalled_conversion_leaves_nothing_and_says_so_in_one_line(
-    start_paused_conversion, tiny_source, tmp_path, point, signum
+    paused_command, tiny_source, tmp_path, point, signum
 ):
     work = tmp_path / "work"
     work.mkdir()
     output = work / "new" / "deeper" / "out"  # parents that do not exist yet: the run creates them
-    process = start_paused_conversion(tmp_path / "ready", point, [str(tiny_source), str(output), "--quiet"])
+    process = start_paused_conversion(paused_command, tmp_path, point, [str(tiny_source), str(output), "--quiet"])
     assert staging_folders(output.parent), "the run should be writing its staging folder now"
     process.send_signal(signum)
-    out, err = process.communicate(timeout=STARTUP_LIMIT_S)
+    out, err = finish(process)
     name = signal.Signals(signum).name
     assert process.returncode == 128 + signum, err
     assert "Traceback" not in err
     assert err.strip().splitlines()[-1] == f"iha-convert: interrupted ({name}); nothing was written to {output}"
     assert folder_listing(work) == []  # no staging folder, no output, no created parents
+    assert f"ready-{point}" in folder_listing(tmp_path)  # it did stop where the test says
 
 
-def test_killed_conversion_is_cleaned_up_by_the_next_run(start_paused_conversion, tiny_source, tmp_path, capsys):
+def test_killed_conversion_is_cleaned_up_by_the_next_run(paused_command, tiny_source, tmp_path, capsys):
     output = tmp_path / "out"
-    process = start_paused_conversion(tmp_path / "ready", "verifying", [str(tiny_source), str(output), "--quiet"])
+    process = start_paused_conversion(paused_command, tmp_path, "verifying", [str(tiny_source), str(output), "-q"])
     process.kill()  # SIGKILL: nothing can clean up
-    process.communicate(timeout=STARTUP_LIMIT_S)
+    finish(process)
     left = staging_folders(tmp_path)
     assert len(left) == 1 and (tmp_path / left[0] / "model.safetensors").is_file()
 
@@ -142,9 +71,9 @@ def test_killed_conversion_is_cleaned_up_by_the_next_run(start_paused_conversion
     assert staging_folders(tmp_path) == [] and (output / "model.safetensors").is_file()
 
 
-def test_a_running_conversions_staging_folder_is_left_alone(start_paused_conversion, tiny_source, tmp_path, capsys):
+def test_a_running_conversions_staging_folder_is_left_alone(paused_command, tiny_source, tmp_path, capsys):
     output = tmp_path / "out"
-    running = start_paused_conversion(tmp_path / "ready", "writing", [str(tiny_source), str(output), "--quiet"])
+    running = start_paused_conversion(paused_command, tmp_path, "writing", [str(tiny_source), str(output), "-q"])
     try:
         theirs = staging_folders(tmp_path)
         assert convert.main([str(tiny_source), str(tmp_path / "out"), "--quiet"]) == 0
@@ -152,7 +81,7 @@ def test_a_running_conversions_staging_folder_is_left_alone(start_paused_convers
         assert staging_folders(tmp_path) == theirs  # still there: its run holds the lock
     finally:
         running.send_signal(signal.SIGTERM)
-        _, err = running.communicate(timeout=STARTUP_LIMIT_S)
+        _, err = finish(running)
     assert running.returncode == 128 + signal.SIGTERM, err
     assert staging_folders(tmp_path) == [] and (output / "model.safetensors").is_file()
 
@@ -224,7 +153,9 @@ def test_unwritable_destination_gets_one_line(tiny_source, tmp_path, capsys):
     (tmp_path / "a-file").write_text("")
     assert convert.main([str(tiny_source), str(tmp_path / "a-file" / "out"), "--quiet"]) == 2
     err = capsys.readouterr().err
-    assert err == f"iha-convert: error: [Errno 20] {tmp_path / 'a-file'} is a file, not a folder; choose another output\n"
+    assert (
+        err == f"iha-convert: error: [Errno 20] {tmp_path / 'a-file'} is a file, not a folder; choose another output\n"
+    )
     assert len(err.strip().splitlines()) == 1
 
     read_only = tmp_path / "read-only"
