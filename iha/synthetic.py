@@ -264,29 +264,32 @@ def train_one(
     best_accuracy, best_epoch, best_state, history = -1.0, 0, None, []
     epochs_without_gain = 0
     start_time = time.perf_counter()
-    progress = tqdm(range(1, config.max_epochs + 1), desc=description, unit="epoch", leave=False)
-    for epoch in progress:
-        model.train()
-        order = torch.randperm(len(train_inputs), generator=generator)
-        total_loss = 0.0
-        for start in range(0, len(order), config.batch_size):
-            batch = order[start : start + config.batch_size]
-            logits = model(train_inputs[batch])
-            loss = F.binary_cross_entropy_with_logits(logits, train_labels[batch])
-            optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            optimizer.step()
-            total_loss += loss.item() * len(batch)
-        validation = evaluate(model, *data["val"])
-        history.append({"epoch": epoch, "train_loss": total_loss / len(order), "val_accuracy": validation["accuracy"]})
-        progress.set_postfix(loss=f"{total_loss / len(order):.4f}", val_acc=f"{validation['accuracy']:.4f}")
-        if validation["accuracy"] > best_accuracy:
-            best_accuracy, best_epoch, epochs_without_gain = validation["accuracy"], epoch, 0
-            best_state = copy.deepcopy(model.state_dict())
-        else:
-            epochs_without_gain += 1
-            if epochs_without_gain >= config.patience:
-                break
+    # A context manager, so that an interruption closes the bar before the command prints its last line.
+    with tqdm(range(1, config.max_epochs + 1), desc=description, unit="epoch", leave=False) as progress:
+        for epoch in progress:
+            model.train()
+            order = torch.randperm(len(train_inputs), generator=generator)
+            total_loss = 0.0
+            for start in range(0, len(order), config.batch_size):
+                batch = order[start : start + config.batch_size]
+                logits = model(train_inputs[batch])
+                loss = F.binary_cross_entropy_with_logits(logits, train_labels[batch])
+                optimizer.zero_grad(set_to_none=True)
+                loss.backward()
+                optimizer.step()
+                total_loss += loss.item() * len(batch)
+            validation = evaluate(model, *data["val"])
+            history.append(
+                {"epoch": epoch, "train_loss": total_loss / len(order), "val_accuracy": validation["accuracy"]}
+            )
+            progress.set_postfix(loss=f"{total_loss / len(order):.4f}", val_acc=f"{validation['accuracy']:.4f}")
+            if validation["accuracy"] > best_accuracy:
+                best_accuracy, best_epoch, epochs_without_gain = validation["accuracy"], epoch, 0
+                best_state = copy.deepcopy(model.state_dict())
+            else:
+                epochs_without_gain += 1
+                if epochs_without_gain >= config.patience:
+                    break
     model.load_state_dict(best_state)
     test = evaluate(model, *data["test"])
     return {
@@ -336,47 +339,46 @@ def run_comparison(config: SyntheticConfig, progress: bool = True, checkpoint: s
     baselines = {}
     variants = model_variants(config)
     total = len(config.tasks) * len(variants) * len(config.learning_rates)
-    overall = tqdm(total=total, desc="synthetic runs", unit="run", disable=not progress)
-    for task_index, task in enumerate(config.tasks):
-        m = config.m[task]
-        seed = config.seed + 1000 * task_index
-        data = {
-            "train": make_composition_data(task, m, config.num_train, seed),
-            "val": make_composition_data(task, m, config.num_val, seed + 1),
-            "test": make_composition_data(task, m, config.num_test, seed + 2),
-        }
-        positive_rate = data["test"][1].mean().item()
-        baselines[task] = {
-            "m": m,
-            "test_positive_rate": positive_rate,
-            "majority_accuracy": max(positive_rate, 1 - positive_rate),
-        }
-        for name, num_pseudo_heads in variants:
-            for learning_rate in config.learning_rates:
-                description = f"{task} m={m} {name} lr={learning_rate:g}"
-                if (task, name, learning_rate) in finished:
-                    runs.append(finished[(task, name, learning_rate)])
+    with tqdm(total=total, desc="synthetic runs", unit="run", disable=not progress) as overall:
+        for task_index, task in enumerate(config.tasks):
+            m = config.m[task]
+            seed = config.seed + 1000 * task_index
+            data = {
+                "train": make_composition_data(task, m, config.num_train, seed),
+                "val": make_composition_data(task, m, config.num_val, seed + 1),
+                "test": make_composition_data(task, m, config.num_test, seed + 2),
+            }
+            positive_rate = data["test"][1].mean().item()
+            baselines[task] = {
+                "m": m,
+                "test_positive_rate": positive_rate,
+                "majority_accuracy": max(positive_rate, 1 - positive_rate),
+            }
+            for name, num_pseudo_heads in variants:
+                for learning_rate in config.learning_rates:
+                    description = f"{task} m={m} {name} lr={learning_rate:g}"
+                    if (task, name, learning_rate) in finished:
+                        runs.append(finished[(task, name, learning_rate)])
+                        overall.update(1)
+                        overall.set_postfix_str(f"{description}: done before")
+                        continue
+                    model = build_model(m, config.hidden_size, config.num_heads, num_pseudo_heads, config.seed)
+                    result = train_one(model, data, learning_rate, config, description)
+                    runs.append(
+                        {
+                            "task": task,
+                            "m": m,
+                            "model": name,
+                            "num_pseudo_heads": num_pseudo_heads,
+                            "learning_rate": learning_rate,
+                            "parameters": count_parameters(model),
+                            **result,
+                        }
+                    )
+                    if checkpoint is not None:
+                        write_json_atomic({"config": asdict(config), "runs": runs}, checkpoint)
                     overall.update(1)
-                    overall.set_postfix_str(f"{description}: done before")
-                    continue
-                model = build_model(m, config.hidden_size, config.num_heads, num_pseudo_heads, config.seed)
-                result = train_one(model, data, learning_rate, config, description)
-                runs.append(
-                    {
-                        "task": task,
-                        "m": m,
-                        "model": name,
-                        "num_pseudo_heads": num_pseudo_heads,
-                        "learning_rate": learning_rate,
-                        "parameters": count_parameters(model),
-                        **result,
-                    }
-                )
-                if checkpoint is not None:
-                    write_json_atomic({"config": asdict(config), "runs": runs}, checkpoint)
-                overall.update(1)
-                overall.set_postfix_str(f"{description}: test acc {result['test_accuracy']:.4f}")
-    overall.close()
+                    overall.set_postfix_str(f"{description}: test acc {result['test_accuracy']:.4f}")
     return {"config": asdict(config), "baselines": baselines, "runs": runs, "torch_threads": torch.get_num_threads()}
 
 
