@@ -483,8 +483,8 @@ class SafetensorsReader:
                 continue
             if not self.valid_entry(entry):
                 raise ConversionError(
-                    f"{path} is not a valid safetensors file: the header entry of tensor {name} is {entry!r}, not "
-                    '{"dtype": ..., "shape": [...], "data_offsets": [begin, end]} within the file.'
+                    f"{path} is not a valid safetensors file: the header entry of tensor {name} is "
+                    f'{repr(entry)[:100]}, not {{"dtype": ..., "shape": [...], "data_offsets": [begin, end]}}.'
                 )
             if entry["dtype"] not in SAFETENSORS_DTYPES:
                 raise ConversionError(
@@ -1465,10 +1465,13 @@ def conversion_card_sections(report: ConversionReport, model_id: str) -> dict[st
     if verification is None:
         checked = "Verification was skipped (`--no-verify`)."
     else:
+        inputs = f"a fixed batch of {verification.batch_shape[0]} left-padded sequences"
+        if len(verification.by_length) > 1:
+            inputs += " and on one longer text"
         checked = "\n".join(
             [
-                f"Source and converted model ran in fp32 on a fixed batch of {verification.batch_shape[0]} "
-                f"left-padded sequences ({verification.positions} token positions compared).",
+                f"Source and converted model ran in fp32 on {inputs} ({verification.positions} token positions "
+                "compared).",
                 "",
                 "| measure | value |",
                 "|---|---|",
@@ -1479,6 +1482,15 @@ def conversion_card_sections(report: ConversionReport, model_id: str) -> dict[st
                 f"| result | {verification.message.split(':')[0]} |",
             ]
         )
+        if len(verification.by_length) > 1:  # settings that change the function: measured on a long input too
+            checked += "\n\nBy input length (a changed window only changes the tokens past it):\n\n" + "\n".join(
+                ["| input | tokens | max absolute logit difference | top-1 agreement |", "|---|---|---|---|"]
+                + [
+                    f"| {entry['input']} | {entry['tokens']} | {entry['max_abs_diff']:.2e} | "
+                    f"{100 * entry['top1_agreement']:.2f}% |"
+                    for entry in verification.by_length
+                ]
+            )
     source_label = (
         f"`{report.base_model}`" if report.base_model else f"a local checkpoint (`{Path(report.source).name}`)"
     )

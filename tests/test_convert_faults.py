@@ -228,6 +228,8 @@ def test_a_changed_window_is_measured_past_the_window(tiny_source, tmp_path, cap
     assert by_length["9-256"]["max_abs_diff"] > 1e-2  # past it the change shows
     assert report["verification"]["max_abs_diff"] == max(entry["max_abs_diff"] for entry in by_length.values())
     assert "one 256-token text, past the 8-token window (tokens 9-256): max |logit difference|" in err
+    card = (output / "README.md").read_text()
+    assert f"| one 256-token text, past the 8-token window | 9-256 | {by_length['9-256']['max_abs_diff']:.2e} |" in card
 
 
 @pytest.mark.parametrize(
