@@ -166,7 +166,7 @@ def test_an_interrupted_comparison_resumes_from_its_checkpoint(tmp_path, monkeyp
         run_comparison(replace(config, seed=1), progress=False, checkpoint=checkpoint)
 
 
-def test_seed_summary(tiny_results, tmp_path):
+def test_seed_summary(tiny_results, tmp_path, capsys):
     other = copy.deepcopy(tiny_results)
     other["config"]["seed"] = 1
     for run in other["runs"]:
@@ -182,8 +182,11 @@ def test_seed_summary(tiny_results, tmp_path):
     assert entry["std"] == pytest.approx(abs(100 * first["test_accuracy"] - 70.0) / 2**0.5)
     table = (tmp_path / "s" / "seeds.md").read_text()
     assert "| Task | m | Model | seed 0 | seed 1 | mean | std | mean − MHA mean |" in table
-    with pytest.raises(ValueError, match="different seed"):
-        main(["--summarize", str(tmp_path / "r0.json"), str(tmp_path / "r0.json"), "--output-dir", str(tmp_path)])
+    # The same seed twice is bad input: one line, exit 2.
+    assert (
+        main(["--summarize", str(tmp_path / "r0.json"), str(tmp_path / "r0.json"), "--output-dir", str(tmp_path)]) == 2
+    )
+    assert capsys.readouterr().err.startswith("iha synthetic: error: Each result must come from a different seed")
     assert (tmp_path / "s" / "seeds.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
