@@ -109,6 +109,26 @@ def _try_lock(path: Path) -> int | None:
     return descriptor
 
 
+def _create_lock(staging: Path) -> int | None:
+    """Put LOCK_NAME in `staging`, locked by this process until it closes the returned descriptor (or dies).
+
+    The file is locked under another name and then renamed, so that no other run ever sees it unlocked while this one
+    is alive. None where the file system has no flock: the folder then never counts as provably abandoned.
+    """
+    if fcntl is None:
+        return None
+    pending = staging / (LOCK_NAME + ".new")
+    descriptor = os.open(pending, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
+    try:
+        fcntl.flock(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        os.close(descriptor)
+        pending.unlink()
+        return None
+    os.rename(pending, staging / LOCK_NAME)
+    return descriptor
+
+
 def remove_stale_staging(destination: str | os.PathLike, tool: str) -> list[Path]:
     """Remove the staging folders that killed runs of `tool` left next to `destination`; returns them.
 
@@ -219,20 +239,16 @@ def staged_folder(destination: str | os.PathLike, tool: str, *, replace: bool = 
                 error.errno,
                 f"cannot write in {destination.parent} ({error.strerror}); choose an output folder you can write to",
             ) from None
-        umask = os.umask(0)
-        os.umask(umask)
-        staging.chmod(0o777 & ~umask)
-        lock_path = staging / LOCK_NAME
-        lock_path.touch()
+        lock = None
         try:
-            lock = _try_lock(lock_path)
-        except OSError:  # no flock here: the run works, only a SIGKILL's leftovers cannot be recognised later
-            lock = None
-        try:
+            umask = os.umask(0)
+            os.umask(umask)
+            staging.chmod(0o777 & ~umask)
+            lock = _create_lock(staging)
             yield staging
             with signals_deferred():
-                lock_path.unlink()
                 if lock is not None:
+                    (staging / LOCK_NAME).unlink()
                     os.close(lock)
                     lock = None
                 move_into_place(staging, destination, replace)
