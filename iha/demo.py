@@ -13,14 +13,16 @@ GSM8K-style rows), `--eval-data` (a GSM8K or MATH-500 jsonl).
 """
 
 import argparse
+import errno
 import inspect
 import os
-import shutil
 import sys
 import time
 from pathlib import Path
 
-from .atomic_files import save_figure_atomic, write_json_atomic
+from .atomic_files import save_figure_atomic, write_json_atomic, write_text_atomic
+from .atomic_folders import run_command, staged_folder
+from .convert import ConversionError
 
 
 def log(message: str) -> None:
@@ -136,95 +138,102 @@ def run_demo(
     overwrite: bool = False,
 ) -> dict:
     """Run the whole demo; returns the summary that is also written to `output_dir/summary.json`."""
+    output_dir = Path(output_dir)
+    if output_dir.exists() and not output_dir.is_dir():
+        raise NotADirectoryError(errno.ENOTDIR, f"{output_dir} is a file: give a folder as --output-dir")
+    if output_dir.exists() and any(output_dir.iterdir()) and not overwrite:
+        raise FileExistsError(
+            errno.EEXIST, f"{output_dir} exists and is not empty: pass --overwrite or another --output-dir"
+        )
     from .builtin import smollm2_dir
     from .convert import convert_checkpoint
     from .model_card import update_model_card
     from .sft import IHASFTConfig, train_sft
 
-    output_dir = Path(output_dir)
-    if output_dir.exists() and any(output_dir.iterdir()):
-        if not overwrite:
-            raise FileExistsError(f"{output_dir} exists and is not empty: pass --overwrite or another --output-dir.")
-        shutil.rmtree(output_dir)
-    output_dir.mkdir(parents=True, exist_ok=True)
-    started = time.perf_counter()
-    timings = {}
+    # Everything is written in a staging folder renamed into place at the end: an error, Ctrl-C or SIGTERM leaves
+    # nothing, and a folder replaced with --overwrite is replaced only by a finished run.
+    with staged_folder(output_dir, "iha-demo", replace=overwrite) as staging:
+        started = time.perf_counter()
+        timings = {}
 
-    source = model or str(smollm2_dir())
-    log(f"1/5 converting {source} to IHA (P={num_pseudo_heads}) and verifying the conversion")
-    converted_dir = output_dir / "converted"
-    tic = time.perf_counter()
-    report = convert_checkpoint(source, converted_dir, num_pseudo_heads=num_pseudo_heads)
-    timings["convert_s"] = time.perf_counter() - tic
-    verification = {
-        "exact": report.exact,
-        "max_abs_logit_diff": report.verification.max_abs_diff,
-        "top1_agreement": report.verification.top1_agreement,
-        "message": report.verification.message,
-    }
-    log(f"    {report.verification.message}")
+        source = model or str(smollm2_dir())
+        log(f"1/5 converting {source} to IHA (P={num_pseudo_heads}) and verifying the conversion")
+        converted_dir = staging / "converted"
+        tic = time.perf_counter()
+        report = convert_checkpoint(source, converted_dir, num_pseudo_heads=num_pseudo_heads)
+        timings["convert_s"] = time.perf_counter() - tic
+        verification = {
+            "exact": report.exact,
+            "max_abs_logit_diff": report.verification.max_abs_diff,
+            "top1_agreement": report.verification.top1_agreement,
+            "message": report.verification.message,
+        }
+        log(f"    {report.verification.message}")
 
-    log("2/5 building OpenThoughts-format training data")
-    training_rows = build_training_rows(train_data, num_train, seed)
-    problems = build_eval_problems(eval_data, num_eval, seed, training_questions=question_set(training_rows))
+        log("2/5 building OpenThoughts-format training data")
+        training_rows = build_training_rows(train_data, num_train, seed)
+        problems = build_eval_problems(eval_data, num_eval, seed, training_questions=question_set(training_rows))
 
-    log(f"3/5 evaluating the converted model on {len(problems)} held-out problems")
-    tic = time.perf_counter()
-    before = evaluate(converted_dir, problems, max_new_tokens, batch_size=16, name="converted")
-    timings["eval_before_s"] = time.perf_counter() - tic
+        log(f"3/5 evaluating the converted model on {len(problems)} held-out problems")
+        tic = time.perf_counter()
+        before = evaluate(converted_dir, problems, max_new_tokens, batch_size=16, name="converted")
+        timings["eval_before_s"] = time.perf_counter() - tic
 
-    log(f"4/5 fine-tuning for {max_steps} steps")
-    model_dir = output_dir / "model"
-    args = IHASFTConfig(
-        output_dir=str(model_dir),
-        max_steps=max_steps,
-        per_device_train_batch_size=batch_size,
-        learning_rate=learning_rate,
-        mixing_learning_rate=mixing_learning_rate,
-        lr_scheduler_type="cosine",
-        warmup_steps=max(1, max_steps // 10),
-        max_length=max_length,
-        assistant_only_loss=True,
-        logging_steps=1,
-        save_strategy="no",
-        report_to="none",
-        seed=seed,
-        use_cpu=True,
-        dataloader_num_workers=0,
-    )
-    tic = time.perf_counter()
-    trainer = train_sft(str(converted_dir), training_rows, args)
-    timings["train_s"] = time.perf_counter() - tic
-    loss_curve = plot_loss_curve(trainer.state.log_history, output_dir / "loss_curve.png")
-    losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
+        log(f"4/5 fine-tuning for {max_steps} steps")
+        model_dir = staging / "model"
+        args = IHASFTConfig(
+            output_dir=str(model_dir),
+            max_steps=max_steps,
+            per_device_train_batch_size=batch_size,
+            learning_rate=learning_rate,
+            mixing_learning_rate=mixing_learning_rate,
+            lr_scheduler_type="cosine",
+            warmup_steps=max(1, max_steps // 10),
+            max_length=max_length,
+            assistant_only_loss=True,
+            logging_steps=1,
+            save_strategy="no",
+            report_to="none",
+            seed=seed,
+            use_cpu=True,
+            dataloader_num_workers=0,
+        )
+        tic = time.perf_counter()
+        trainer = train_sft(str(converted_dir), training_rows, args)
+        timings["train_s"] = time.perf_counter() - tic
+        loss_curve = plot_loss_curve(trainer.state.log_history, staging / "loss_curve.png")
+        losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
 
-    log("5/5 evaluating the fine-tuned model")
-    tic = time.perf_counter()
-    after = evaluate(model_dir, problems, max_new_tokens, batch_size=16, name="fine-tuned")
-    timings["eval_after_s"] = time.perf_counter() - tic
+        log("5/5 evaluating the fine-tuned model")
+        tic = time.perf_counter()
+        after = evaluate(model_dir, problems, max_new_tokens, batch_size=16, name="fine-tuned")
+        timings["eval_after_s"] = time.perf_counter() - tic
 
-    summary = {
-        "source": source,
-        "output_dir": str(output_dir),
-        "model_dir": str(model_dir),
-        "num_pseudo_heads": num_pseudo_heads,
-        "conversion": verification,
-        "training": {
-            "steps": max_steps,
-            "rows": len(training_rows),
-            "first_loss": losses[0] if losses else None,
-            "last_loss": losses[-1] if losses else None,
-        },
-        "before": before["metrics"],
-        "after": after["metrics"],
-        "num_eval_problems": len(problems),
-        "loss_curve": str(loss_curve) if loss_curve else None,
-        "timings_s": {
-            key: round(value, 1) for key, value in {**timings, "total_s": time.perf_counter() - started}.items()
-        },
-    }
-    update_model_card(model_dir, sections={"Demo fine-tuning and evaluation": demo_card_section(summary)})
-    write_json_atomic(summary, output_dir / "summary.json", default=str)
+        summary = {
+            "source": source,
+            "output_dir": str(output_dir),
+            "model_dir": str(output_dir / "model"),
+            "num_pseudo_heads": num_pseudo_heads,
+            "conversion": verification,
+            "training": {
+                "steps": max_steps,
+                "rows": len(training_rows),
+                "first_loss": losses[0] if losses else None,
+                "last_loss": losses[-1] if losses else None,
+            },
+            "before": before["metrics"],
+            "after": after["metrics"],
+            "num_eval_problems": len(problems),
+            "loss_curve": str(output_dir / loss_curve.name) if loss_curve else None,
+            "timings_s": {
+                key: round(value, 1) for key, value in {**timings, "total_s": time.perf_counter() - started}.items()
+            },
+        }
+        update_model_card(model_dir, sections={"Demo fine-tuning and evaluation": demo_card_section(summary)})
+        # The training card names its base model by path: the one it will have once the folder is in place.
+        card = model_dir / "README.md"
+        write_text_atomic(card.read_text(encoding="utf-8").replace(str(staging), str(output_dir)), card)
+        write_json_atomic(summary, staging / "summary.json", default=str)
     print(format_summary(summary), flush=True)
     return summary
 
@@ -290,8 +299,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=defaults["seed"])
     args = parser.parse_args(argv)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    run_demo(**{key.replace("-", "_"): value for key, value in vars(args).items()})
-    return 0
+    settings = {key.replace("-", "_"): value for key, value in vars(args).items()}
+
+    def demo() -> int:
+        run_demo(**settings)
+        return 0
+
+    return run_command(
+        "iha demo",
+        demo,
+        errors=(ConversionError, ValueError),
+        interrupted=f"nothing was written to {args.output_dir}",
+    )
 
 
 if __name__ == "__main__":

@@ -38,7 +38,6 @@ import os
 import re
 import shutil
 import sys
-import tempfile
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -52,7 +51,9 @@ from trl import SFTConfig, SFTTrainer
 import iha  # noqa: F401  (registers IHAConfig / IHAForCausalLM with the Auto classes)
 
 from .atomic_files import write_json_atomic
+from .atomic_folders import run_command, staged_folder
 from .chat_templates import has_generation_markers, training_chat_template
+from .convert import ConversionError
 from .data import filter_by_length, load_sft_dataset
 
 
@@ -607,17 +608,11 @@ def merge_lora(adapter_dir: str | os.PathLike, output_dir: str | os.PathLike, ba
     if output_dir.exists():
         raise FileExistsError(f"{output_dir} exists: choose a new folder for the merged model.")
     merged = load_sft_output(adapter_dir, merge=True, base_model=base_model)
-    output_dir.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{output_dir.name}.tmp-", dir=output_dir.parent))
-    try:
+    with staged_folder(output_dir, "iha-merge") as staging:
         merged.save_pretrained(staging)
         tokenizer_files = [p for p in Path(adapter_dir).iterdir() if p.name.startswith(("tokenizer", "chat_template"))]
         for tokenizer_file in tokenizer_files:
             shutil.copy2(tokenizer_file, staging / tokenizer_file.name)
-        staging.rename(output_dir)
-    finally:
-        if staging.exists():
-            shutil.rmtree(staging, ignore_errors=True)
     return output_dir
 
 
@@ -694,9 +689,22 @@ def run_cli(argv: Sequence[str] | None = None) -> IHASFTTrainer:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """`iha-sft` / `iha sft` / `python -m iha.sft` (run `--help` for every flag)."""
-    run_cli(argv)
-    return 0
+    """`iha-sft` / `iha sft` / `python -m iha.sft` (run `--help` for every flag).
+
+    Bad input prints one line (exit 2); Ctrl-C / SIGTERM exit 130 / 143, keeping the checkpoints already saved in
+    OUTPUT_DIR (`--resume_from_checkpoint true` continues from the last one).
+    """
+
+    def sft() -> int:
+        run_cli(argv)
+        return 0
+
+    return run_command(
+        "iha-sft",
+        sft,
+        errors=(ValueError, ConversionError),
+        interrupted="the checkpoints saved so far stay in the output folder; the final model was not saved",
+    )
 
 
 if __name__ == "__main__":

@@ -48,6 +48,7 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from .atomic_files import save_figure_atomic, write_json_atomic, write_text_atomic
+from .atomic_folders import run_command
 from .modeling_iha import IHAHeadMixing
 from .simplicial_attention import TwoSimplicialAttention
 
@@ -437,28 +438,31 @@ def train_one(
     best_accuracy, best_epoch, best_state, history = -1.0, 0, None, []
     epochs_without_gain = 0
     start_time = time.perf_counter()
-    progress = tqdm(range(1, config.max_epochs + 1), desc=description, unit="epoch", leave=False)
-    for epoch in progress:
-        model.train()
-        order = torch.randperm(len(train_data), generator=generator).to(device)
-        total_loss = 0.0
-        for start in range(0, len(order), config.batch_size):
-            batch = train_data.subset(order[start : start + config.batch_size])  # padded to this batch's largest m
-            loss = masked_loss(model(batch.bits, batch.sizes), batch)
-            optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            optimizer.step()
-            total_loss += loss.item() * len(batch)
-        validation = evaluate(model, data["val"], config.batch_size)
-        history.append({"epoch": epoch, "train_loss": total_loss / len(order), "val_accuracy": validation["accuracy"]})
-        progress.set_postfix(loss=f"{total_loss / len(order):.4f}", val_acc=f"{validation['accuracy']:.4f}")
-        if validation["accuracy"] > best_accuracy:
-            best_accuracy, best_epoch, epochs_without_gain = validation["accuracy"], epoch, 0
-            best_state = copy.deepcopy(model.state_dict())
-        else:
-            epochs_without_gain += 1
-            if epochs_without_gain >= config.patience:
-                break
+    # A context manager, so that an interruption closes the bar before the command prints its last line.
+    with tqdm(range(1, config.max_epochs + 1), desc=description, unit="epoch", leave=False) as progress:
+        for epoch in progress:
+            model.train()
+            order = torch.randperm(len(train_data), generator=generator).to(device)
+            total_loss = 0.0
+            for start in range(0, len(order), config.batch_size):
+                batch = train_data.subset(order[start : start + config.batch_size])  # padded to this batch's largest m
+                loss = masked_loss(model(batch.bits, batch.sizes), batch)
+                optimizer.zero_grad(set_to_none=True)
+                loss.backward()
+                optimizer.step()
+                total_loss += loss.item() * len(batch)
+            validation = evaluate(model, data["val"], config.batch_size)
+            history.append(
+                {"epoch": epoch, "train_loss": total_loss / len(order), "val_accuracy": validation["accuracy"]}
+            )
+            progress.set_postfix(loss=f"{total_loss / len(order):.4f}", val_acc=f"{validation['accuracy']:.4f}")
+            if validation["accuracy"] > best_accuracy:
+                best_accuracy, best_epoch, epochs_without_gain = validation["accuracy"], epoch, 0
+                best_state = copy.deepcopy(model.state_dict())
+            else:
+                epochs_without_gain += 1
+                if epochs_without_gain >= config.patience:
+                    break
     model.load_state_dict(best_state)
     test = evaluate(model, data["test"], config.batch_size)
     return {
@@ -539,51 +543,50 @@ def run_comparison(
     baselines = {}
     variants = model_variants(config)
     total = len(config.tasks) * len(variants) * len(config.learning_rates)
-    overall = tqdm(total=total, desc="synthetic runs", unit="run", disable=not progress)
-    for task_index, task in enumerate(config.tasks):
-        m = config.m[task]
-        seed = config.seed + 1000 * task_index
-        data = {
-            "train": make_composition_data(task, m, config.num_train, seed),
-            "val": make_composition_data(task, m, config.num_val, seed + 1),
-            "test": make_composition_data(task, m, config.num_test, seed + 2),
-        }
-        baselines[task] = {"m": m, **majority_baseline(data["test"])}
-        data = {split: split_data.to(device) for split, split_data in data.items()}
-        for name, attention, num_pseudo_heads in variants:
-            if only is not None and (task, name) not in only:
-                overall.update(len(config.learning_rates))
-                continue
-            for learning_rate in config.learning_rates:
-                description = f"{task} m={describe_m(m)} {name} lr={learning_rate:g}"
-                if (task, name, learning_rate) in finished:
-                    runs.append(finished[(task, name, learning_rate)])
-                    overall.update(1)
-                    overall.set_postfix_str(f"{description}: done before")
+    with tqdm(total=total, desc="synthetic runs", unit="run", disable=not progress) as overall:
+        for task_index, task in enumerate(config.tasks):
+            m = config.m[task]
+            seed = config.seed + 1000 * task_index
+            data = {
+                "train": make_composition_data(task, m, config.num_train, seed),
+                "val": make_composition_data(task, m, config.num_val, seed + 1),
+                "test": make_composition_data(task, m, config.num_test, seed + 2),
+            }
+            baselines[task] = {"m": m, **majority_baseline(data["test"])}
+            data = {split: split_data.to(device) for split, split_data in data.items()}
+            for name, attention, num_pseudo_heads in variants:
+                if only is not None and (task, name) not in only:
+                    overall.update(len(config.learning_rates))
                     continue
-                model = build_model(
-                    m[1], config.hidden_size, config.num_heads, num_pseudo_heads, config.seed, attention
-                ).to(device)
-                result = train_one(model, data, learning_rate, config, description)
-                runs.append(
-                    {
-                        "task": task,
-                        "m": m,
-                        "model": name,
-                        "attention": attention,
-                        "num_pseudo_heads": num_pseudo_heads,
-                        "learning_rate": learning_rate,
-                        "parameters": count_parameters(model),
-                        **result,
-                    }
-                )
-                if checkpoint is not None:
-                    done = {(run["task"], run["model"], run["learning_rate"]) for run in runs}
-                    kept = [run for key, run in finished.items() if key not in done]  # runs outside `only`
-                    write_json_atomic({"config": asdict(config), "runs": runs + kept}, checkpoint)
-                overall.update(1)
-                overall.set_postfix_str(f"{description}: test acc {result['test_accuracy']:.4f}")
-    overall.close()
+                for learning_rate in config.learning_rates:
+                    description = f"{task} m={describe_m(m)} {name} lr={learning_rate:g}"
+                    if (task, name, learning_rate) in finished:
+                        runs.append(finished[(task, name, learning_rate)])
+                        overall.update(1)
+                        overall.set_postfix_str(f"{description}: done before")
+                        continue
+                    model = build_model(
+                        m[1], config.hidden_size, config.num_heads, num_pseudo_heads, config.seed, attention
+                    ).to(device)
+                    result = train_one(model, data, learning_rate, config, description)
+                    runs.append(
+                        {
+                            "task": task,
+                            "m": m,
+                            "model": name,
+                            "attention": attention,
+                            "num_pseudo_heads": num_pseudo_heads,
+                            "learning_rate": learning_rate,
+                            "parameters": count_parameters(model),
+                            **result,
+                        }
+                    )
+                    if checkpoint is not None:
+                        done = {(run["task"], run["model"], run["learning_rate"]) for run in runs}
+                        kept = [run for key, run in finished.items() if key not in done]  # runs outside `only`
+                        write_json_atomic({"config": asdict(config), "runs": runs + kept}, checkpoint)
+                    overall.update(1)
+                    overall.set_postfix_str(f"{description}: test acc {result['test_accuracy']:.4f}")
     return {
         "config": asdict(config),
         "baselines": baselines,
@@ -1033,8 +1036,27 @@ def main(argv: list[str] | None = None) -> int:
         "(results.partial.json of an interrupted call, results.json of a finished one)",
     )
     args = parser.parse_args(argv)
+    return run_command(
+        "iha synthetic",
+        lambda: _run(args),
+        errors=(ValueError,),
+        interrupted=f"the runs finished so far are kept in {args.output_dir}: the same command resumes from them",
+    )
+
+
+def _read_results(path: str) -> dict:
+    try:
+        results = json.loads(Path(path).read_text(encoding="utf-8"))
+    except ValueError as error:
+        raise ValueError(f"{path} is not valid JSON ({error}).") from None
+    if not isinstance(results, dict) or not {"config", "runs"} <= set(results):
+        raise ValueError(f"{path} is not a results.json written by `iha synthetic`.")
+    return results
+
+
+def _run(args: argparse.Namespace) -> int:
     if args.summarize:
-        results_per_seed = [json.loads(Path(path).read_text(encoding="utf-8")) for path in args.summarize]
+        results_per_seed = [_read_results(path) for path in args.summarize]
         paths = write_seed_summary(results_per_seed, args.output_dir)
         print(paths["table"].read_text(encoding="utf-8"))
         return 0

@@ -96,3 +96,23 @@ def shared_data() -> Path:
     if not SHARED_DATA.is_dir():
         pytest.skip(f"benchmark data not found at {SHARED_DATA}")
     return SHARED_DATA
+
+
+@pytest.fixture
+def paused_command():
+    """paused_command(ready, target, nth, argv): `iha ARGV` in a subprocess stopped before the nth call of target
+    (see fault_utils.start_process), for tests that signal a command mid-work; killed after the test if still alive."""
+    from fault_utils import start_process
+
+    processes = []
+
+    def start(*args, **kwargs):
+        process = start_process(*args, **kwargs)
+        processes.append(process)
+        return process
+
+    yield start
+    for process in processes:
+        if process.poll() is None:
+            process.kill()
+            process.communicate()

@@ -265,7 +265,7 @@ def test_an_interrupted_comparison_resumes_from_its_checkpoint(tmp_path, monkeyp
         run_comparison(replace(config, seed=1), progress=False, checkpoint=checkpoint)
 
 
-def test_seed_summary(tiny_results, tmp_path):
+def test_seed_summary(tiny_results, tmp_path, capsys):
     other = copy.deepcopy(tiny_results)
     other["config"]["seed"] = 1
     for run in other["runs"]:
@@ -284,8 +284,11 @@ def test_seed_summary(tiny_results, tmp_path):
     mha_mean = summary["binary/MHA"]["mean"]
     assert f"| {entry['mean']:.2f} ± {entry['std']:.2f}" in table and f"{entry['mean'] - mha_mean:+.2f}" in table
     assert set(entry["by_m"]) == {"3", "4"}
-    with pytest.raises(ValueError, match="different seed"):
-        main(["--summarize", str(tmp_path / "r0.json"), str(tmp_path / "r0.json"), "--output-dir", str(tmp_path)])
+    # The same seed twice is bad input: one line, exit 2.
+    assert (
+        main(["--summarize", str(tmp_path / "r0.json"), str(tmp_path / "r0.json"), "--output-dir", str(tmp_path)]) == 2
+    )
+    assert capsys.readouterr().err.startswith("iha synthetic: error: Each result must come from a different seed")
     # A running call's checkpoint (seed 1 without its 2-simplicial runs yet) summarises over the seeds that have them.
     partial = {"config": other["config"], "runs": [run for run in other["runs"] if run["model"] != "2-simplicial"]}
     (tmp_path / "partial.json").write_text(json.dumps(partial))

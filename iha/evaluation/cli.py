@@ -15,6 +15,7 @@ import re
 import sys
 from pathlib import Path
 
+from ..atomic_folders import run_command
 from .math_eval import (
     BENCHMARKS,
     PRESETS,
@@ -200,12 +201,16 @@ def _run_compare(args) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Bad input prints one line (exit 2); Ctrl-C / SIGTERM exit 130 / 143. Result files are written whole (to a
+    temporary name, then renamed), so an interrupted run leaves only complete ones."""
     args = _build_parser().parse_args(argv)
-    if args.command == "math":
-        return _run_math(args)
-    if args.command == "needle":
-        return _run_needle(args)
-    return _run_compare(args)
+    run = {"math": _run_math, "needle": _run_needle, "compare": _run_compare}[args.command]
+    return run_command(
+        f"iha-eval {args.command}",
+        lambda: run(args),
+        errors=(ValueError,),
+        interrupted="the result files written so far are complete; no other file was written",
+    )
 
 
 if __name__ == "__main__":

@@ -137,7 +137,10 @@ def _read_local_rows(path: Path) -> list[dict]:
 
         return read_jsonl(path)
     if path.suffix == ".json":
-        data = json.loads(path.read_text(encoding="utf-8"))
+        try:
+            data = json.loads(path.read_text(encoding="utf-8"))
+        except ValueError as error:
+            raise ValueError(f"{path} is not valid JSON ({error}).") from None
         if isinstance(data, dict) and "data" in data:
             data = data["data"]
         if not isinstance(data, list):
@@ -174,7 +177,7 @@ def load_problems(
         try:
             dataset = load_dataset(hub_id, hub_config, split=split or (spec.split if spec else "test"))
         except Exception as error:  # offline, unknown id, ...: say what to do instead
-            raise RuntimeError(
+            raise OSError(
                 f"Could not load {hub_id!r} from the Hugging Face Hub ({type(error).__name__}: {error}). "
                 "Offline, pass a local .jsonl file instead, e.g. ../shared/data/gsm8k/test.jsonl."
             ) from error

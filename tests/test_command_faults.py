@@ -1,0 +1,139 @@
+"""The commands other than `iha-convert` under faults: Ctrl-C or SIGTERM mid-work gives one line and exit 128 + the
+signal, leaves no staging folder and no half-written output; bad input gives one line."""
+
+import json
+import signal
+
+import pytest
+from conftest import tiny_llama_for_tokenizer
+from fault_utils import finish
+from transformers import AutoTokenizer
+
+from iha.builtin import smollm2_dir
+from iha.cli import main as iha_main
+from iha.demo import build_training_rows
+from iha.demo_data import arithmetic_word_problems
+
+
+def listing(folder) -> list[str]:
+    return sorted(path.name for path in folder.iterdir())
+
+
+def assert_one_line_interruption(process, prog: str, signum: int, out: str, err: str) -> str:
+    assert process.returncode == 128 + signum, err
+    assert "Traceback" not in err
+    last = err.strip().splitlines()[-1]
+    assert last.startswith(f"{prog}: interrupted ({signal.Signals(signum).name})"), err
+    return last
+
+
+@pytest.fixture(scope="module")
+def tiny_llama_dir(tmp_path_factory):
+    """A tiny random Llama with the real SmolLM2 tokenizer and chat template."""
+    tokenizer = AutoTokenizer.from_pretrained(smollm2_dir())
+    folder = tmp_path_factory.mktemp("tiny-llama")
+    tiny_llama_for_tokenizer(tokenizer, hidden_size=64, intermediate_size=128).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def problems_file(tmp_path_factory):
+    path = tmp_path_factory.mktemp("data") / "problems.jsonl"
+    path.write_text("".join(json.dumps(row) + "\n" for row in arithmetic_word_problems(8, seed=5)))
+    return path
+
+
+DEMO_ARGS = ["--num-train", "8", "--num-eval", "2", "--max-steps", "1", "--max-new-tokens", "2", "--max-length", "256"]
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
+def test_interrupted_demo_leaves_nothing_and_keeps_an_old_folder(paused_command, tiny_llama_dir, tmp_path, signum):
+    work = tmp_path / "work"
+    (work / "old").mkdir(parents=True)
+    (work / "old" / "notes.txt").write_text("mine")
+    for output, extra in ((work / "new" / "demo", []), (work / "old", ["--overwrite"])):
+        ready = tmp_path / f"ready-{output.name}"
+        argv = ["demo", "--model", str(tiny_llama_dir), "--output-dir", str(output), *DEMO_ARGS, *extra]
+        # Stopped before the first evaluation: the converted model is already written (in the staging folder).
+        process = paused_command(ready, "iha.demo:evaluate", 1, argv)
+        assert any(".iha-demo-" in name for name in listing(output.parent))
+        process.send_signal(signum)
+        out, err = finish(process)
+        last = assert_one_line_interruption(process, "iha demo", signum, out, err)
+        assert last.endswith(f"nothing was written to {output}")
+    assert listing(work) == ["old"] and listing(work / "old") == ["notes.txt"]
+
+
+def test_demo_bad_input_is_one_line_and_leaves_nothing(tmp_path, capsys):
+    assert iha_main(["demo", "--model", str(tmp_path / "missing"), "--output-dir", str(tmp_path / "new" / "d")]) == 2
+    err = capsys.readouterr().err
+    assert err.strip().splitlines() == [
+        f"iha demo: error: {tmp_path / 'missing'} is neither an existing folder nor a Hub id like 'org/name'."
+    ]
+    (tmp_path / "taken").mkdir()
+    (tmp_path / "taken" / "notes.txt").write_text("mine")
+    assert iha_main(["demo", "--output-dir", str(tmp_path / "taken")]) == 2
+    assert "exists and is not empty: pass --overwrite" in capsys.readouterr().err
+    assert listing(tmp_path) == ["taken"]
+
+
+def test_interrupted_sft_is_one_line(paused_command, tiny_llama_dir, tmp_path):
+    data = tmp_path / "train.jsonl"
+    data.write_text("".join(json.dumps(row) + "\n" for row in build_training_rows(None, 8, seed=0)))
+    output = tmp_path / "run"
+    argv = ["sft", "--model_name_or_path", str(tiny_llama_dir), "--dataset_name", str(data)]
+    argv += ["--output_dir", str(output), "--max_steps", "1", "--use_cpu", "true", "--report_to", "none"]
+    process = paused_command(tmp_path / "ready", "iha.sft:IHASFTTrainer.train", 1, argv)
+    process.send_signal(signal.SIGINT)
+    out, err = finish(process)
+    assert_one_line_interruption(process, "iha-sft", signal.SIGINT, out, err)
+    assert not (output / "model.safetensors").exists()
+
+
+def test_sft_bad_dataset_is_one_line(tiny_llama_dir, tmp_path, capsys):
+    argv = ["sft", "--model_name_or_path", str(tiny_llama_dir), "--dataset_name", str(tmp_path / "missing.jsonl")]
+    assert iha_main([*argv, "--output_dir", str(tmp_path / "new" / "run"), "--use_cpu", "true"]) == 2
+    err = capsys.readouterr().err
+    assert err.strip().splitlines()[-1].startswith(f"iha-sft: error: Data file {tmp_path / 'missing.jsonl'} does not")
+    assert "Traceback" not in err and listing(tmp_path) == []
+
+
+def test_interrupted_eval_writes_no_result(paused_command, tiny_llama_dir, problems_file, tmp_path):
+    output = tmp_path / "new" / "eval"
+    argv = ["eval", "math", "--model", f"tiny={tiny_llama_dir}", "--dataset", f"gsm8k={problems_file}"]
+    argv += ["--output-dir", str(output), "--limit", "2", "--max-new-tokens", "2", "--device", "cpu"]
+    process = paused_command(tmp_path / "ready", "iha.evaluation.cli:evaluate_math", 1, argv)
+    process.send_signal(signal.SIGTERM)
+    out, err = finish(process)
+    assert_one_line_interruption(process, "iha-eval math", signal.SIGTERM, out, err)
+    assert listing(tmp_path) == ["ready"]
+
+
+def test_eval_bad_input_is_one_line(tmp_path, capsys):
+    (tmp_path / "bad.json").write_text("{not json")
+    argv = ["eval", "math", "--model", "x/y", "--dataset", f"gsm8k={tmp_path / 'bad.json'}", "--output-dir", "o"]
+    assert iha_main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"iha-eval math: error: {tmp_path / 'bad.json'} is not valid JSON") and err.count("\n") == 1
+
+
+def test_interrupted_synthetic_keeps_its_finished_runs_to_resume(paused_command, tmp_path):
+    output = tmp_path / "synthetic"
+    argv = ["synthetic", "--preset", "tiny", "--tasks", "binary", "--max-epochs", "1", "--output-dir", str(output)]
+    # Stopped before the second run: the first one is in results.partial.json.
+    process = paused_command(tmp_path / "ready", "iha.synthetic:train_one", 2, argv)
+    process.send_signal(signal.SIGINT)
+    out, err = finish(process)
+    last = assert_one_line_interruption(process, "iha synthetic", signal.SIGINT, out, err)
+    assert last.endswith(f"the runs finished so far are kept in {output}: the same command resumes from them")
+    assert listing(output) == ["results.partial.json"]
+    assert len(json.loads((output / "results.partial.json").read_text())["runs"]) == 1
+
+
+def test_synthetic_summarize_bad_input_is_one_line(tmp_path, capsys):
+    (tmp_path / "results.json").write_text("[]")
+    assert iha_main(["synthetic", "--summarize", str(tmp_path / "results.json"), "--output-dir", str(tmp_path)]) == 2
+    assert capsys.readouterr().err == (
+        f"iha synthetic: error: {tmp_path / 'results.json'} is not a results.json written by `iha synthetic`.\n"
+    )
