@@ -23,6 +23,7 @@ replace sections with `update_model_card(folder, sections={...})`, which keeps e
 ```
 """
 
+import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -159,9 +160,46 @@ print(generator(messages, max_new_tokens=64)[0]["generated_text"][-1]["content"]
 ```"""
 
 
+def how_to_load_adapter_section(adapter_path: str) -> str:
+    """The "How to load" section of a LoRA output: the adapter on its IHA base, or merged into it."""
+    return f"""A LoRA adapter (with the trained IHA mixing weights) for an IHA model. Load it on its base with the `iha`
+package (`pip install iha-transformers`), which rebuilds the base recorded in `iha_sft_base.json`:
+
+```python
+from iha.sft import load_sft_output
+
+model = load_sft_output("{adapter_path}")              # PeftModel on the IHA base
+merged = load_sft_output("{adapter_path}", merge=True)  # a plain IHAForCausalLM
+```"""
+
+
+def hub_base_model(source) -> str | None:
+    """The Hub id to name as `base_model` in a card's metadata, or None: the Hub only accepts repository ids there.
+
+    A Hub id is itself; a local folder gives the base its own card names (a converted folder records its source),
+    or the one `iha.builtin` stamped into it; any other local path gives None.
+    """
+    from .convert import looks_like_hub_id
+
+    if source is None:
+        return None
+    path = Path(str(source)).expanduser()
+    if not path.exists():
+        return str(source) if looks_like_hub_id(str(source)) else None
+    card = read_model_card(path)
+    if card is not None and isinstance(card.metadata.get("base_model"), str):
+        return card.metadata["base_model"]
+    stamp = path / "iha_builtin.json"
+    if stamp.is_file():
+        return json.loads(stamp.read_text(encoding="utf-8")).get("base_model")
+    return None
+
+
 __all__ = [
     "ModelCardContent",
+    "how_to_load_adapter_section",
     "how_to_load_section",
+    "hub_base_model",
     "parse_model_card",
     "read_model_card",
     "render_model_card",
