@@ -19,7 +19,7 @@ COMMANDS = {
     "sft": ("iha.sft", [], "supervised fine-tuning (OpenThoughts-style reasoning) with TRL"),
     "eval": ("iha.evaluation.cli", [], "math (GSM8K, MATH-500) and long-context retrieval evaluation"),
     "synthetic": ("iha.synthetic", [], "the paper's synthetic relation-composition comparison, MHA vs IHA"),
-    "push": ("iha.convert", ["push"], "upload an IHA folder (converted or fine-tuned) to the Hugging Face Hub"),
+    "push": ("iha.hub", [], "upload an IHA folder (converted or fine-tuned) to the Hugging Face Hub"),
 }
 
 

@@ -59,7 +59,7 @@ from .configuration_iha import (
     is_sliding_layer,
     paper_hybrid_layout,
 )
-from .model_card import DEFAULT_TAGS, how_to_load_section, read_model_card, render_model_card, update_model_card
+from .model_card import DEFAULT_TAGS, how_to_load_section, read_model_card, render_model_card
 from .modeling_iha import IHAForCausalLM, IHAHeadMixing
 
 
@@ -1238,7 +1238,7 @@ def builtin_base_model(source_dir: Path) -> str | None:
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# Model card and Hub upload
+# Model card
 # ---------------------------------------------------------------------------------------------------------------
 
 
@@ -1344,45 +1344,6 @@ def write_conversion_card(folder: Path, report: ConversionReport, source_dir: Pa
     write_text_atomic(text, folder / "README.md")
 
 
-def push_to_hub(
-    folder: str | os.PathLike,
-    repo_id: str,
-    *,
-    private: bool | None = None,
-    token: str | None = None,
-    revision: str | None = None,
-    commit_message: str | None = None,
-) -> str:
-    """Upload a converted folder to the Hub with huggingface_hub (create_repo + upload_folder); returns the URL.
-
-    The model card's "How to load" section is first updated to name `repo_id`.
-    """
-    folder = Path(folder)
-    config_path = folder / "config.json"
-    if not config_path.is_file() or json.loads(config_path.read_text()).get("model_type") != "iha":
-        raise ConversionError(f"{folder} is not an IHA checkpoint folder (no config.json with model_type 'iha').")
-    from huggingface_hub import HfApi
-
-    update_model_card(folder, sections={"How to load": how_to_load_section(repo_id)})
-    api = HfApi(token=token)
-    try:
-        api.create_repo(repo_id, private=private, exist_ok=True, repo_type="model")
-        commit = api.upload_folder(
-            folder_path=folder,
-            repo_id=repo_id,
-            repo_type="model",
-            revision=revision,
-            commit_message=commit_message or "Upload IHA checkpoint converted with iha-convert",
-            ignore_patterns=[".*"],
-        )
-    except Exception as error:
-        raise ConversionError(
-            f"Uploading {folder} to the Hub repository {repo_id} failed: {error}. The folder is complete; retry with "
-            f"`iha-convert push {folder} {repo_id}` once the Hub is reachable and you are logged in (`hf auth login`)."
-        ) from error
-    return str(getattr(commit, "commit_url", None) or f"https://huggingface.co/{repo_id}")
-
-
 # ---------------------------------------------------------------------------------------------------------------
 # Command line
 # ---------------------------------------------------------------------------------------------------------------
@@ -1460,16 +1421,6 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def build_push_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="iha-convert push", description="Upload a converted IHA folder to the Hub.")
-    parser.add_argument("folder")
-    parser.add_argument("repo_id")
-    parser.add_argument("--private", action="store_true")
-    parser.add_argument("--token")
-    parser.add_argument("--revision")
-    return parser
-
-
 def print_report(report: ConversionReport, write: Callable[[str], None]) -> None:
     write(f"Converted {report.source} ({report.architecture}) -> {report.output_dir}")
     write(
@@ -1489,16 +1440,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     err = lambda message: print(message, file=sys.stderr, flush=True)  # noqa: E731
 
     if argv[:1] == ["push"]:
-        args = build_push_parser().parse_args(argv[1:])
-        try:
-            url = push_to_hub(
-                args.folder, args.repo_id, private=args.private or None, token=args.token, revision=args.revision
-            )
-        except ConversionError as error:
-            err(f"iha-convert push: error: {error}")
-            return 1
-        out(f"Uploaded {args.folder} to {url}")
-        return 0
+        from .hub import main as push_main
+
+        return push_main(argv[1:], prog="iha-convert push")
 
     args = build_parser().parse_args(argv)
     handler = logging.StreamHandler(sys.stderr)
@@ -1540,9 +1484,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         logger.setLevel(previous_level)
     print_report(report, out)
     if args.push_to_hub:
+        from .hub import HubUploadError, push_to_hub
+
         try:
-            url = push_to_hub(report.output_dir, args.push_to_hub, private=args.private or None, token=args.token)
-        except ConversionError as error:
+            url = push_to_hub(
+                report.output_dir,
+                args.push_to_hub,
+                private=args.private or None,
+                token=args.token,
+                retry_command="iha-convert push",
+            )
+        except HubUploadError as error:
             err(f"iha-convert: error: {error}")
             return 1
         out(f"Uploaded to {url}")

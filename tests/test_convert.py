@@ -423,8 +423,9 @@ def test_push_to_hub_offline_keeps_the_folder_and_says_how_to_retry(tmp_path, ca
     err = capsys.readouterr().err
     assert "Uploading" in err and "someone/tiny-iha" in err and f"iha-convert push {output}" in err
     assert (output / "model.safetensors").is_file()
-    # The card already names the repo in its loading example.
-    assert 'from_pretrained("someone/tiny-iha")' in read_model_card(output).sections["How to load"]
+    # The upload failed, so the folder's card still loads from the folder, not from the repo.
+    how_to_load = read_model_card(output).sections["How to load"]
+    assert 'from_pretrained("out")' in how_to_load and "someone/tiny-iha" not in how_to_load
 
 
 def test_push_refuses_a_folder_that_is_not_iha(tmp_path, capsys):
