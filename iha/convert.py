@@ -848,6 +848,28 @@ def write_config_and_code(folder: Path, config: IHAConfig) -> None:
         shutil.copyfile(package_dir / name, folder / name)
 
 
+def pin_tokenizer_class(source_dir: Path, folder: Path) -> None:
+    """Name the source's tokenizer class in the converted `tokenizer_config.json` where the source leaves it out.
+
+    Without a `tokenizer_class`, `AutoTokenizer` picks the class from the model type in `config.json`: `llama`,
+    `qwen2`, ... for the source, but `iha` (unknown to transformers) for the converted folder, which would then get
+    a generic tokenizer instead of the source's. Naming the class the source resolves to keeps them the same.
+    """
+    from transformers import AutoTokenizer
+
+    config_path = folder / "tokenizer_config.json"
+    tokenizer_config = json.loads(config_path.read_text(encoding="utf-8")) if config_path.is_file() else {}
+    if tokenizer_config.get("tokenizer_class"):
+        return
+    try:
+        tokenizer_class = type(AutoTokenizer.from_pretrained(source_dir)).__name__
+    except Exception as error:  # an unusable tokenizer stays as copied; verification reports on the weights anyway
+        logger.warning(f"The tokenizer of {source_dir} does not load ({error}); copied as it is.")
+        return
+    tokenizer_config["tokenizer_class"] = tokenizer_class
+    write_text_atomic(json.dumps(tokenizer_config, indent=2, ensure_ascii=False) + "\n", config_path)
+
+
 def copy_source_files(source_dir: Path, folder: Path, source_config) -> None:
     """Tokenizer files (with the chat template), license files, and the generation config (made if absent)."""
     tokenizer_files = [name for name in TOKENIZER_FILES if (source_dir / name).is_file()]
@@ -858,6 +880,8 @@ def copy_source_files(source_dir: Path, folder: Path, source_config) -> None:
             f"{source_dir} has no tokenizer files, so the converted folder has none either: copy the tokenizer in "
             "before using it with pipeline() or pushing it."
         )
+    else:
+        pin_tokenizer_class(source_dir, folder)
     for pattern in LICENSE_FILE_PATTERNS:
         for path in source_dir.glob(pattern):
             if path.is_file():
