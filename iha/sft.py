@@ -599,6 +599,7 @@ def write_training_card(output_dir, trainer, base, converted, train_source, num_
     from .model_card import (
         DEFAULT_TAGS,
         ModelCardContent,
+        finetuned_intro,
         how_to_load_adapter_section,
         how_to_load_section,
         hub_base_model,
@@ -619,14 +620,7 @@ def write_training_card(output_dir, trainer, base, converted, train_source, num_
         metadata["license"] = base_card.metadata["license"]
     if isinstance(train_source, str) and not Path(train_source).exists() and looks_like_hub_id(train_source):
         metadata["datasets"] = [train_source]
-    base_label = f"[{hub_base}](https://huggingface.co/{hub_base})" if hub_base else f"`{Path(str(base)).name}`"
-    what = "A LoRA adapter for" if peft_config is not None else "A fine-tuned version of"
-    intro = (
-        f"{what} {base_label}" + (" converted" if converted else "") + " with **Interleaved Head Attention** (IHA, "
-        "[arXiv 2602.21371](https://arxiv.org/abs/2602.21371)), trained with TRL's `SFTTrainer` through the `iha` "
-        "package. The modeling code is stored next to the weights: load with `trust_remote_code=True`, or with "
-        "`import iha`."
-    )
+    intro = finetuned_intro(base, adapter=peft_config is not None, converted=converted)
     sections = {"Training": training_card_section(trainer, base, converted, train_source, num_rows, peft_config)}
     if base_card is not None and "IHA settings" in base_card.sections:
         sections["IHA settings"] = base_card.sections["IHA settings"]
