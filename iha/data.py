@@ -34,6 +34,7 @@ import json
 import logging
 import os
 import re
+import sys
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -436,8 +437,6 @@ def read_gsm8k_rows(source: str | os.PathLike, split: str = "train", limit: int 
         return read_jsonl(source, limit)
     if Path(source).suffix in (".json", ".jsonl") or Path(source).exists():
         raise DataFormatError(f"{source} is not a readable GSM8K .jsonl file.")
-    from datasets import load_dataset
-
     # openai/gsm8k has two configs with the same rows ("main" and "socratic"); "main" is the usual one.
     config_name = "main" if str(source) == "openai/gsm8k" else None
     try:
@@ -484,7 +483,11 @@ def main(argv=None):
     )
     args = parser.parse_args(argv)
     if args.command == "gsm8k-to-openthoughts":
-        rows = gsm8k_file_to_openthoughts(args.source, limit=args.limit, split=args.split)
+        try:
+            rows = gsm8k_file_to_openthoughts(args.source, limit=args.limit, split=args.split)
+        except DataFormatError as error:
+            print(f"python -m iha.data gsm8k-to-openthoughts: error: {error}", file=sys.stderr)
+            return 2
     else:
         system = (
             OPENTHOUGHTS_SYSTEM_PROMPT if args.default_system_prompt == "openthoughts" else args.default_system_prompt
