@@ -82,11 +82,11 @@ def is_mixing_parameter(name: str) -> bool:
 
 
 def bf16_supported_here(use_cpu: bool = False) -> bool:
-    """Whether training here would run on an accelerator with bf16 (what `TrainingArguments` accepts `bf16=True` on
-    without `use_cpu`). CPU training stays in fp32 unless bf16 is asked for explicitly."""
+    """Whether `TrainingArguments(bf16=True)` can train here: on CPU when asked for (`use_cpu`, bf16 autocast), or
+    on an accelerator with bf16 (Ampere or newer NVIDIA GPU, XPU, NPU, ...)."""
     from transformers.utils import is_torch_bf16_gpu_available
 
-    return not use_cpu and is_torch_bf16_gpu_available()
+    return use_cpu or is_torch_bf16_gpu_available()
 
 
 @dataclass
@@ -104,10 +104,10 @@ class IHASFTConfig(SFTConfig):
         Train on the assistant turns only (TRL's default is `False`). The chat template gets `{% generation %}`
         markers where it lacks them (`iha.chat_templates.training_chat_template`).
     bf16 (`bool`, *optional*):
-        bf16 mixed precision. When not set it follows the hardware: on when training runs on an accelerator that
-        supports bf16 (Ampere or newer NVIDIA GPU, XPU, NPU, ...), off on CPU (`use_cpu`, or no such accelerator),
-        so the same command trains in fp32 on a laptop and in bf16 on a GPU. TRL's own default is on everywhere,
-        which stops a CPU-only machine with "Your setup doesn't support bf16/gpu". `--bf16 true|false` decides.
+        bf16 mixed precision. When not set it follows the hardware: on (TRL's default) wherever it can train, i.e.
+        on an accelerator with bf16 (Ampere or newer NVIDIA GPU, XPU, NPU, ...) or with `use_cpu` (CPU autocast);
+        off (fp32) where TRL's default would stop with "Your setup doesn't support bf16/gpu": a machine without
+        such an accelerator and without `use_cpu`. `--bf16 true|false` decides.
     """
 
     mixing_learning_rate: float | None = field(
@@ -129,8 +129,8 @@ class IHASFTConfig(SFTConfig):
     bf16: bool | None = field(
         default=None,
         metadata={
-            "help": "bf16 mixed precision. Not set: on where a bf16-capable GPU/XPU/NPU trains, off on CPU "
-            "(TRL's default is on everywhere, which fails on a CPU-only machine)."
+            "help": "bf16 mixed precision. Not set: on (TRL's default) on a bf16-capable GPU/XPU/NPU or with "
+            "--use_cpu true; off where TRL's default would fail (no such accelerator, no --use_cpu)."
         },
     )
 
