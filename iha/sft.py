@@ -723,10 +723,10 @@ def write_merged_card(folder: Path, adapter_dir: Path, output_dir: Path) -> None
     """The card of a merged LoRA output: the adapter's card, loading as a full model from `output_dir`."""
     from .model_card import ModelCardContent, how_to_load_section, read_model_card, write_model_card
 
-    card = read_model_card(adapter_dir) or ModelCardContent(title=output_dir.resolve().name)
+    card = read_model_card(adapter_dir) or ModelCardContent(title="")
     card.metadata["library_name"] = "transformers"
     card.metadata["tags"] = [tag for tag in card.metadata.get("tags", []) if tag != "lora"]
-    card.title = f"{output_dir.resolve().name} (IHA, fine-tuned, LoRA merged)"
+    card.title = f"{adapter_dir.resolve().name} (IHA, fine-tuned, LoRA merged)"
     card.intro = (
         f"The LoRA adapter in `{adapter_dir.name}` merged into its IHA base (adapters and trained mixing weights "
         "folded in): a plain IHA model. " + card.intro.replace("A LoRA adapter for", "Trained from", 1)
