@@ -5,6 +5,7 @@ iha convert     convert a Llama-style checkpoint to IHA                 (same as
 iha sft         reasoning SFT with TRL, full or LoRA                     (same as `iha-sft`)
 iha eval        GSM8K / MATH-500 / needle-in-a-haystack evaluation       (same as `iha-eval`)
 iha synthetic   the paper's relation-composition comparison: MHA, 2-simplicial, IHA
+iha card        the IHA model card of a folder `trl sft` trained
 iha push        upload an IHA folder to the Hub                          (same as `iha-convert push`)
 """
 
@@ -19,7 +20,8 @@ COMMANDS = {
     "sft": ("iha.sft", [], "supervised fine-tuning (OpenThoughts-style reasoning) with TRL"),
     "eval": ("iha.evaluation.cli", [], "math (GSM8K, MATH-500) and long-context retrieval evaluation"),
     "synthetic": ("iha.synthetic", [], "the paper's synthetic relation-composition comparison: MHA, 2-simplicial, IHA"),
-    "push": ("iha.convert", ["push"], "upload an IHA folder (converted or fine-tuned) to the Hugging Face Hub"),
+    "card": ("iha.model_card", [], "write the IHA model card of a folder `trl sft` trained (base, how to load)"),
+    "push": ("iha.hub", [], "upload an IHA folder (converted or fine-tuned) to the Hugging Face Hub"),
 }
 
 

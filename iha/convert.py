@@ -59,7 +59,7 @@ from .configuration_iha import (
     is_sliding_layer,
     paper_hybrid_layout,
 )
-from .model_card import DEFAULT_TAGS, how_to_load_section, read_model_card, render_model_card, update_model_card
+from .model_card import DEFAULT_TAGS, how_to_load_section, read_model_card, render_model_card
 from .modeling_iha import IHAForCausalLM, IHAHeadMixing
 
 
@@ -883,6 +883,28 @@ def write_config_and_code(folder: Path, config: IHAConfig) -> None:
         shutil.copyfile(package_dir / name, folder / name)
 
 
+def pin_tokenizer_class(source_dir: Path, folder: Path) -> None:
+    """Name the source's tokenizer class in the converted `tokenizer_config.json` where the source leaves it out.
+
+    Without a `tokenizer_class`, `AutoTokenizer` picks the class from the model type in `config.json`: `llama`,
+    `qwen2`, ... for the source, but `iha` (unknown to transformers) for the converted folder, which would then get
+    a generic tokenizer instead of the source's. Naming the class the source resolves to keeps them the same.
+    """
+    from transformers import AutoTokenizer
+
+    config_path = folder / "tokenizer_config.json"
+    tokenizer_config = json.loads(config_path.read_text(encoding="utf-8")) if config_path.is_file() else {}
+    if tokenizer_config.get("tokenizer_class"):
+        return
+    try:
+        tokenizer_class = type(AutoTokenizer.from_pretrained(source_dir)).__name__
+    except Exception as error:  # an unusable tokenizer stays as copied; verification reports on the weights anyway
+        logger.warning(f"The tokenizer of {source_dir} does not load ({error}); copied as it is.")
+        return
+    tokenizer_config["tokenizer_class"] = tokenizer_class
+    write_text_atomic(json.dumps(tokenizer_config, indent=2, ensure_ascii=False) + "\n", config_path)
+
+
 def copy_source_files(source_dir: Path, folder: Path, source_config) -> None:
     """Tokenizer files (with the chat template), license files, and the generation config (made if absent)."""
     tokenizer_files = [name for name in TOKENIZER_FILES if (source_dir / name).is_file()]
@@ -893,6 +915,8 @@ def copy_source_files(source_dir: Path, folder: Path, source_config) -> None:
             f"{source_dir} has no tokenizer files, so the converted folder has none either: copy the tokenizer in "
             "before using it with pipeline() or pushing it."
         )
+    else:
+        pin_tokenizer_class(source_dir, folder)
     for pattern in LICENSE_FILE_PATTERNS:
         for path in source_dir.glob(pattern):
             if path.is_file():
@@ -1428,7 +1452,7 @@ def builtin_base_model(source_dir: Path) -> str | None:
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# Model card and Hub upload
+# Model card
 # ---------------------------------------------------------------------------------------------------------------
 
 
@@ -1546,53 +1570,6 @@ def write_conversion_card(folder: Path, report: ConversionReport, source_dir: Pa
     write_text_atomic(text, folder / "README.md")
 
 
-def is_iha_folder(folder: Path) -> bool:
-    """Whether `folder` holds a config.json (readable JSON) with model_type 'iha'."""
-    try:
-        config = json.loads((folder / "config.json").read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return False
-    return isinstance(config, dict) and config.get("model_type") == "iha"
-
-
-def push_to_hub(
-    folder: str | os.PathLike,
-    repo_id: str,
-    *,
-    private: bool | None = None,
-    token: str | None = None,
-    revision: str | None = None,
-    commit_message: str | None = None,
-) -> str:
-    """Upload a converted folder to the Hub with huggingface_hub (create_repo + upload_folder); returns the URL.
-
-    The model card's "How to load" section is first updated to name `repo_id`.
-    """
-    folder = Path(folder)
-    if not is_iha_folder(folder):
-        raise ConversionError(f"{folder} is not an IHA checkpoint folder (no config.json with model_type 'iha').")
-    from huggingface_hub import HfApi
-
-    update_model_card(folder, sections={"How to load": how_to_load_section(repo_id)})
-    api = HfApi(token=token)
-    try:
-        api.create_repo(repo_id, private=private, exist_ok=True, repo_type="model")
-        commit = api.upload_folder(
-            folder_path=folder,
-            repo_id=repo_id,
-            repo_type="model",
-            revision=revision,
-            commit_message=commit_message or "Upload IHA checkpoint converted with iha-convert",
-            ignore_patterns=[".*"],
-        )
-    except Exception as error:
-        raise ConversionError(
-            f"Uploading {folder} to the Hub repository {repo_id} failed: {error}. The folder is complete; retry with "
-            f"`iha-convert push {folder} {repo_id}` once the Hub is reachable and you are logged in (`hf auth login`)."
-        ) from error
-    return str(getattr(commit, "commit_url", None) or f"https://huggingface.co/{repo_id}")
-
-
 # ---------------------------------------------------------------------------------------------------------------
 # Command line
 # ---------------------------------------------------------------------------------------------------------------
@@ -1670,16 +1647,6 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def build_push_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="iha-convert push", description="Upload a converted IHA folder to the Hub.")
-    parser.add_argument("folder")
-    parser.add_argument("repo_id")
-    parser.add_argument("--private", action="store_true")
-    parser.add_argument("--token")
-    parser.add_argument("--revision")
-    return parser
-
-
 def print_report(report: ConversionReport, write: Callable[[str], None]) -> None:
     write(f"Converted {report.source} ({report.architecture}) -> {report.output_dir}")
     write(
@@ -1691,12 +1658,6 @@ def print_report(report: ConversionReport, write: Callable[[str], None]) -> None
         write(f"  verification: {report.verification.message}")
     else:
         write("  verification: skipped (--no-verify)")
-
-
-def run_push(args: argparse.Namespace) -> int:
-    url = push_to_hub(args.folder, args.repo_id, private=args.private or None, token=args.token, revision=args.revision)
-    print(f"Uploaded {args.folder} to {url}", flush=True)
-    return 0
 
 
 def run_conversion(args: argparse.Namespace) -> int:
@@ -1740,9 +1701,17 @@ def run_conversion(args: argparse.Namespace) -> int:
             each.setLevel(level)
     print_report(report, lambda message: print(message, flush=True))
     if args.push_to_hub:
+        from .hub import HubUploadError, push_to_hub
+
         try:
-            url = push_to_hub(report.output_dir, args.push_to_hub, private=args.private or None, token=args.token)
-        except ConversionError as error:
+            url = push_to_hub(
+                report.output_dir,
+                args.push_to_hub,
+                private=args.private or None,
+                token=args.token,
+                retry_command="iha-convert push",
+            )
+        except HubUploadError as error:
             print(f"iha-convert: error: {error}", file=sys.stderr, flush=True)
             return 1
         print(f"Uploaded to {url}", flush=True)
@@ -1757,8 +1726,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     """
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["push"]:
-        args = build_push_parser().parse_args(argv[1:])
-        return run_command("iha-convert push", lambda: run_push(args), errors=(ConversionError,), error_status=1)
+        from .hub import main as push_main
+
+        return push_main(argv[1:], prog="iha-convert push")
     args = build_parser().parse_args(argv)
     return run_command(
         "iha-convert",

@@ -34,6 +34,7 @@ import json
 import logging
 import os
 import re
+import sys
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -430,9 +431,28 @@ def read_jsonl(path: str | os.PathLike, limit: int | None = None) -> list[dict]:
     return rows
 
 
-def gsm8k_file_to_openthoughts(source: str | os.PathLike, limit: int | None = None) -> list[dict]:
-    """All (or the first `limit`) rows of a GSM8K .jsonl file in the OpenThoughts-114k format."""
-    return [gsm8k_to_openthoughts(row, index) for index, row in enumerate(read_jsonl(source, limit))]
+def read_gsm8k_rows(source: str | os.PathLike, split: str = "train", limit: int | None = None) -> list[dict]:
+    """GSM8K rows (question, answer) from a local .jsonl file, or from a Hub dataset such as `openai/gsm8k`."""
+    if Path(source).is_file():
+        return read_jsonl(source, limit)
+    if Path(source).suffix in (".json", ".jsonl") or Path(source).exists():
+        raise DataFormatError(f"{source} is not a readable GSM8K .jsonl file.")
+    # openai/gsm8k has two configs with the same rows ("main" and "socratic"); "main" is the usual one.
+    config_name = "main" if str(source) == "openai/gsm8k" else None
+    try:
+        dataset = load_dataset(str(source), config_name, split=split)
+    except Exception as error:  # offline, unknown id, ...: say what to do instead
+        raise DataFormatError(
+            f"Could not load {source!r} from the Hugging Face Hub ({type(error).__name__}: {error}). Offline, pass "
+            "a local GSM8K .jsonl file instead."
+        ) from error
+    rows = dataset if limit is None else dataset.select(range(min(limit, len(dataset))))
+    return [dict(row) for row in rows]
+
+
+def gsm8k_file_to_openthoughts(source: str | os.PathLike, limit: int | None = None, split: str = "train") -> list[dict]:
+    """All (or the first `limit`) GSM8K rows of a .jsonl file or a Hub dataset in the OpenThoughts-114k format."""
+    return [gsm8k_to_openthoughts(row, index) for index, row in enumerate(read_gsm8k_rows(source, split, limit))]
 
 
 def write_jsonl(rows: Iterable[dict], path: str | os.PathLike) -> Path:
@@ -447,10 +467,11 @@ def main(argv=None):
 
     parser = argparse.ArgumentParser(prog="python -m iha.data", description=main.__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
-    gsm8k = commands.add_parser("gsm8k-to-openthoughts", help="GSM8K .jsonl -> OpenThoughts-114k .jsonl")
-    gsm8k.add_argument("source")
-    gsm8k.add_argument("output")
-    gsm8k.add_argument("--limit", type=int)
+    gsm8k = commands.add_parser("gsm8k-to-openthoughts", help="GSM8K (Hub id or .jsonl) -> OpenThoughts-114k .jsonl")
+    gsm8k.add_argument("source", help="a Hub dataset id (openai/gsm8k) or your own GSM8K .jsonl file")
+    gsm8k.add_argument("output", help="the .jsonl file to write")
+    gsm8k.add_argument("--split", default="train", help="Hub split (default: train)")
+    gsm8k.add_argument("--limit", type=int, help="convert the first N rows only")
     messages = commands.add_parser("to-messages", help="any supported schema (Hub id or file) -> messages .jsonl")
     messages.add_argument("source", help="Hub dataset id, or .json / .jsonl / .parquet file or folder")
     messages.add_argument("output")
@@ -462,7 +483,11 @@ def main(argv=None):
     )
     args = parser.parse_args(argv)
     if args.command == "gsm8k-to-openthoughts":
-        rows = gsm8k_file_to_openthoughts(args.source, limit=args.limit)
+        try:
+            rows = gsm8k_file_to_openthoughts(args.source, limit=args.limit, split=args.split)
+        except DataFormatError as error:
+            print(f"python -m iha.data gsm8k-to-openthoughts: error: {error}", file=sys.stderr)
+            return 2
     else:
         system = (
             OPENTHOUGHTS_SYSTEM_PROMPT if args.default_system_prompt == "openthoughts" else args.default_system_prompt
@@ -487,6 +512,7 @@ __all__ = [
     "gsm8k_final_answer",
     "gsm8k_to_openthoughts",
     "load_sft_dataset",
+    "read_gsm8k_rows",
     "read_jsonl",
     "row_to_messages",
     "to_messages_dataset",

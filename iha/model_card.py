@@ -23,6 +23,7 @@ replace sections with `update_model_card(folder, sections={...})`, which keeps e
 ```
 """
 
+import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -163,12 +164,110 @@ Supported: {supported_range_text()}. On an older release, loading stops with the
 untested one, the code files first check their cache path on a tiny model and refuse to run if it fails."""
 
 
+def how_to_load_adapter_section(adapter_path: str) -> str:
+    """The "How to load" section of a LoRA output: the adapter on its IHA base, or merged into it."""
+    return f"""A LoRA adapter (with the trained IHA mixing weights) for an IHA model. Load it on its base with the `iha`
+package (`pip install iha-transformers`), which rebuilds the base recorded in `iha_sft_base.json`:
+
+```python
+from iha.sft import load_sft_output
+
+model = load_sft_output("{adapter_path}")              # PeftModel on the IHA base
+merged = load_sft_output("{adapter_path}", merge=True)  # a plain IHAForCausalLM
+```"""
+
+
+def hub_base_model(source) -> str | None:
+    """The Hub id to name as `base_model` in a card's metadata, or None: the Hub only accepts repository ids there.
+
+    A Hub id is itself; a local folder gives the base its own card names (a converted folder records its source),
+    or the one `iha.builtin` stamped into it; any other local path gives None.
+    """
+    from .convert import looks_like_hub_id
+
+    if source is None:
+        return None
+    path = Path(str(source)).expanduser()
+    if not path.exists():
+        return str(source) if looks_like_hub_id(str(source)) else None
+    card = read_model_card(path)
+    if card is not None and isinstance(card.metadata.get("base_model"), str):
+        return card.metadata["base_model"]
+    stamp = path / "iha_builtin.json"
+    if stamp.is_file():
+        return json.loads(stamp.read_text(encoding="utf-8")).get("base_model")
+    return None
+
+
+def finetuned_intro(
+    base, *, adapter: bool = False, converted: bool = False, trainer: str = "TRL's `SFTTrainer`"
+) -> str:
+    """The intro of a training output's card: what it was trained from (a Hub link where the base has an id)."""
+    hub_base = hub_base_model(base)
+    base_label = f"[{hub_base}](https://huggingface.co/{hub_base})" if hub_base else f"`{Path(str(base)).name}`"
+    what = "A LoRA adapter for" if adapter else "A fine-tuned version of"
+    return (
+        f"{what} {base_label}" + (" converted" if converted else "") + " with **Interleaved Head Attention** (IHA, "
+        f"[arXiv 2602.21371](https://arxiv.org/abs/2602.21371)), trained with {trainer}. The modeling code is stored "
+        "next to the weights: load with `trust_remote_code=True`, or with `import iha`."
+    )
+
+
+def rewrite_trainer_card(folder: str | os.PathLike, base: str) -> Path:
+    """Turn the generic card a trainer wrote (TRL's "fine-tuned version of None", a quick start without
+    `trust_remote_code`) into an IHA card: the base named (Hub metadata only for a Hub id), how to load it, the
+    base's IHA settings. The trainer's other sections (training procedure, versions, citations) are kept."""
+    folder = Path(folder)
+    card = read_model_card(folder) or ModelCardContent(title=folder.resolve().name)
+    hub_base = hub_base_model(base)
+    card.metadata.pop("base_model", None)
+    if hub_base is not None:
+        card.metadata["base_model"] = hub_base
+    card.metadata["tags"] = [*DEFAULT_TAGS, *[tag for tag in card.metadata.get("tags", []) if tag not in DEFAULT_TAGS]]
+    card.metadata.setdefault("pipeline_tag", "text-generation")
+    card.title = f"{folder.resolve().name} (IHA, fine-tuned)"
+    card.intro = finetuned_intro(base, trainer="TRL")
+    sections = {"How to load": how_to_load_section(str(folder))}
+    base_card = read_model_card(base) if Path(str(base)).is_dir() else None
+    if base_card is not None and "IHA settings" in base_card.sections:
+        sections["IHA settings"] = base_card.sections["IHA settings"]
+    sections.update((heading, body) for heading, body in card.sections.items() if heading not in ("Quick start",))
+    card.sections = sections
+    return write_model_card(folder, card)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`iha card FOLDER --base-model BASE`: the IHA card for a folder `trl sft` (or another trainer) wrote."""
+    import argparse
+    import sys
+
+    parser = argparse.ArgumentParser(
+        prog="iha card",
+        description="Rewrite the model card a trainer wrote into FOLDER (e.g. `trl sft`, whose card names no local "
+        "base and loads without trust_remote_code) as an IHA card; the trainer's other sections are kept.",
+    )
+    parser.add_argument("folder", help="the training output folder (its README.md is rewritten in place)")
+    parser.add_argument("--base-model", required=True, help="the IHA model it was trained from: folder or Hub id")
+    args = parser.parse_args(sys.argv[1:] if argv is None else argv)
+    if not (Path(args.folder) / "config.json").is_file() and not (Path(args.folder) / "adapter_config.json").is_file():
+        print(
+            f"iha card: error: {args.folder} holds no model (no config.json or adapter_config.json).", file=sys.stderr
+        )
+        return 2
+    print(f"Wrote {rewrite_trainer_card(args.folder, args.base_model)}")
+    return 0
+
+
 __all__ = [
     "ModelCardContent",
+    "finetuned_intro",
+    "how_to_load_adapter_section",
     "how_to_load_section",
+    "hub_base_model",
     "parse_model_card",
     "read_model_card",
     "render_model_card",
+    "rewrite_trainer_card",
     "update_model_card",
     "write_model_card",
 ]

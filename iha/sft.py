@@ -82,6 +82,14 @@ def is_mixing_parameter(name: str) -> bool:
 # ---------------------------------------------------------------------------------------------------------------------
 
 
+def bf16_supported_here(use_cpu: bool = False) -> bool:
+    """Whether `TrainingArguments(bf16=True)` can train here: on CPU when asked for (`use_cpu`, bf16 autocast), or
+    on an accelerator with bf16 (Ampere or newer NVIDIA GPU, XPU, NPU, ...)."""
+    from transformers.utils import is_torch_bf16_gpu_available
+
+    return use_cpu or is_torch_bf16_gpu_available()
+
+
 @dataclass
 class IHASFTConfig(SFTConfig):
     r"""TRL's `SFTConfig` plus the optimizer settings of the IHA mixing parameters.
@@ -96,6 +104,11 @@ class IHASFTConfig(SFTConfig):
     assistant_only_loss (`bool`, defaults to `True` here):
         Train on the assistant turns only (TRL's default is `False`). The chat template gets `{% generation %}`
         markers where it lacks them (`iha.chat_templates.training_chat_template`).
+    bf16 (`bool`, *optional*):
+        bf16 mixed precision. When not set it follows the hardware: on (TRL's default) wherever it can train, i.e.
+        on an accelerator with bf16 (Ampere or newer NVIDIA GPU, XPU, NPU, ...) or with `use_cpu` (CPU autocast);
+        off (fp32) where TRL's default would stop with "Your setup doesn't support bf16/gpu": a machine without
+        such an accelerator and without `use_cpu`. `--bf16 true|false` decides.
     """
 
     mixing_learning_rate: float | None = field(
@@ -114,6 +127,18 @@ class IHASFTConfig(SFTConfig):
             "help": "Compute the loss on the assistant turns only (needs {%% generation %%} markers, added here)."
         },
     )
+    bf16: bool | None = field(
+        default=None,
+        metadata={
+            "help": "bf16 mixed precision. Not set: on (TRL's default) on a bf16-capable GPU/XPU/NPU or with "
+            "--use_cpu true; off where TRL's default would fail (no such accelerator, no --use_cpu)."
+        },
+    )
+
+    def __post_init__(self):
+        if self.bf16 is None and not self.fp16:
+            self.bf16 = bf16_supported_here(self.use_cpu)
+        super().__post_init__()
 
 
 @dataclass
@@ -178,6 +203,13 @@ class DataArguments:
 # ---------------------------------------------------------------------------------------------------------------------
 # Model and tokenizer
 # ---------------------------------------------------------------------------------------------------------------------
+
+
+def resolve_model_source(model_name_or_path: str | os.PathLike) -> str:
+    """An existing local folder as an absolute path (what outputs record, so they reload from any working
+    directory); anything else, a Hub id, unchanged."""
+    path = Path(model_name_or_path).expanduser()
+    return str(path.resolve()) if path.exists() else str(model_name_or_path)
 
 
 def is_iha_model(model) -> bool:
@@ -332,6 +364,19 @@ class IHASFTTrainer(SFTTrainer):
         if args is not None and args.assistant_only_loss and processing_class is not None:
             kwargs["processing_class"] = prepare_tokenizer(processing_class, assistant_only_loss=True)
         super().__init__(model, args, **kwargs)
+        # What the model card says about the run (`write_training_card`); `train_sft` fills it in.
+        self.card_details = {
+            "base": getattr(getattr(self.model, "config", None), "_name_or_path", None) or None,
+            "converted": False,
+            "train_source": self.train_dataset,
+            "num_rows": None,
+            "peft_config": kwargs.get("peft_config"),
+        }
+
+    def create_model_card(self, model_name=None, dataset_name=None, tags=None):
+        # TRL writes its generic card into output_dir at every checkpoint save: write the IHA card instead.
+        if self.is_world_process_zero():
+            write_training_card(self.args.output_dir, self, **self.card_details)
 
     def create_optimizer(self, model=None):
         if self.optimizer is not None:
@@ -423,7 +468,7 @@ def train_sft(
     code files and `auto_map`, so the folder loads with `trust_remote_code=True` where `iha` is not installed.
     """
     _check_processes_are_connected(args)
-    model_name_or_path = model if isinstance(model, str | os.PathLike) else None
+    model_name_or_path = resolve_model_source(model) if isinstance(model, str | os.PathLike) else None
     converted = False
     if model_name_or_path is not None:
         model_init_kwargs = dict(args.model_init_kwargs or {})
@@ -489,19 +534,18 @@ def train_sft(
         peft_config=peft_config,
         callbacks=callbacks,
     )
+    trainer.card_details = {
+        "base": model_name_or_path or getattr(model, "name_or_path", None),
+        "converted": converted,
+        "train_source": train_dataset,
+        "num_rows": len(train_rows),
+        "peft_config": peft_config,
+    }
     trainer.train(resume_from_checkpoint=_resolve_resume(resume_from_checkpoint))
     if save:
         trainer.save_model(args.output_dir)
         if trainer.accelerator.is_main_process:
-            write_training_card(
-                args.output_dir,
-                trainer,
-                base=model_name_or_path or getattr(model, "name_or_path", None),
-                converted=converted,
-                train_source=train_dataset,
-                num_rows=len(train_rows),
-                peft_config=peft_config,
-            )
+            write_training_card(args.output_dir, trainer, **trainer.card_details)
         if peft_config is not None and trainer.accelerator.is_main_process:
             record = {
                 "base_model_name_or_path": str(model_name_or_path) if model_name_or_path is not None else None,
@@ -512,7 +556,7 @@ def train_sft(
     return trainer
 
 
-def training_card_section(trainer, base, converted: bool, train_source, num_rows: int, peft_config) -> str:
+def training_card_section(trainer, base, converted: bool, train_source, num_rows: int | None, peft_config) -> str:
     """The model card's "Training" section: base model, data, method, settings and the loss reached."""
     args = trainer.args
     losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
@@ -520,14 +564,15 @@ def training_card_section(trainer, base, converted: bool, train_source, num_rows
     method = "full fine-tuning"
     if peft_config is not None:
         method = f"LoRA (r={peft_config.r}, alpha={peft_config.lora_alpha}; `head_mixing` trained in full)"
+    scheduler = getattr(args.lr_scheduler_type, "value", args.lr_scheduler_type)  # an enum in TrainingArguments
     rows = [
         ("base model", f"`{base}`" + (" (converted to IHA on the fly)" if converted else "")),
-        ("data", f"`{source}`, {num_rows} rows after length filtering"),
+        ("data", f"`{source}`" + (f", {num_rows} rows after length filtering" if num_rows is not None else "")),
         ("method", f"{method} with TRL's `SFTTrainer`"),
         ("steps / epochs", f"{trainer.state.global_step} steps, {trainer.state.epoch or 0:.2f} epochs"),
         (
             "learning rate",
-            f"{args.learning_rate} ({args.lr_scheduler_type}); mixing parameters "
+            f"{args.learning_rate} ({scheduler}); mixing parameters "
             f"{getattr(args, 'mixing_learning_rate', None) or args.learning_rate}",
         ),
         (
@@ -536,6 +581,7 @@ def training_card_section(trainer, base, converted: bool, train_source, num_rows
             f"x {args.world_size} processes",
         ),
         ("max length / packing", f"{args.max_length} / {args.packing}"),
+        ("precision", "bf16 mixed" if args.bf16 else "fp16 mixed" if args.fp16 else "fp32"),
         ("assistant-only loss", str(args.assistant_only_loss)),
     ]
     if losses:
@@ -544,17 +590,47 @@ def training_card_section(trainer, base, converted: bool, train_source, num_rows
 
 
 def write_training_card(output_dir, trainer, base, converted, train_source, num_rows, peft_config) -> None:
-    """Add the training section (and how to load) to the model card that conversion started, or start one."""
-    from .model_card import DEFAULT_TAGS, how_to_load_section, update_model_card
+    """Write the model card of a training output: what it was trained from and on, and how to load it.
 
-    update_model_card(
-        output_dir,
-        sections={
-            "Training": training_card_section(trainer, base, converted, train_source, num_rows, peft_config),
-            "How to load": how_to_load_section(str(output_dir)),
-        },
-        metadata={"tags": [*DEFAULT_TAGS, "sft", "trl"]},
+    It replaces the generic card TRL (and PEFT) write, which name no local base ("fine-tuned version of None") and
+    load without `trust_remote_code`. The metadata's `base_model` is a Hub id or absent (the Hub accepts nothing
+    else); a converted base folder's "IHA settings" section is carried over.
+    """
+    from .convert import looks_like_hub_id
+    from .model_card import (
+        DEFAULT_TAGS,
+        ModelCardContent,
+        finetuned_intro,
+        how_to_load_adapter_section,
+        how_to_load_section,
+        hub_base_model,
+        read_model_card,
+        write_model_card,
     )
+
+    base_card = read_model_card(base) if base is not None and Path(base).is_dir() else None
+    hub_base = hub_base_model(base)
+    metadata = {
+        "library_name": "peft" if peft_config is not None else "transformers",
+        "pipeline_tag": "text-generation",
+        "tags": [*DEFAULT_TAGS, "sft", "trl", *(["lora"] if peft_config is not None else [])],
+    }
+    if hub_base is not None:
+        metadata["base_model"] = hub_base
+    if base_card is not None and base_card.metadata.get("license"):
+        metadata["license"] = base_card.metadata["license"]
+    if isinstance(train_source, str) and not Path(train_source).exists() and looks_like_hub_id(train_source):
+        metadata["datasets"] = [train_source]
+    intro = finetuned_intro(base, adapter=peft_config is not None, converted=converted)
+    sections = {"Training": training_card_section(trainer, base, converted, train_source, num_rows, peft_config)}
+    if base_card is not None and "IHA settings" in base_card.sections:
+        sections["IHA settings"] = base_card.sections["IHA settings"]
+    if peft_config is not None:
+        sections["How to load"] = how_to_load_adapter_section(str(output_dir))
+    else:
+        sections["How to load"] = how_to_load_section(str(output_dir))
+    title = f"{Path(output_dir).resolve().name} (IHA, fine-tuned)"
+    write_model_card(output_dir, ModelCardContent(title=title, metadata=metadata, intro=intro, sections=sections))
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -589,7 +665,8 @@ def load_sft_output(
             source = adapter_config.get("base_model_name_or_path")
         if not source:
             raise ValueError(f"{path} does not say which base model the adapter belongs to: pass `base_model`.")
-        base_model, _ = load_model_for_sft(
+        base_model = load_adapter_base(
+            path,
             str(source),
             convert_to_iha=record.get("converted_to_iha", True),
             iha_options=record.get("iha_options"),
@@ -597,6 +674,26 @@ def load_sft_output(
         )
     model = PeftModel.from_pretrained(base_model, path)
     return model.merge_and_unload() if merge else model
+
+
+def load_adapter_base(adapter_dir: Path, source: str, **load_kwargs) -> PreTrainedModel:
+    """The base model a LoRA adapter was trained on, or one error that names it and says how to point elsewhere."""
+    from .convert import looks_like_hub_id
+
+    how_to_fix = "pass `base_model=` (a folder or Hub id) to `load_sft_output` / `merge_lora`"
+    if not Path(source).expanduser().exists() and not looks_like_hub_id(source):
+        raise FileNotFoundError(
+            f"The LoRA adapter in {adapter_dir} was trained on the base model {source}, which does not exist "
+            f"(moved or deleted?): {how_to_fix}."
+        )
+    try:
+        model, _ = load_model_for_sft(source, **load_kwargs)
+    except OSError as error:
+        raise OSError(
+            f"The LoRA adapter in {adapter_dir} needs its base model {source}, which cannot be loaded "
+            f"({str(error).splitlines()[0]}): {how_to_fix}, or download it first."
+        ) from error
+    return model
 
 
 def merge_lora(adapter_dir: str | os.PathLike, output_dir: str | os.PathLike, base_model=None) -> Path:
@@ -613,7 +710,24 @@ def merge_lora(adapter_dir: str | os.PathLike, output_dir: str | os.PathLike, ba
         tokenizer_files = [p for p in Path(adapter_dir).iterdir() if p.name.startswith(("tokenizer", "chat_template"))]
         for tokenizer_file in tokenizer_files:
             shutil.copy2(tokenizer_file, staging / tokenizer_file.name)
+        write_merged_card(staging, Path(adapter_dir), output_dir)
     return output_dir
+
+
+def write_merged_card(folder: Path, adapter_dir: Path, output_dir: Path) -> None:
+    """The card of a merged LoRA output: the adapter's card, loading as a full model from `output_dir`."""
+    from .model_card import ModelCardContent, how_to_load_section, read_model_card, write_model_card
+
+    card = read_model_card(adapter_dir) or ModelCardContent(title="")
+    card.metadata["library_name"] = "transformers"
+    card.metadata["tags"] = [tag for tag in card.metadata.get("tags", []) if tag != "lora"]
+    card.title = f"{adapter_dir.resolve().name} (IHA, fine-tuned, LoRA merged)"
+    card.intro = (
+        f"The LoRA adapter in `{adapter_dir.name}` merged into its IHA base (adapters and trained mixing weights "
+        "folded in): a plain IHA model. " + card.intro.replace("A LoRA adapter for", "Trained from", 1)
+    ).strip()
+    card.sections["How to load"] = how_to_load_section(str(output_dir))
+    write_model_card(folder, card)
 
 
 # ---------------------------------------------------------------------------------------------------------------------

@@ -383,3 +383,11 @@ def test_command_line_writes_openthoughts_and_messages_files(shared_data, tmp_pa
     written = read_jsonl(messages)
     assert len(written) == 3 and list(written[0]) == ["messages"]
     assert written[0]["messages"][0] == {"role": "system", "content": OPENTHOUGHTS_SYSTEM_PROMPT}
+
+
+def test_gsm8k_to_openthoughts_takes_a_hub_id_and_says_so_when_offline(tmp_path, capsys):
+    output = tmp_path / "rows.jsonl"
+    assert main(["gsm8k-to-openthoughts", "someone/not-a-cached-gsm8k", str(output)]) == 2
+    err = capsys.readouterr().err
+    assert "Could not load 'someone/not-a-cached-gsm8k' from the Hugging Face Hub" in err
+    assert "pass a local GSM8K .jsonl file" in err and not output.exists()

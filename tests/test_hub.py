@@ -1,4 +1,4 @@
-"""save_pretrained / from_pretrained, Auto classes and remote code in a process that never imports iha."""
+"""save_pretrained / from_pretrained, Auto classes, remote code in a process that never imports iha, `iha push`."""
 
 import json
 import os
@@ -6,11 +6,15 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
 import torch
 from conftest import left_padded_batch, tiny_iha_model
 from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
 
 import iha
+from iha.cli import main as iha_main
+from iha.hub import upload_operations
+from iha.model_card import how_to_load_section, update_model_card
 
 
 def test_auto_classes_resolve_to_iha():
@@ -72,3 +76,51 @@ def test_remote_code_loads_in_a_process_without_iha(tmp_path):
     assert result.returncode == 0, result.stderr[-3000:]
     assert "max_abs_diff 0.0" in result.stdout
     assert f"generated {input_ids.shape[1] + 3}" in result.stdout
+
+
+def card_folder(tmp_path):
+    """A saved tiny IHA model with a card that loads it from its own folder, as every writer of the package leaves."""
+    folder = tmp_path / "tiny-iha"
+    tiny_iha_model().save_pretrained(folder)
+    update_model_card(folder, title="tiny", sections={"How to load": how_to_load_section(str(folder))})
+    (folder / ".cache").mkdir()
+    (folder / ".cache" / "lock").write_text("")
+    return folder
+
+
+def test_push_uploads_a_card_for_the_repo_and_leaves_the_folder_alone(tmp_path):
+    folder = card_folder(tmp_path)
+    card_before = (folder / "README.md").read_bytes()
+    operations = {operation.path_in_repo: operation for operation in upload_operations(folder, "someone/tiny-iha")}
+    assert set(operations) == {"README.md", "config.json", "configuration_iha.py", "modeling_iha.py",
+                               "generation_config.json", "model.safetensors"}  # fmt: skip
+    uploaded_card = operations["README.md"].path_or_fileobj.decode()
+    assert 'from_pretrained("someone/tiny-iha")' in uploaded_card and str(folder) not in uploaded_card
+    assert (folder / "README.md").read_bytes() == card_before
+
+
+def test_iha_push_offline_names_itself_and_changes_nothing(tmp_path, capsys):
+    folder = card_folder(tmp_path)
+    card_before = (folder / "README.md").read_bytes()
+    capsys.readouterr()
+    assert iha_main(["push", str(folder), "someone/tiny-iha"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("iha push: error: Uploading")
+    assert f"retry with `iha push {folder} someone/tiny-iha`" in err and "iha-convert" not in err
+    assert (folder / "README.md").read_bytes() == card_before
+
+
+@pytest.mark.parametrize(
+    "argv, usage", [(["push"], "usage: iha push"), (["convert", "push"], "usage: iha-convert push")]
+)
+def test_push_help_names_the_command_that_was_run(argv, usage, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        iha_main([*argv, "--help"])
+    assert exit_info.value.code == 0
+    assert capsys.readouterr().out.startswith(usage)
+
+
+def test_push_refuses_a_folder_that_is_not_iha(tmp_path, capsys):
+    (tmp_path / "config.json").write_text('{"model_type": "llama"}')
+    assert iha_main(["push", str(tmp_path), "someone/x"]) == 1
+    assert "not an IHA checkpoint folder" in capsys.readouterr().err

@@ -117,7 +117,7 @@ def test_runs_on_a_causal_lm(tokenizer):
         assert all(not re.search(r"\d{7}", example["answer"]) for example in row["examples"])
 
 
-def test_needle_cli_writes_results_and_report(tokenizer, tmp_path):
+def test_needle_cli_writes_results_and_report(tokenizer, tmp_path, monkeypatch, capsys):
     from iha.evaluation.cli import main as eval_main
 
     config = LlamaConfig(
@@ -132,11 +132,16 @@ def test_needle_cli_writes_results_and_report(tokenizer, tmp_path):
     torch.manual_seed(0)
     LlamaForCausalLM(config).save_pretrained(tmp_path / "tiny")
     tokenizer.save_pretrained(tmp_path / "tiny")
+    # No --output-dir: the default, runs/needle, under the working directory.
+    monkeypatch.chdir(tmp_path)
     eval_main(
         ["needle", "--model", f"tiny={tmp_path / 'tiny'}", "--lengths", "150", "250", "--num-examples", "2"]
         + ["--num-keys", "2", "--num-distractors", "1", "--max-new-tokens", "3", "--device", "cpu"]
-        + ["--output-dir", str(tmp_path / "out")]
     )
+    captured = capsys.readouterr()
+    assert "needle: 2 examples at each of 2 context lengths (150, 250 tokens)" in captured.out
+    assert "tiny / needle 250 tokens" in captured.err  # a progress bar per context length
+    (tmp_path / "runs" / "needle").rename(tmp_path / "out")
     result = json.loads((tmp_path / "out" / "needle_tiny.json").read_text())
     assert result["config"]["num_keys"] == 2 and result["config"]["num_distractors"] == 1
     assert [row["context_length"] for row in result["by_length"]] == [150, 250]
@@ -144,3 +149,25 @@ def test_needle_cli_writes_results_and_report(tokenizer, tmp_path):
     report = (tmp_path / "out" / "needle_report.md").read_text()
     assert "| Context (tokens) | tiny score | tiny all-found |" in report
     assert "| 150 | 0.0 | 0.0 |" in report and "| 250 | 0.0 | 0.0 |" in report
+
+
+@pytest.mark.parametrize(
+    "command, expected",
+    [
+        (
+            "needle",
+            ["(default: 50)", "(default: [1024, 2048, 4096])", "(default: 8)", "(default: 32)", "(default: 0)"]
+            + ["(default: runs/needle)", "about 45 minutes"],
+        ),
+        ("math", ["(default: greedy)", "greedy 1024, paper 4096", "(default: runs/eval)", "openai/gsm8k"]),
+    ],
+)
+def test_eval_help_shows_the_defaults(command, expected, capsys):
+    from iha.evaluation.cli import main as eval_main
+
+    with pytest.raises(SystemExit) as exit_info:
+        eval_main([command, "--help"])
+    assert exit_info.value.code == 0
+    text = " ".join(capsys.readouterr().out.split())  # argparse wraps lines
+    for phrase in expected:
+        assert phrase in text, phrase

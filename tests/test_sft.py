@@ -18,10 +18,12 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import iha
 from iha.data import write_jsonl
+from iha.model_card import read_model_card
 from iha.sft import (
     BASE_RECORD_NAME,
     IHASFTConfig,
     IHASFTTrainer,
+    bf16_supported_here,
     is_mixing_parameter,
     load_sft_output,
     make_parser,
@@ -148,17 +150,19 @@ def test_full_sft_loss_decreases_mixing_moves_and_saves_hub_ready(tokenizer, row
     torch.testing.assert_close(logits(reloaded, input_ids), logits(model, input_ids), rtol=0, atol=1e-5)
 
 
-def test_lora_adapter_saves_mixing_reloads_and_merges(tokenizer_dir, tokenizer, rows, tmp_path):
+def test_lora_adapter_saves_mixing_reloads_and_merges(tokenizer_dir, tokenizer, rows, tmp_path, monkeypatch):
     base_dir = tmp_path / "base"
     tiny_iha_model(tokenizer, seed=1).save_pretrained(base_dir)
     tokenizer.save_pretrained(base_dir)
-    data = write_jsonl(rows, tmp_path / "train.jsonl")
+    write_jsonl(rows, tmp_path / "train.jsonl")
     output_dir = tmp_path / "lora"
+    # Relative paths, as a user types them; no --bf16 flag: on this CPU-only machine the default must be fp32.
+    monkeypatch.chdir(tmp_path)
     trainer = run_cli(
         [
-            "--model_name_or_path", str(base_dir),
-            "--dataset_name", str(data),
-            "--output_dir", str(output_dir),
+            "--model_name_or_path", "base",
+            "--dataset_name", "train.jsonl",
+            "--output_dir", "lora",
             "--use_peft",
             "--lora_r", "8",
             "--max_steps", "8",
@@ -167,7 +171,6 @@ def test_lora_adapter_saves_mixing_reloads_and_merges(tokenizer_dir, tokenizer, 
             "--mixing_learning_rate", "3e-2",
             "--max_length", str(MAX_LENGTH),
             "--packing",
-            "--bf16", "false",
             "--logging_steps", "1",
             "--report_to", "none",
             "--save_strategy", "no",
@@ -175,6 +178,8 @@ def test_lora_adapter_saves_mixing_reloads_and_merges(tokenizer_dir, tokenizer, 
             "--merge_adapter",
         ]
     )  # fmt: skip
+    assert trainer.args.bf16 is bf16_supported_here()
+    monkeypatch.chdir(tokenizer_dir)  # everything below must work from another working directory
     peft_model = trainer.model
     assert all(math.isfinite(loss) for loss in losses(trainer))
 
@@ -192,7 +197,9 @@ def test_lora_adapter_saves_mixing_reloads_and_merges(tokenizer_dir, tokenizer, 
     trained = mixing_parameters(peft_model)
     for name, value in trained.items():
         assert (value - identity[name]).abs().max() > 1e-3, name
+    # The base is recorded as an absolute path, in our record and in PEFT's own config.
     assert json.loads((output_dir / BASE_RECORD_NAME).read_text())["base_model_name_or_path"] == str(base_dir)
+    assert adapter_config["base_model_name_or_path"] == str(base_dir)
 
     input_ids = torch.tensor([tokenizer.encode("Weng earns 12/60 = $0.2 per minute.")])
     expected = logits(peft_model, input_ids)
@@ -211,6 +218,31 @@ def test_lora_adapter_saves_mixing_reloads_and_merges(tokenizer_dir, tokenizer, 
     assert (logits(base, input_ids) - expected).abs().max() > 1e-3
     with pytest.raises(FileExistsError, match="choose a new folder"):
         merge_lora(output_dir, output_dir / "merged")
+
+    # The cards: no "None" base, no raw enum, a local base is not put in the Hub metadata, merged/ has its own.
+    card = read_model_card(output_dir)
+    text = (output_dir / "README.md").read_text()
+    assert "None" not in text and "SchedulerType" not in text and "(linear)" in card.sections["Training"]
+    assert "base_model" not in card.metadata and card.metadata["library_name"] == "peft"
+    assert 'load_sft_output("lora")' in card.sections["How to load"]  # the folder as the command named it
+    merged_card = read_model_card(output_dir / "merged")
+    assert merged_card.sections["Training"] == card.sections["Training"]
+    assert "trust_remote_code=True" in merged_card.sections["How to load"]
+    assert 'from_pretrained("lora/merged")' in merged_card.sections["How to load"]
+
+    # A base that has gone: one error naming it, not a network error about a path taken for a Hub id.
+    base_dir.rename(tmp_path / "moved")
+    with pytest.raises(FileNotFoundError, match=f"trained on the base model {base_dir}, which does not exist"):
+        load_sft_output(output_dir)
+    reloaded = load_sft_output(output_dir, base_model=str(tmp_path / "moved"))
+    torch.testing.assert_close(logits(reloaded, input_ids), expected, rtol=0, atol=1e-5)
+
+
+def test_bf16_follows_the_hardware_unless_set(tmp_path):
+    assert IHASFTConfig(output_dir=str(tmp_path)).bf16 is bf16_supported_here()
+    assert IHASFTConfig(output_dir=str(tmp_path), use_cpu=True).bf16 is True  # TRL's default, where it can run
+    assert IHASFTConfig(output_dir=str(tmp_path), use_cpu=True, bf16=False).bf16 is False
+    assert IHASFTConfig(output_dir=str(tmp_path), bf16=False).bf16 is False
 
 
 def test_resume_from_checkpoint_continues_the_same_run(tokenizer, rows, tmp_path):
@@ -261,6 +293,10 @@ def test_converts_a_llama_checkpoint_on_the_fly(tokenizer, rows, tmp_path):
     assert isinstance(trainer.model, iha.IHAForCausalLM)
     assert trainer.model.config.num_pseudo_heads == 2
     assert json.loads((tmp_path / "converted" / "config.json").read_text())["model_type"] == "iha"
+    card = read_model_card(tmp_path / "converted")
+    assert "None" not in (tmp_path / "converted" / "README.md").read_text()
+    assert "converted" in card.intro and "trust_remote_code=True" in card.sections["How to load"]
+    assert "base_model" not in card.metadata  # a local folder is no Hub id
 
     baseline = train_sft(
         str(llama_dir), rows[:16], sft_config(tmp_path / "baseline", max_steps=2), convert_to_iha=False

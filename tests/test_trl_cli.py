@@ -15,7 +15,9 @@ from sft_utils import build_tiny_tokenizer, gsm8k_openthoughts_rows, identity_mi
 from transformers import AutoModelForCausalLM
 
 from iha.chat_templates import SMOLLM2_TRAINING_CHAT_TEMPLATE, write_chat_template
+from iha.cli import main as iha_main
 from iha.data import load_sft_dataset, write_jsonl
+from iha.model_card import read_model_card
 
 
 def test_trl_sft_cli_trains_a_converted_folder_without_the_iha_package(tmp_path):
@@ -90,3 +92,13 @@ def test_trl_sft_cli_trains_a_converted_folder_without_the_iha_package(tmp_path)
     for name, value in mixing_parameters(trained).items():
         assert (value - identity[name]).abs().max() > 1e-4, name
     assert not torch.equal(trained.model.embed_tokens.weight, initial.model.embed_tokens.weight)
+
+    # TRL's card names no local base ("fine-tuned version of [None]") and loads without remote code;
+    # `iha card` makes it the IHA card and keeps TRL's own sections.
+    assert "[None]" in (output_dir / "README.md").read_text()
+    assert iha_main(["card", str(output_dir), "--base-model", str(model_dir)]) == 0
+    card = read_model_card(output_dir)
+    assert "None" not in (output_dir / "README.md").read_text()
+    assert "trust_remote_code=True" in card.sections["How to load"] and "Quick start" not in card.sections
+    assert "Training procedure" in card.sections and "base_model" not in card.metadata
+    assert f"`{model_dir.name}`" in card.intro and "iha" in card.metadata["tags"]

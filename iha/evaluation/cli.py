@@ -1,10 +1,13 @@
 """`iha-eval`: math evaluation (GSM8K, MATH-500), the needle task, and side-by-side reports.
 
     iha-eval math --model base=HuggingFaceTB/SmolLM2-135M-Instruct --model iha=./smollm2-iha \\
-        --dataset gsm8k=../shared/data/gsm8k/test.jsonl --dataset math500=../shared/data/math500/test.jsonl \\
-        --preset paper --output-dir runs/eval
+        --dataset gsm8k --dataset math500 --preset paper --output-dir runs/eval
+    iha-eval math --model iha=./smollm2-iha --dataset gsm8k=my_gsm8k_test.jsonl --limit 16
     iha-eval needle --model iha=./smollm2-iha --lengths 1024 2048 4096 --num-keys 1 --num-distractors 3
     iha-eval compare runs/eval/base_gsm8k.json runs/eval/iha_gsm8k.json --output report.md
+
+`--dataset gsm8k` / `math500` read the Hub datasets openai/gsm8k / HuggingFaceH4/MATH-500;
+`--dataset gsm8k=FILE.jsonl` reads your own copy with the same columns.
 """
 
 from __future__ import annotations
@@ -41,6 +44,24 @@ def _named(value: str, what: str) -> tuple[str, str]:
     return name, value
 
 
+class HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """Keeps the description's layout and appends "(default: ...)" to every option with a real default."""
+
+    def _get_help_string(self, action):
+        help_text = action.help or ""
+        unset = action.default is None or action.default is False or action.default == argparse.SUPPRESS
+        if "default" in help_text or not action.option_strings or unset:
+            return help_text
+        return f"{help_text} (default: %(default)s)"
+
+
+NEEDLE_DESCRIPTION = """RULER-style multi-key needle in a haystack, greedy decoding, exact match.
+
+Cost: every example is a full forward pass over its context. The defaults (50 examples at 1024, 2048 and 4096
+tokens) take about 45 minutes for a 135M model on 2 CPU cores; `--num-examples 5 --lengths 1024` takes a few
+minutes. A progress bar per context length shows how far it is."""
+
+
 def _add_model_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--model",
@@ -50,7 +71,9 @@ def _add_model_arguments(parser: argparse.ArgumentParser) -> None:
         help="model folder or Hub id; repeat for a side-by-side report (the first is the reference)",
     )
     parser.add_argument("--gguf-file", default=None, help="load PATH/GGUF_FILE (dequantized) instead of safetensors")
-    parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    parser.add_argument(
+        "--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"], help="weights dtype"
+    )
     parser.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda when available)")
     parser.add_argument("--trust-remote-code", action="store_true", help="allow code from the model folder")
     parser.add_argument("--batch-size", type=int, default=8, help="prompts per generate call")
@@ -58,45 +81,72 @@ def _add_model_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="iha-eval", description=__doc__, formatter_class=argparse.RawTextHelpFormatter
-    )
+    parser = argparse.ArgumentParser(prog="iha-eval", description=__doc__, formatter_class=HelpFormatter)
     commands = parser.add_subparsers(dest="command", required=True)
 
-    math = commands.add_parser("math", help="GSM8K / MATH-500: pass@1 and majority vote")
+    math = commands.add_parser(
+        "math",
+        help="GSM8K / MATH-500: pass@1 and majority vote",
+        description="GSM8K / MATH-500: pass@1 and majority vote over samples, answers compared with math-verify.",
+        formatter_class=HelpFormatter,
+    )
     _add_model_arguments(math)
     math.add_argument(
         "--dataset",
         action="append",
         required=True,
         metavar="BENCHMARK[=SOURCE]",
-        help=f"benchmark in {sorted(BENCHMARKS)}, optionally =a local .jsonl or a Hub id; repeatable",
+        help=f"benchmark in {sorted(BENCHMARKS)}: alone it reads the Hub dataset ("
+        + ", ".join(f"{name}: {spec.hub_id}" for name, spec in BENCHMARKS.items())
+        + "); =FILE.jsonl reads your own copy, =ORG/NAME another Hub dataset with the same columns; repeatable",
     )
     math.add_argument("--split", default=None, help="Hub split (default: test)")
     math.add_argument("--limit", type=int, default=None, help="evaluate the first N problems only")
-    math.add_argument("--preset", default="greedy", choices=sorted(PRESETS), help="paper = temperature 0.6, 16 samples")
-    math.add_argument("--temperature", type=float, default=None)
-    math.add_argument("--top-p", type=float, default=None)
-    math.add_argument("--num-samples", type=int, default=None)
-    math.add_argument("--max-new-tokens", type=int, default=None)
-    math.add_argument("--seed", type=int, default=None)
-    math.add_argument("--system-prompt", default=None, help="system message (default: the chat template's own)")
-    math.add_argument("--output-dir", required=True, help="writes MODEL_BENCHMARK.json, report.md and report.json")
+    presets = {name: PRESETS[name] for name in sorted(PRESETS)}
 
-    needle = commands.add_parser("needle", help="RULER-style multi-key needle in a haystack")
+    def preset_help(what: str, field: str) -> str:
+        values = ", ".join(f"{name} {getattr(config, field)}" for name, config in presets.items())
+        return f"{what} (default: the preset's: {values})"
+
+    math.add_argument("--preset", default="greedy", choices=sorted(PRESETS), help="sampling settings")
+    math.add_argument(
+        "--temperature", type=float, default=None, help=preset_help("sampling temperature", "temperature")
+    )
+    math.add_argument("--top-p", type=float, default=None, help=preset_help("nucleus sampling", "top_p"))
+    math.add_argument("--num-samples", type=int, default=None, help=preset_help("samples per problem", "num_samples"))
+    math.add_argument(
+        "--max-new-tokens", type=int, default=None, help=preset_help("tokens per completion", "max_new_tokens")
+    )
+    math.add_argument("--seed", type=int, default=None, help="sampling seed (default: the preset's, 0)")
+    math.add_argument("--system-prompt", default=None, help="system message (default: the chat template's own)")
+    math.add_argument(
+        "--output-dir", default="runs/eval", help="writes MODEL_BENCHMARK.json, report.md and report.json"
+    )
+
+    needle = commands.add_parser(
+        "needle",
+        help="RULER-style multi-key needle in a haystack",
+        description=NEEDLE_DESCRIPTION,
+        formatter_class=HelpFormatter,
+    )
     _add_model_arguments(needle)
     needle.add_argument("--lengths", type=int, nargs="+", default=[1024, 2048, 4096], help="context lengths (tokens)")
-    needle.add_argument("--num-keys", type=int, default=1)
-    needle.add_argument("--num-distractors", type=int, default=3)
-    needle.add_argument("--num-examples", type=int, default=50)
-    needle.add_argument("--seed", type=int, default=0)
-    needle.add_argument("--max-new-tokens", type=int, default=32)
-    needle.add_argument("--output-dir", required=True, help="writes needle_MODEL.json, needle_report.md")
+    needle.add_argument("--num-keys", type=int, default=1, help="needles asked about per example")
+    needle.add_argument("--num-distractors", type=int, default=3, help="needles not asked about")
+    needle.add_argument("--num-examples", type=int, default=50, help="examples per context length")
+    needle.add_argument("--seed", type=int, default=0, help="seed of the generated examples")
+    needle.add_argument("--max-new-tokens", type=int, default=32, help="tokens generated per answer")
+    needle.add_argument("--output-dir", default="runs/needle", help="writes needle_MODEL.json, needle_report.md")
 
-    compare = commands.add_parser("compare", help="side-by-side markdown report from result JSON files")
+    compare = commands.add_parser(
+        "compare",
+        help="side-by-side markdown report from result JSON files",
+        description="A side-by-side markdown report from the result files of `iha-eval math`.",
+        formatter_class=HelpFormatter,
+    )
     compare.add_argument("results", nargs="+", help="MODEL_BENCHMARK.json files written by `iha-eval math`")
     compare.add_argument("--output", default=None, help="markdown file (default: print)")
-    compare.add_argument("--title", default="Math evaluation")
+    compare.add_argument("--title", default="Math evaluation", help="report heading")
     return parser
 
 
@@ -153,6 +203,11 @@ def _run_math(args) -> int:
 
 def _run_needle(args) -> int:
     output_dir = Path(args.output_dir)
+    print(
+        f"needle: {args.num_examples} examples at each of {len(args.lengths)} context lengths "
+        f"({', '.join(map(str, args.lengths))} tokens) per model, {args.batch_size} per batch; results in {output_dir}",
+        flush=True,
+    )
     results = []
     for model_spec in args.model:
         name, path = _named(model_spec, "model")

@@ -179,7 +179,7 @@ def load_problems(
         except Exception as error:  # offline, unknown id, ...: say what to do instead
             raise OSError(
                 f"Could not load {hub_id!r} from the Hugging Face Hub ({type(error).__name__}: {error}). "
-                "Offline, pass a local .jsonl file instead, e.g. ../shared/data/gsm8k/test.jsonl."
+                "Offline, pass a local .jsonl file with the same columns instead (--dataset gsm8k=FILE.jsonl)."
             ) from error
         rows = list(dataset)
     else:

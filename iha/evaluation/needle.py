@@ -163,10 +163,12 @@ def score_needle_answer(answer: str, expected_values: Sequence[str]) -> float:
 GenerateFn = Callable[[list[NeedleExample]], list[str]]
 
 
-def evaluate_needle_examples(examples: Sequence[NeedleExample], generate: GenerateFn, batch_size: int = 4) -> dict:
+def evaluate_needle_examples(
+    examples: Sequence[NeedleExample], generate: GenerateFn, batch_size: int = 4, description: str = "needle"
+) -> dict:
     """Score `generate` (examples -> answers) on `examples`: mean `score` and `all_found`, plus per-example rows."""
     rows = []
-    for start in tqdm(range(0, len(examples), batch_size), desc="needle", unit="batch"):
+    for start in tqdm(range(0, len(examples), batch_size), desc=description, unit="batch"):
         batch = list(examples[start : start + batch_size])
         answers = generate(batch)
         if len(answers) != len(batch):
@@ -246,7 +248,9 @@ def evaluate_needle(
     for context_length in context_lengths:
         config = NeedleConfig(context_length, num_keys, num_distractors, num_examples, seed)
         examples = make_needle_examples(config, tokenizer)
-        scored = evaluate_needle_examples(examples, generate, batch_size)
+        scored = evaluate_needle_examples(
+            examples, generate, batch_size, description=f"{model_name} / needle {context_length} tokens"
+        )
         by_length.append({"context_length": context_length, **scored})
     return {"model": model_name, "config": asdict(config), "by_length": by_length}
 

@@ -1,0 +1,155 @@
+# Copyright 2026 The iha authors.
+#
+# Licensed under the Apache License, Version 2.0 (the "License");
+# you may not use this file except in compliance with the License.
+# You may obtain a copy of the License at
+#
+#     http://www.apache.org/licenses/LICENSE-2.0
+#
+# Unless required by applicable law or agreed to in writing, software
+# distributed under the License is distributed on an "AS IS" BASIS,
+# WITHOUT WARRANTIES OR CONDITIONS OF ANY KIND, either express or implied.
+# See the License for the specific language governing permissions and
+# limitations under the License.
+"""Uploading an IHA folder (converted or fine-tuned) to the Hugging Face Hub: `iha push FOLDER USER/NAME`.
+
+The upload is one commit made with huggingface_hub (`create_repo` + `create_commit`). The model card that goes up
+names the repository in its "How to load" section; the card in your folder is left as it is, so a failed upload
+changes nothing on disk and the folder keeps loading from its own path.
+
+```python
+>>> from iha.hub import push_to_hub
+>>> push_to_hub("smollm2-iha", "me/smollm2-iha")
+```
+"""
+
+import argparse
+import json
+import os
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from .atomic_folders import run_command
+from .model_card import MODEL_CARD_NAME, how_to_load_section, read_model_card, render_model_card
+
+
+class HubUploadError(Exception):
+    """The folder cannot be uploaded, or the upload failed; the message says why and what to do."""
+
+
+def check_iha_folder(folder: Path) -> None:
+    """Refuse anything but a folder whose config.json (readable JSON) says model_type 'iha'."""
+    try:
+        config = json.loads((folder / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        config = None
+    if not isinstance(config, dict) or config.get("model_type") != "iha":
+        raise HubUploadError(f"{folder} is not an IHA checkpoint folder (no config.json with model_type 'iha').")
+
+
+def card_for_repo(folder: Path, repo_id: str) -> str | None:
+    """The folder's model card with its "How to load" section naming `repo_id` (None when there is no card)."""
+    card = read_model_card(folder)
+    if card is None:
+        return None
+    card.sections["How to load"] = how_to_load_section(repo_id)
+    return render_model_card(card.sections, title=card.title, metadata=card.metadata, intro=card.intro)
+
+
+def upload_operations(folder: str | os.PathLike, repo_id: str) -> list:
+    """The files of one upload commit: every file of `folder` but hidden ones, the card rewritten for `repo_id`."""
+    from huggingface_hub import CommitOperationAdd
+
+    folder = Path(folder)
+    card_text = card_for_repo(folder, repo_id)
+    operations = []
+    for path in sorted(folder.rglob("*")):
+        relative = path.relative_to(folder)
+        if not path.is_file() or any(part.startswith(".") for part in relative.parts):
+            continue
+        if relative.as_posix() == MODEL_CARD_NAME and card_text is not None:
+            content = card_text.encode("utf-8")  # the rewritten copy; the file on disk stays as it is
+        else:
+            content = str(path)
+        operations.append(CommitOperationAdd(path_in_repo=relative.as_posix(), path_or_fileobj=content))
+    return operations
+
+
+def push_to_hub(
+    folder: str | os.PathLike,
+    repo_id: str,
+    *,
+    private: bool | None = None,
+    token: str | None = None,
+    revision: str | None = None,
+    commit_message: str | None = None,
+    retry_command: str = "iha push",
+) -> str:
+    """Upload an IHA folder to the Hub in one commit; returns the commit URL.
+
+    The uploaded model card loads the model from `repo_id`; the folder itself is not modified. On failure the
+    error says to retry with `retry_command FOLDER REPO_ID`.
+    """
+    folder = Path(folder)
+    check_iha_folder(folder)
+    from huggingface_hub import HfApi
+
+    api = HfApi(token=token)
+    try:
+        api.create_repo(repo_id, private=private, exist_ok=True, repo_type="model")
+        commit = api.create_commit(
+            repo_id=repo_id,
+            repo_type="model",
+            operations=upload_operations(folder, repo_id),
+            revision=revision,
+            commit_message=commit_message or "Upload IHA checkpoint with the iha package",
+        )
+    except Exception as error:
+        raise HubUploadError(
+            f"Uploading {folder} to the Hub repository {repo_id} failed: {error}. The folder is unchanged; retry "
+            f"with `{retry_command} {folder} {repo_id}` once the Hub is reachable and you are logged in "
+            "(`hf auth login`)."
+        ) from error
+    return str(getattr(commit, "commit_url", None) or f"https://huggingface.co/{repo_id}")
+
+
+def build_parser(prog: str = "iha push") -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog=prog,
+        description="Upload an IHA folder (converted or fine-tuned) to the Hugging Face Hub in one commit. The "
+        "uploaded model card loads the model from REPO_ID; the folder itself is not modified.",
+    )
+    parser.add_argument("folder", help="the IHA model folder (config.json with model_type 'iha')")
+    parser.add_argument("repo_id", help="Hub repository, USER/NAME or ORG/NAME (created if missing)")
+    parser.add_argument("--private", action="store_true", help="create the repository as private")
+    parser.add_argument("--token", help="Hub token (default: the logged-in one, `hf auth login`)")
+    parser.add_argument("--revision", help="branch to upload to (default: main)")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None, prog: str = "iha push") -> int:
+    """`iha push` (also `iha-convert push`)."""
+    args = build_parser(prog).parse_args(list(sys.argv[1:] if argv is None else argv))
+
+    def upload() -> int:
+        url = push_to_hub(
+            args.folder,
+            args.repo_id,
+            private=args.private or None,
+            token=args.token,
+            revision=args.revision,
+            retry_command=prog,
+        )
+        print(f"Uploaded {args.folder} to {url}", flush=True)
+        return 0
+
+    # One line for a failed upload (exit 1) or Ctrl-C (130); the folder is never modified either way.
+    return run_command(prog, upload, errors=(HubUploadError,), error_status=1)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
+
+
+__all__ = ["HubUploadError", "build_parser", "card_for_repo", "main", "push_to_hub", "upload_operations"]

@@ -1,0 +1,216 @@
+"""Every shell command in README.md, checked the way a user meets it, so that the README cannot rot.
+
+The commands of the README's ```bash blocks are checked in README order, in one scratch folder (later commands use
+what earlier ones wrote, as they would for a user who follows the README). Each command is
+
+1. **run as written**, with three mechanical changes, all listed below:
+   - `LOCAL_COPIES`: a Hub id is replaced by a local stand-in: GSM8K / MATH-500 by the benchmark files the tests
+     read, SmolLM2-135M-Instruct by `tiny-smollm2`, a tiny random Llama with SmolLM2's tokenizer and chat template
+     (the same code paths in seconds; the real weights go through them in tests/test_convert.py and test_demo.py);
+   - `PLACEHOLDERS`: a name the README uses for "your folder" (`CONVERTED_DIR`, `./my-llama`) becomes a real one;
+   - `TINY_SETTINGS`: flags appended to make the run small (argparse and `HfArgumentParser` keep the last value of
+     a repeated flag, so these override the README's own values: fewer steps, rows, tokens, examples, epochs);
+2. or, when the README marks it "needs the Hub" or "needs GPUs" (and `NOT_RUN` says why), **parsed** by the
+   command's own argument parser: its arguments must be valid, nothing runs;
+3. or, for `make` and `pip install`, checked without building or downloading anything: `make -n TARGET` must work,
+   and the versions `pip install` pins must be the ones installed.
+
+A command that fits none of these fails, so a new README command has to be made runnable or marked.
+"""
+
+import importlib.metadata
+import os
+import re
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import REPO_ROOT, SHARED_DATA
+
+
+README = REPO_ROOT / "README.md"
+BIN = Path(sys.executable).parent  # the console scripts of this environment (iha, iha-sft, trl, lm_eval, ...)
+CONSOLE_SCRIPTS = {"iha", "iha-convert", "iha-sft", "iha-eval", "trl", "lm_eval", "accelerate"}
+
+# Hub id -> the same data on this machine, per program (GSM8K: the training split for data preparation, the test
+# split for evaluation, as each command reads by default).
+LOCAL_COPIES = {
+    "HuggingFaceTB/SmolLM2-135M-Instruct": lambda program: "tiny-smollm2",
+    "openai/gsm8k": lambda program: str(
+        SHARED_DATA / "gsm8k" / ("test.jsonl" if program == "iha-eval" else "train.jsonl")
+    ),
+    "HuggingFaceH4/MATH-500": lambda program: str(SHARED_DATA / "math500" / "test.jsonl"),
+}
+# README placeholder -> what stands for it (whole arguments only: `./my-llama-iha` is an output name, not one).
+PLACEHOLDERS = {
+    "CONVERTED_DIR": "smollm2-iha",  # the folder the README's first `iha-convert` command writes
+    "./my-llama": "tiny-smollm2",  # a Llama checkpoint of your own
+}
+SFT_TINY = ["--max_steps", "1", "--max_length", "512", "--per_device_train_batch_size", "1", "--report_to", "none"]
+# (program, first argument) -> flags appended.
+TINY_SETTINGS = {
+    ("python", "-m iha.data gsm8k-to-openthoughts"): ["--limit", "48"],
+    ("iha-sft", None): [*SFT_TINY, "--max_train_rows", "8"],
+    ("trl", "sft"): SFT_TINY,
+    ("accelerate", "launch"): [*SFT_TINY, "--max_train_rows", "8"],
+    ("iha-eval", "math"): ["--limit", "1", "--num-samples", "2", "--max-new-tokens", "8"],
+    ("iha-eval", "needle"): ["--num-examples", "1", "--lengths", "256", "--max-new-tokens", "8"],
+    ("iha", "synthetic"): ["--preset", "tiny", "--tasks", "binary", "--max-epochs", "1", "--num-train", "128"],
+}
+# Commands the README marks as needing the Hub or GPUs: a distinctive part of the command -> why it is not run here.
+NOT_RUN = {
+    "--push-to-hub me/my-llama-p2": "uploads to the Hub (the offline failure is tested in tests/test_convert.py)",
+    "--dataset_name open-thoughts/OpenThoughts-114k": "OpenThoughts-114k is on the Hub only",
+    "examples/accelerate/fsdp.yaml": "FSDP needs GPUs",
+    "lm_eval --model hf": "the lm-eval gsm8k task downloads GSM8K (tests/test_lm_eval.py runs lm_eval offline)",
+}
+MARKER = re.compile(r"#.*needs (the Hub|GPUs)")
+
+
+def readme_commands() -> list[tuple[str, str]]:
+    """(command as one line, its README comment) for every command of the ```bash blocks, in order."""
+    commands = []
+    in_block = False
+    pending = ""
+    for line in README.read_text(encoding="utf-8").splitlines():
+        if line.startswith("```"):
+            in_block = line.strip() == "```bash" if not in_block else False
+            continue
+        if not in_block or (not pending and (not line.strip() or line.lstrip().startswith("#"))):
+            continue
+        if line.rstrip().endswith("\\"):
+            pending += line.rstrip()[:-1] + " "
+            continue
+        commands.append(pending + line.strip())
+        pending = ""
+    return [(command, MARKER.search(command).group(1) if MARKER.search(command) else "") for command in commands]
+
+
+COMMANDS = readme_commands()
+
+
+def substitute(arguments: list[str], program: str) -> list[str]:
+    result = []
+    for argument in arguments:
+        argument = PLACEHOLDERS.get(argument, argument)
+        for hub_id, local_copy in LOCAL_COPIES.items():
+            if hub_id in argument:
+                argument = argument.replace(hub_id, local_copy(program))
+        result.append(argument)
+    return result
+
+
+def tiny_settings(program: str, arguments: list[str]) -> list[str]:
+    for (name, first), flags in TINY_SETTINGS.items():
+        if name == program and (first is None or " ".join(arguments).startswith(first)):
+            return flags
+    return []
+
+
+@pytest.fixture(scope="module")
+def scratch(tmp_path_factory) -> Path:
+    """The folder the commands run in: with `examples/` (configurations the README names) and `tiny-smollm2`."""
+    from transformers import AutoTokenizer, GenerationConfig, LlamaConfig, LlamaForCausalLM
+
+    from iha.builtin import smollm2_dir
+
+    folder = tmp_path_factory.mktemp("readme")
+    (folder / "examples").symlink_to(REPO_ROOT / "examples")
+    torch.manual_seed(0)
+    tokenizer = AutoTokenizer.from_pretrained(smollm2_dir())
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+    )
+    LlamaForCausalLM(config).save_pretrained(folder / "tiny-smollm2")
+    tokenizer.save_pretrained(folder / "tiny-smollm2")
+    GenerationConfig.from_pretrained(smollm2_dir()).save_pretrained(folder / "tiny-smollm2")
+    return folder
+
+
+def run_command(program: str, arguments: list[str], scratch: Path) -> subprocess.CompletedProcess:
+    executable = [sys.executable] if program == "python" else [str(BIN / program)]
+    environment = {
+        **os.environ,
+        "PYTHONPATH": str(REPO_ROOT),  # the package of this checkout
+        "HF_HUB_OFFLINE": "1",
+        "TOKENIZERS_PARALLELISM": "false",
+        "HF_MODULES_CACHE": str(scratch / ".hf_modules"),
+    }
+    return subprocess.run(
+        executable + arguments, cwd=scratch, env=environment, capture_output=True, text=True, timeout=600
+    )
+
+
+def parse_only(program: str, arguments: list[str]) -> None:
+    """The command's own argument parser accepts the arguments (SystemExit from argparse fails the test)."""
+    if program == "iha-convert":
+        from iha.convert import build_parser
+
+        build_parser().parse_args(arguments)
+    elif program == "iha-sft":
+        from iha.sft import parse_args
+
+        parse_args(arguments)
+    elif program == "lm_eval":
+        from lm_eval._cli import HarnessCLI
+
+        HarnessCLI()._parser.parse_args(["run", *arguments])
+    elif program == "accelerate":
+        from accelerate.commands.launch import launch_command_parser
+
+        launch = launch_command_parser().parse_args(arguments[1:])
+        assert launch.module and launch.training_script == "iha.sft", arguments
+        from iha.sft import parse_args
+
+        parse_args(launch.training_script_args)
+    else:
+        pytest.fail(f"no argument parser known for {program}: run the command or teach this test its parser")
+
+
+def check_without_running(program: str, arguments: list[str]) -> None:
+    if program == "make":
+        dry_run = subprocess.run(["make", "-n", *arguments], cwd=REPO_ROOT, capture_output=True, text=True)
+        assert dry_run.returncode == 0, dry_run.stderr
+        return
+    # pip install: every pinned version is the installed one; an editable install names extras the package has.
+    for argument in arguments:
+        if "==" in argument:
+            name, _, version = argument.partition("==")
+            assert importlib.metadata.version(name).split("+")[0] == version, argument
+        elif argument.startswith(".["):
+            extras = set(argument[2:-1].split(","))
+            provided = set(importlib.metadata.metadata("iha-transformers").get_all("Provides-Extra") or [])
+            assert extras <= provided, (extras, provided)
+
+
+def test_every_marked_command_is_listed_with_its_reason():
+    marked = [command for command, marker in COMMANDS if marker]
+    listed = {key: [command for command in marked if key in command] for key in NOT_RUN}
+    assert all(len(commands) == 1 for commands in listed.values()), listed
+    assert sorted(command for commands in listed.values() for command in commands) == sorted(marked)
+
+
+@pytest.mark.parametrize("command, marker", COMMANDS, ids=[command[:60] for command, _ in COMMANDS])
+def test_readme_command(command, marker, scratch):
+    program, *arguments = shlex.split(command, comments=True)
+    if program in ("make", "pip"):
+        check_without_running(program, arguments[1:] if program == "pip" else arguments)
+        return
+    if program != "python" and program not in CONSOLE_SCRIPTS:
+        pytest.fail(f"README command with an unknown program {program!r}: {command}")
+    arguments = substitute(arguments, program)
+    if marker:
+        parse_only(program, arguments)
+        return
+    result = run_command(program, arguments + tiny_settings(program, arguments), scratch)
+    assert result.returncode == 0, f"{command}\n{result.stdout[-3000:]}\n{result.stderr[-5000:]}"
