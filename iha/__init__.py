@@ -1,7 +1,7 @@
 """Interleaved Head Attention (arXiv 2602.21371) for Llama-family models in Hugging Face transformers.
 
 Importing this package registers `IHAConfig`, `IHAModel` and `IHAForCausalLM` with the Auto classes, and marks
-them so that `save_pretrained` writes `auto_map` and copies the two code files next to the weights (a folder
+them so that `save_pretrained` writes `auto_map` and copies the three code files next to the weights (a folder
 then loads with `trust_remote_code=True` in a process that never imports `iha`).
 """
 

@@ -36,7 +36,7 @@ import transformers
 
 
 MINIMUM_TRANSFORMERS = (5, 4, 0)
-# Newest release line the version matrix (`scripts/check_transformers_matrix.py`) ran; patch releases of it count.
+# Newest release line the version matrix (`scripts/transformers_matrix.py`) ran; patch releases of it count.
 NEWEST_TESTED_TRANSFORMERS = (5, 24)
 INSTALL_COMMAND = 'pip install "transformers>=5.4.0,<5.25"'
 SKIP_SELF_CHECK_VARIABLE = "IHA_SKIP_TRANSFORMERS_SELF_CHECK"
@@ -80,7 +80,8 @@ from transformers.modeling_outputs import BaseModelOutputWithPast  # noqa: E402
 
 # The name transformers uses for the cache in model inputs, outputs and mask helpers.
 CACHE_ARGUMENT = "cache" if "cache" in BaseModelOutputWithPast.__dataclass_fields__ else "past_key_values"
-OTHER_CACHE_ARGUMENT = "past_key_values" if CACHE_ARGUMENT == "cache" else "cache"
+# Every name the cache goes by in some supported release (what device placement must leave alone).
+CACHE_ARGUMENT_NAMES = ["past_key_values", "cache"]
 
 
 def take_cache_argument(past_key_values, kwargs: dict):
@@ -118,10 +119,11 @@ def check_untested_release(config_class, causal_lm_class, version: str = transfo
 
     Silent wrong output is what an API change in a new release does to a model that keeps running (5.24 renamed the
     cache argument: models that missed it decode garbage with no error). So on an untested release this builds a tiny
-    IHA model and checks, in well under a second: (1) at identity mixing it gives the logits and the cached greedy
-    tokens of a Llama model with the same weights, on a left-padded batch; (2) with random mixing, greedy tokens with
-    the cache equal those without it. If either fails, importing the model fails with the fix; if both pass, a warning
-    says the release is untested. Setting IHA_SKIP_TRANSFORMERS_SELF_CHECK=1 skips the check.
+    IHA model and checks, in a few seconds at most: (1) at identity mixing it gives the logits and the cached greedy
+    tokens of a Llama model with the same weights, on a left-padded batch; (2) with random mixing and a sliding IHA
+    layer, greedy tokens with DynamicCache and StaticCache equal those without a cache. If either fails, importing
+    the model fails with the fix; if both pass, a warning says the release is untested.
+    IHA_SKIP_TRANSFORMERS_SELF_CHECK=1 skips the check.
     """
     if not is_untested_release(version) or os.environ.get(SKIP_SELF_CHECK_VARIABLE) == "1":
         return
@@ -139,7 +141,32 @@ def check_untested_release(config_class, causal_lm_class, version: str = transfo
 
 
 def cache_path_self_check(config_class, causal_lm_class) -> str | None:
-    """Run the self-check of `check_untested_release`; returns what failed, or None."""
+    """Run the self-check of `check_untested_release`; returns what failed, or None.
+
+    Everything is built and initialised here, on the CPU, with its own random generator: the check may run while
+    the caller is inside a default-device or no-init context, and must leave the global random state as it was.
+    """
+    try:
+        with torch.random.fork_rng(devices=[]), torch.device("cpu"), torch.no_grad():
+            return _run_cache_path_self_check(config_class, causal_lm_class)
+    except Exception as error:  # an API change can just as well make the check itself crash
+        return f"the check could not run ({type(error).__name__}: {error})"
+
+
+def _initialise(model: torch.nn.Module, generator: torch.Generator) -> None:
+    """Every parameter set by hand (no-init contexts turn the usual initialisation off): norms to one, IHA mixing
+    to identity (the modules that offer `identity_tensors`), everything else small and random."""
+    for module in model.modules():
+        for name, parameter in module.named_parameters(recurse=False):
+            if hasattr(module, "identity_tensors"):
+                parameter.copy_(module.identity_tensors()[name])
+            elif parameter.ndim == 1:
+                parameter.fill_(1.0)
+            else:
+                parameter.copy_(0.1 * torch.randn(parameter.shape, generator=generator))
+
+
+def _run_cache_path_self_check(config_class, causal_lm_class) -> str | None:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     sizes = dict(
@@ -154,40 +181,49 @@ def cache_path_self_check(config_class, causal_lm_class) -> str | None:
         bos_token_id=1,
         eos_token_id=None,
     )
-    exact = dict(iha_position_mode="shared", iha_mask_mode="flat_causal", iha_collapse_init="last")
     generator = torch.Generator().manual_seed(0)
-    input_ids = torch.randint(2, sizes["vocab_size"], (2, 7), generator=generator)
+    input_ids = torch.randint(2, sizes["vocab_size"], (2, 9), generator=generator)
     attention_mask = torch.ones_like(input_ids)
     attention_mask[1, :3] = 0
     greedy = dict(max_new_tokens=6, do_sample=False, pad_token_id=0)
 
-    with torch.device("cpu"), torch.no_grad():
-        torch.manual_seed(0)
-        llama = LlamaForCausalLM(LlamaConfig(**sizes)).eval()
-        iha = causal_lm_class(config_class(**sizes, **exact, num_pseudo_heads=2)).eval()
-        missing, _ = iha.load_state_dict(llama.state_dict(), strict=False)
-        if any(".head_mixing." not in name for name in missing):
-            return f"the Llama weights did not fit the IHA model ({missing})"
-        logit_difference = (
-            (
-                llama(input_ids, attention_mask=attention_mask).logits
-                - iha(input_ids, attention_mask=attention_mask).logits
-            )
-            .abs()
-            .max()
-            .item()
+    llama = LlamaForCausalLM(LlamaConfig(**sizes)).eval()
+    if any(parameter.is_meta for parameter in llama.parameters()):
+        return (
+            "it ran where new weights have no data (an empty-weights context): import the model class once outside it"
         )
-        if not logit_difference < 1e-4:
-            return f"logits differ from Llama's by {logit_difference:.2e} at identity mixing"
-        llama_tokens = llama.generate(input_ids, attention_mask=attention_mask, **greedy)
-        if not torch.equal(iha.generate(input_ids, attention_mask=attention_mask, **greedy), llama_tokens):
-            return "cached greedy generation differs from Llama's at identity mixing"
+    _initialise(llama, generator)
+    exact = dict(iha_position_mode="shared", iha_mask_mode="flat_causal", iha_collapse_init="last")
+    iha = causal_lm_class(config_class(**sizes, **exact, num_pseudo_heads=2)).eval()
+    _initialise(iha, generator)
+    missing, _ = iha.load_state_dict(llama.state_dict(), strict=False)
+    if any(".head_mixing." not in name for name in missing):
+        return f"the Llama weights did not fit the IHA model ({missing})"
+    logits_difference = (
+        llama(input_ids, attention_mask=attention_mask).logits - iha(input_ids, attention_mask=attention_mask).logits
+    )
+    largest = logits_difference.abs().max().item()
+    if not largest < 1e-4:
+        return f"logits differ from Llama's by {largest:.2e} at identity mixing"
+    llama_tokens = llama.generate(input_ids, attention_mask=attention_mask, **greedy)
+    if not torch.equal(iha.generate(input_ids, attention_mask=attention_mask, **greedy), llama_tokens):
+        return "cached greedy generation differs from Llama's at identity mixing"
 
-        for parameter_name, parameter in iha.named_parameters():
-            if ".head_mixing." in parameter_name:
-                parameter.add_(0.3 * torch.randn(parameter.shape, generator=generator))
-        cached = iha.generate(input_ids, attention_mask=attention_mask, use_cache=True, **greedy)
-        uncached = iha.generate(input_ids, attention_mask=attention_mask, use_cache=False, **greedy)
-        if not torch.equal(cached, uncached):
-            return "greedy generation with the cache differs from generation without it"
+    # Random mixing, a sliding IHA layer beside a full one: every cache class against no cache at all.
+    mixed = causal_lm_class(
+        config_class(
+            **sizes,
+            num_pseudo_heads=2,
+            attention_types=["iha_sliding_attention", "iha_full_attention"],
+            sliding_window=4,
+        )
+    ).eval()
+    _initialise(mixed, generator)
+    for parameter_name, parameter in mixed.named_parameters():
+        if ".head_mixing." in parameter_name:
+            parameter.add_(0.3 * torch.randn(parameter.shape, generator=generator))
+    uncached = mixed.generate(input_ids, attention_mask=attention_mask, use_cache=False, **greedy)
+    for cache_name, options in {"DynamicCache": {}, "StaticCache": {"cache_implementation": "static"}}.items():
+        if not torch.equal(mixed.generate(input_ids, attention_mask=attention_mask, **options, **greedy), uncached):
+            return f"greedy generation with {cache_name} differs from generation without a cache"
     return None

@@ -870,7 +870,7 @@ def write_weights(folder: Path, tensors: list[OutputTensor], max_shard_bytes: in
 
 
 def write_config_and_code(folder: Path, config: IHAConfig) -> None:
-    """config.json with `auto_map`, and the two code files it points to, so the folder loads without `iha`."""
+    """config.json with `auto_map`, and the code files (CODE_FILES), so the folder loads without `iha`."""
     config = copy.deepcopy(config)
     config.auto_map = {
         "AutoConfig": "configuration_iha.IHAConfig",

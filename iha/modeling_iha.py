@@ -56,6 +56,7 @@ from transformers.utils.generic import merge_with_config_defaults
 from transformers.utils.output_capturing import capture_outputs
 
 from .compat_iha import (
+    CACHE_ARGUMENT_NAMES,
     cache_keyword,
     cache_query_offset,
     check_untested_release,
@@ -733,7 +734,7 @@ class IHAPreTrainedModel(PreTrainedModel):
     base_model_prefix = "model"
     supports_gradient_checkpointing = True
     _no_split_modules = ["IHADecoderLayer"]
-    _skip_keys_device_placement = ["past_key_values", "cache"]
+    _skip_keys_device_placement = list(CACHE_ARGUMENT_NAMES)
     _supports_flash_attn = True
     _supports_sdpa = True
     _supports_flex_attn = True

@@ -96,3 +96,38 @@ def test_install_requirement_is_the_supported_range():
     assert requirement == "transformers>=5.4.0,<5.25"
     assert f'pip install "{requirement}"' == compat_iha.INSTALL_COMMAND
     assert compat_iha.MINIMUM_TRANSFORMERS == (5, 4, 0) and compat_iha.NEWEST_TESTED_TRANSFORMERS == (5, 24)
+
+
+def test_self_check_runs_inside_no_init_and_meta_device_contexts_and_keeps_the_random_state():
+    from transformers.initialization import no_init_weights
+
+    state = torch.random.get_rng_state()
+    with no_init_weights():
+        assert compat_iha.cache_path_self_check(iha.IHAConfig, iha.IHAForCausalLM) is None
+    with torch.device("meta"):
+        assert compat_iha.cache_path_self_check(iha.IHAConfig, iha.IHAForCausalLM) is None
+    assert torch.equal(torch.random.get_rng_state(), state)
+
+
+def test_self_check_reports_a_crash_as_a_failure(monkeypatch):
+    def broken_generate(self, *args, **kwargs):
+        raise TypeError("generate() got an unexpected keyword argument")
+
+    monkeypatch.setattr(iha.IHAForCausalLM, "generate", broken_generate)
+    failure = compat_iha.cache_path_self_check(iha.IHAConfig, iha.IHAForCausalLM)
+    assert failure.startswith("the check could not run (TypeError: generate() got an unexpected keyword argument")
+
+
+def test_the_matrix_covers_the_stated_range():
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "scripts" / "transformers_matrix.py"
+    spec = importlib.util.spec_from_file_location("transformers_matrix", path)
+    matrix = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(matrix)
+    assert compat_iha.release_tuple(matrix.RELEASES[0]) == compat_iha.MINIMUM_TRANSFORMERS
+    assert compat_iha.release_tuple(matrix.RELEASES[-1])[:2] == compat_iha.NEWEST_TESTED_TRANSFORMERS
+    assert all(
+        compat_iha.release_tuple(release) < compat_iha.MINIMUM_TRANSFORMERS for release in matrix.REFUSED_RELEASES
+    )
