@@ -211,14 +211,29 @@ def move_into_place(staging: Path, destination: Path, replace: bool) -> None:
         retired.unlink()
 
 
+def merge_into_place(staging: Path, destination: Path) -> None:
+    """Rename every entry of the finished staging folder into the existing folder `destination` (replacing entries of
+    the same name), then remove the staging folder. Renames only: no entry is ever seen half-written."""
+    for entry in sorted(staging.iterdir()):
+        target = destination / entry.name
+        if entry.is_dir() and target.is_dir() and not target.is_symlink():
+            shutil.rmtree(target)
+        os.replace(entry, target)
+    staging.rmdir()
+
+
 @contextmanager
-def staged_folder(destination: str | os.PathLike, tool: str, *, replace: bool = False) -> Iterator[Path]:
+def staged_folder(
+    destination: str | os.PathLike, tool: str, *, replace: bool = False, merge: bool = False
+) -> Iterator[Path]:
     """Yield an empty staging folder next to `destination`; rename it to `destination` when the block succeeds.
 
     When the block raises (an error, Ctrl-C, or SIGTERM / SIGHUP inside `signals_raise`) the staging folder and the
     parent folders this call created are removed, and whatever was at `destination` is left as it was. Staging
     folders of killed earlier runs to the same destination are removed first (see `remove_stale_staging`).
     `replace`: an existing non-empty `destination` is replaced (only once the new folder is complete).
+    `merge`: `destination` is a folder that stays (a training run's, holding its checkpoints); the finished entries
+    are renamed into it, replacing those of the same name.
     The staging folder gets the mode an ordinary new folder gets (mkdtemp would make it private).
     """
     destination = Path(destination).absolute()
@@ -251,7 +266,10 @@ def staged_folder(destination: str | os.PathLike, tool: str, *, replace: bool = 
                     (staging / LOCK_NAME).unlink()
                     os.close(lock)
                     lock = None
-                move_into_place(staging, destination, replace)
+                if merge and destination.is_dir():
+                    merge_into_place(staging, destination)
+                else:
+                    move_into_place(staging, destination, replace)
         except BaseException:
             with signals_deferred():
                 if lock is not None:

@@ -543,7 +543,7 @@ def train_sft(
     }
     trainer.train(resume_from_checkpoint=_resolve_resume(resume_from_checkpoint))
     if save:
-        trainer.save_model(args.output_dir)
+        save_final_model(trainer, args.output_dir)
         if trainer.accelerator.is_main_process:
             write_training_card(args.output_dir, trainer, **trainer.card_details)
         if peft_config is not None and trainer.accelerator.is_main_process:
@@ -554,6 +554,20 @@ def train_sft(
             }
             write_json_atomic(record, Path(args.output_dir, BASE_RECORD_NAME))
     return trainer
+
+
+def save_final_model(trainer, output_dir: str | os.PathLike) -> None:
+    """Save the trained model into `output_dir` so that a run stopped while saving leaves no half-written model.
+
+    One process saves into a staging folder next to `output_dir`, whose files are then renamed into it (the
+    checkpoints there stay); a run killed while saving leaves the checkpoints and no partial model files. Several
+    processes save together (sharded states gather on the main one) straight into `output_dir`.
+    """
+    if trainer.accelerator.num_processes > 1:
+        trainer.save_model(output_dir)
+        return
+    with staged_folder(output_dir, "iha-sft", merge=True) as staging:
+        trainer.save_model(str(staging))
 
 
 def training_card_section(trainer, base, converted: bool, train_source, num_rows: int | None, peft_config) -> str:

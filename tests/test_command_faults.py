@@ -91,6 +91,23 @@ def test_interrupted_sft_is_one_line(paused_command, tiny_llama_dir, tmp_path):
     assert not (output / "model.safetensors").exists()
 
 
+def test_sft_killed_while_saving_leaves_no_partial_model(paused_command, tiny_llama_dir, tmp_path):
+    # Stopped after the model's weights are written and before its tokenizer is: a direct save would leave a
+    # model folder without a tokenizer; the staged save leaves no model file in the output at all.
+    data = tmp_path / "train.jsonl"
+    data.write_text("".join(json.dumps(row) + "\n" for row in build_training_rows(None, 8, seed=0)))
+    output = tmp_path / "run"
+    argv = ["sft", "--model_name_or_path", str(tiny_llama_dir), "--dataset_name", str(data)]
+    argv += ["--output_dir", str(output), "--max_steps", "1", "--use_cpu", "true", "--report_to", "none"]
+    target = "transformers.tokenization_utils_base:PreTrainedTokenizerBase.save_pretrained"
+    process = paused_command(tmp_path / "ready", target, 2, argv)  # the first call saves checkpoint-1
+    staged = [path for path in tmp_path.glob(".run.iha-sft-*/model.safetensors")]
+    assert len(staged) == 1, "the weights are written to the staging folder first"
+    process.kill()
+    finish(process)
+    assert not (output / "model.safetensors").exists() and not (output / "config.json").exists()
+
+
 def test_sft_bad_dataset_is_one_line(tiny_llama_dir, tmp_path, capsys):
     argv = ["sft", "--model_name_or_path", str(tiny_llama_dir), "--dataset_name", str(tmp_path / "missing.jsonl")]
     assert iha_main([*argv, "--output_dir", str(tmp_path / "new" / "run"), "--use_cpu", "true"]) == 2
