@@ -491,6 +491,13 @@ def create_packed_documents_mask(
     return PackedDocumentsMask(groups=groups, output_index=output_index.to(device))
 
 
+def documents_of_group(rows: torch.Tensor, group: DocumentGroup) -> torch.Tensor:
+    """Virtual rows [B * N * P, heads, d] -> the group's documents [num_documents, heads, virtual_len, d]."""
+    if group.row_index is not None:
+        rows = rows.index_select(0, group.row_index)  # its backward is one scatter-add
+    return rows.view(group.num_documents, group.virtual_len, *rows.shape[1:]).transpose(1, 2)
+
+
 def per_document_attention(
     module: nn.Module,
     query: torch.Tensor,
@@ -521,16 +528,10 @@ def per_document_attention(
     query_rows, key_rows, value_rows = flat_rows(query), flat_rows(key), flat_rows(value)
     group_outputs = []
     for group in attention_mask.groups:
-
-        def documents(rows: torch.Tensor, group: DocumentGroup = group) -> torch.Tensor:
-            if group.row_index is not None:
-                rows = rows.index_select(0, group.row_index)
-            return rows.view(group.num_documents, group.virtual_len, rows.shape[1], head_dim).transpose(1, 2)
-
         output = nn.functional.scaled_dot_product_attention(
-            documents(query_rows),
-            documents(key_rows),
-            documents(value_rows),
+            documents_of_group(query_rows, group),
+            documents_of_group(key_rows, group),
+            documents_of_group(value_rows, group),
             attn_mask=group.token_causal_mask,
             dropout_p=dropout,
             is_causal=group.token_causal_mask is None,
