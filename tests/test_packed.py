@@ -5,7 +5,8 @@ Every attention path for packed rows is checked, forward and gradients, against 
 
 - SDPA: attention per document (`per_document_attention`, causal kernel per group of similar-length documents);
 - sliding IHA layers: blocked local attention with the documents in its mask;
-- flex attention: a BlockMask with document ids, whose blocks across documents are skipped;
+- flex attention: a BlockMask with document ids, whose blocks across documents are skipped (gradients on a CUDA
+  device only: torch's flex attention has no backward on CPU);
 - FlashAttention: varlen over cumulative lengths in virtual units (only where flash-attn and a GPU are present).
 """
 
@@ -266,34 +267,61 @@ def test_hybrid_model_on_packed_rows_matches_dense_mask_and_reference(mask_mode)
 
 # --- flex attention: a BlockMask with document ids ------------------------------------------------------------------
 
+FLEX_LENGTHS = [128, 64, 64, 128]  # 256, 128, 128, 256 virtual tokens at P = 2: documents fill whole 128-blocks
+FLEX_DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
-def test_flex_attention_on_packed_rows_skips_blocks_across_documents_and_matches_reference():
-    flex_attention = pytest.importorskip("torch.nn.attention.flex_attention")
+
+def flex_and_sdpa_models(mask_mode):
+    pytest.importorskip("torch.nn.attention.flex_attention")
     # Inductor's CPU flex-attention template needs a head dim that is a multiple of 16.
-    options = dict(hidden_size=64, num_key_value_heads=2, num_pseudo_heads=2)
+    options = dict(hidden_size=64, num_key_value_heads=2, num_pseudo_heads=2, iha_mask_mode=mask_mode)
     flex = sharpen_attention(tiny_iha_model(attn_implementation="flex_attention", **options))
-    lengths = [128, 64, 64, 128]  # 256, 128, 128, 256 virtual tokens: documents fill whole 128-blocks
-    input_ids, position_ids = packed_row(lengths, seed=4)
-    block_mask = create_iha_masks(flex.config, flex.model.embed_tokens(input_ids), None, None, position_ids)[
-        "iha_full_attention"
-    ]
-    assert isinstance(block_mask, flex_attention.BlockMask)
-    # Query blocks see only the key blocks of their own document: 1 + 2 + 1 + 1 + 1 + 2 = 8 blocks, where causal
-    # attention over the row computes 1 + 2 + ... + 6 = 21.
-    computed = block_mask.kv_num_blocks.sum() + (
-        0 if block_mask.full_kv_num_blocks is None else block_mask.full_kv_num_blocks.sum()
-    )
-    assert computed.item() == 8
+    sdpa = sharpen_attention(tiny_iha_model(**options))
+    return flex.to(FLEX_DEVICE), sdpa
+
+
+def run_flex(flex, input_ids, position_ids):
     try:
-        with torch.no_grad():
-            logits = flex(input_ids, position_ids=position_ids, use_cache=False).logits
+        return flex(input_ids.to(FLEX_DEVICE), position_ids=position_ids.to(FLEX_DEVICE), use_cache=False).logits
     except Exception as error:  # torch's CPU inductor may fail to compile the flex template
         if "CppCompileError" in repr(error) or "InductorError" in type(error).__name__:
             pytest.xfail("torch's CPU inductor cannot compile this flex-attention kernel")
         raise
+
+
+@pytest.mark.parametrize("mask_mode", ["flat_causal", "token_causal"])
+def test_flex_attention_on_packed_rows_skips_blocks_across_documents_and_matches_dense_mask_and_reference(mask_mode):
+    flex, sdpa = flex_and_sdpa_models(mask_mode)
+    input_ids, position_ids = packed_row(FLEX_LENGTHS, seed=4)
+    embeds = flex.model.embed_tokens(input_ids.to(FLEX_DEVICE))
+    block_mask = create_iha_masks(flex.config, embeds, None, None, position_ids.to(FLEX_DEVICE))["iha_full_attention"]
+    # Query blocks see only the key blocks of their own document: 1 + 2 + 1 + 1 + 1 + 2 = 8 blocks, where causal
+    # attention over the row computes 1 + 2 + ... + 6 = 21.
+    full_blocks = 0 if block_mask.full_kv_num_blocks is None else block_mask.full_kv_num_blocks.sum().item()
+    assert block_mask.kv_num_blocks.sum().item() + full_blocks == 8
     with torch.no_grad():
-        expected = reference_per_document(flex.double(), input_ids, lengths)
-    torch.testing.assert_close(logits.double(), expected, rtol=1e-4, atol=1e-5)
+        logits = run_flex(flex, input_ids, position_ids).double().cpu()
+        sdpa = sdpa.double()
+        masks = dense_masks(sdpa, FLEX_LENGTHS)
+        dense = sdpa(input_ids, position_ids=position_ids, attention_mask=masks, use_cache=False).logits
+        expected = reference_per_document(sdpa, input_ids, FLEX_LENGTHS)
+    torch.testing.assert_close(logits, dense, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(logits, expected, rtol=1e-4, atol=1e-5)
+
+
+def test_flex_attention_gradients_on_packed_rows_match_the_per_document_path():
+    if FLEX_DEVICE != "cuda":
+        pytest.skip("torch's flex attention has no backward on CPU; this runs on a CUDA device")
+    flex, sdpa = flex_and_sdpa_models("flat_causal")
+    sdpa = sdpa.to(FLEX_DEVICE).train()
+    flex.train()
+    input_ids, position_ids = packed_row(FLEX_LENGTHS, seed=4)
+    input_ids, position_ids = input_ids.to(FLEX_DEVICE), position_ids.to(FLEX_DEVICE)
+    for model in (flex, sdpa):
+        model(input_ids, position_ids=position_ids, labels=input_ids, use_cache=False).loss.backward()
+    for (name, flex_parameter), sdpa_parameter in zip(flex.named_parameters(), sdpa.parameters()):
+        scale = sdpa_parameter.grad.abs().max().item()
+        torch.testing.assert_close(flex_parameter.grad, sdpa_parameter.grad, rtol=1e-3, atol=1e-4 * scale, msg=name)
 
 
 # --- FlashAttention: varlen over cumulative lengths in virtual units ------------------------------------------------
