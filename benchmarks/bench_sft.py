@@ -14,12 +14,19 @@
 """SFT throughput: IHA vs the same base model, under one identical TRL configuration, side by side in one run.
 
 The base model is a Llama-style checkpoint (default: SmolLM2-135M-Instruct from `iha.builtin`, offline); the IHA
-model is the same checkpoint converted with `iha.convert.llama_to_iha` (every layer IHA, P pseudo-heads). Both train
-on the same GSM8K rows in OpenThoughts format, with the same `IHASFTConfig` (packing, assistant-only loss, gradient
-checkpointing as TRL defaults), and the trainer's own token count per step gives tokens per second after warm-up.
+models are the same checkpoint converted with `iha.convert.llama_to_iha`, one per layout in `--layouts`: every layer
+IHA ("global", P pseudo-heads) and the paper's hybrid ("hybrid": 4 sliding IHA layers to 1 global standard layer,
+window max_length / (2 P^2)). All train on the same GSM8K rows in OpenThoughts format, with the same `IHASFTConfig`
+(packing, assistant-only loss, gradient checkpointing as TRL defaults), and the trainer's own token count per step
+gives tokens per second after warm-up.
+
+The device and dtype come from the machine: on CPU float32 with one torch thread and CPU-time ratios; on a CUDA
+device bf16 (where supported) and wall-clock ratios, with `--attn_implementation` choosing SDPA, flex attention or
+FlashAttention (the hybrid layout's sliding IHA layers need SDPA or flex).
 
     nice python benchmarks/bench_sft.py                      # CPU, fp32, writes benchmarks/results/sft.{md,json}
-    python benchmarks/bench_sft.py --bf16 --max_length 4096 --steps 20 --batch_size 4   # on a GPU
+    python benchmarks/bench_sft.py --max_length 4096 --steps 20 --batch_size 4   # on a GPU: bf16, SDPA
+    python benchmarks/bench_sft.py --attn_implementation flash_attention_2 --layouts global   # FlashAttention varlen
 """
 
 import argparse
@@ -77,6 +84,7 @@ class StepTimer(TrainerCallback):
 
 
 def measure(name, model, tokenizer, rows, args, warmup: int) -> dict:
+    """Train `model` for `args.max_steps` steps; tokens per second (wall and CPU) over the steps after `warmup`."""
     timer = StepTimer()
     started = time.perf_counter()
     # convert_to_iha=False: the base model must train as it is (train_sft would otherwise convert it).
@@ -137,9 +145,14 @@ def combine(runs: list[dict]) -> dict:
     }
 
 
+LAYOUT_NOTES = {
+    "global": "every layer IHA",
+    "hybrid": "the paper's hybrid: 4 sliding IHA layers to 1 global standard layer",
+}
+
+
 def markdown_report(report: dict) -> str:
     settings = report["settings"]
-    base, converted = report["base"], report["iha"]
     lines = [
         "# SFT throughput: IHA vs the same base model (TRL SFTTrainer)",
         "",
@@ -147,30 +160,35 @@ def markdown_report(report: dict) -> str:
         f"{report['torch']}, transformers {report['transformers']}, trl {report['trl']}.",
         "",
         f"Base: `{settings['model']}`; IHA: the same checkpoint converted with `llama_to_iha` "
-        f"(P = {settings['num_pseudo_heads']}, every layer IHA). Identical `IHASFTConfig`: max_length "
-        f"{settings['max_length']}, packing (bfd, padding-free), per-device batch {settings['batch_size']}, "
-        f"assistant-only loss, gradient checkpointing {settings['gradient_checkpointing']}, "
-        f"{'bf16' if settings['bf16'] else 'fp32'}, AdamW; {settings['rounds']} rounds that alternate which model "
-        f"runs first, each run {settings['steps']} optimizer steps with the first {settings['warmup']} not measured "
-        "(warm-up). Data: GSM8K train rows in OpenThoughts format.",
+        f"(P = {settings['num_pseudo_heads']}; layouts: "
+        f"{'; '.join(f'{layout}: {LAYOUT_NOTES[layout]}' for layout in settings['layouts'])}). Identical "
+        f"`IHASFTConfig`: max_length {settings['max_length']}, packing (bfd, padding-free), per-device batch "
+        f"{settings['batch_size']}, assistant-only loss, gradient checkpointing {settings['gradient_checkpointing']}, "
+        f"{'bf16' if settings['bf16'] else 'fp32'}, attention `{settings['attn_implementation']}`, AdamW; "
+        f"{settings['rounds']} rounds that rotate which model runs first, each run {settings['steps']} optimizer "
+        f"steps with the first {settings['warmup']} not measured (warm-up). Data: GSM8K train rows in OpenThoughts "
+        "format.",
         "",
         "| model | parameters | tokens / s (wall) | tokens / CPU-s | tokens / CPU-s by round | median step (s) "
         "| loss first -> last |",
         "|---|---:|---:|---:|---|---:|---|",
     ]
-    for result in (base, converted):
+    for result in [report["base"], *(report["iha"][layout] for layout in settings["layouts"])]:
         lines.append(
             f"| {result['model']} | {result['parameters'] / 1e6:.3f} M | {result['tokens_per_second']:.2f} | "
             f"{result['tokens_per_cpu_second']:.3f} | "
             f"{', '.join(f'{value:.3f}' for value in result['tokens_per_cpu_second_by_round'])} | "
             f"{result['median_step_seconds']:.2f} | {result['first_loss']:.3f} -> {result['last_loss']:.3f} |"
         )
-    lines += [
-        "",
-        f"**IHA / base throughput: {report['ratio']:.3f}** ({report['ratio_basis']}; IHA trains at "
-        f"{100 * report['ratio']:.1f}% of the base model's speed). Wall-clock ratio: {report['ratio_wall']:.3f}.",
-        "",
-    ]
+    lines += ["", f"IHA / base throughput ({report['ratio_basis']}; per round in brackets):", ""]
+    for layout in settings["layouts"]:
+        ratios = report["ratios"][layout]
+        lines.append(
+            f"- **{LAYOUT_NOTES[layout]}: {ratios['ratio']:.3f}** (by round: "
+            f"{', '.join(f'{value:.3f}' for value in ratios['ratio_by_round'])}); wall-clock ratio "
+            f"{ratios['ratio_wall']:.3f}."
+        )
+    lines.append("")
     if report["ratio_basis"].startswith("CPU"):
         lines += [
             "On a CPU machine shared with other jobs, wall time measures their load as much as this run's work, so the "
@@ -178,10 +196,9 @@ def markdown_report(report: dict) -> str:
             "",
         ]
     lines += [
-        "Every layer of the converted model is a global IHA layer, so attention runs over N * P virtual tokens "
-        "(P^2 times the attention FLOPs) while projections and MLP cost the same; at short training lengths the "
-        "projections dominate and the gap stays small, at long ones it grows. The paper's FLOP-matched hybrid "
-        "layout (`IHAConfig.paper_hybrid`) closes it with sliding-window IHA layers.",
+        "In every layer IHA runs attention over N * P virtual tokens (P^2 times the attention FLOPs of a document) "
+        "while projections and MLP cost the same. Packed rows attend within each document only (per document on "
+        "SDPA), so the attention of a row costs the sum over its documents, not the square of the row's length.",
         "",
     ]
     return "\n".join(lines)
@@ -198,7 +215,24 @@ def main(argv=None):
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--rounds", type=int, default=2, help="alternating base/IHA rounds (order flips each round)")
-    parser.add_argument("--bf16", action="store_true", help="bf16 autocast (GPU); default fp32")
+    parser.add_argument(
+        "--layouts",
+        nargs="+",
+        default=["global", "hybrid"],
+        choices=sorted(LAYOUT_NOTES),
+        help="IHA layouts to measure beside the base model",
+    )
+    parser.add_argument(
+        "--attn_implementation",
+        default="sdpa",
+        choices=["sdpa", "flex_attention", "flash_attention_2", "flash_attention_3", "eager"],
+    )
+    parser.add_argument(
+        "--bf16",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="bf16 mixed precision (default: on a CUDA device that supports it, off on CPU)",
+    )
     parser.add_argument("--no_gradient_checkpointing", action="store_true")
     parser.add_argument(
         "--threads",
@@ -212,6 +246,8 @@ def main(argv=None):
         torch.set_num_threads(options.threads or 1)
     if options.steps <= options.warmup:
         parser.error("--steps must exceed --warmup")
+    if options.bf16 is None:
+        options.bf16 = torch.cuda.is_available() and torch.cuda.is_bf16_supported()
 
     model_label = options.model
     if options.model is None:
@@ -240,19 +276,28 @@ def main(argv=None):
         )
 
     def load(kind):
-        model = AutoModelForCausalLM.from_pretrained(options.model, dtype=torch.float32)
+        model = AutoModelForCausalLM.from_pretrained(
+            options.model, dtype=torch.float32, attn_implementation=options.attn_implementation
+        )
         if kind == "base":
             return f"{model.config.model_type} (base)", model
-        return f"iha (P={options.num_pseudo_heads})", llama_to_iha(
-            model, num_pseudo_heads=options.num_pseudo_heads, share_weights=True
+        layers = "hybrid" if kind == "hybrid" else "all"
+        return f"iha (P={options.num_pseudo_heads}, {kind})", llama_to_iha(
+            model,
+            num_pseudo_heads=options.num_pseudo_heads,
+            layers=layers,
+            training_length=options.max_length,
+            share_weights=True,
         )
 
-    # Rounds alternate the order (base, iha), (iha, base), ... so that a shared machine's changing load falls on
-    # both models alike; every run starts from freshly loaded weights.
-    runs = {"base": [], "iha": []}
+    # Rounds rotate the order (base, global, hybrid), (global, hybrid, base), ... so that a shared machine's changing
+    # load falls on every model alike; every run starts from freshly loaded weights.
+    kinds = ["base", *options.layouts]
+    runs = {kind: [] for kind in kinds}
     with tempfile.TemporaryDirectory() as scratch:
         for round_index in range(options.rounds):
-            for kind in ("base", "iha") if round_index % 2 == 0 else ("iha", "base"):
+            shift = round_index % len(kinds)
+            for kind in kinds[shift:] + kinds[:shift]:
                 name, model = load(kind)
                 runs[kind].append(measure(name, model, tokenizer, rows, config(scratch), options.warmup))
                 del model
@@ -265,7 +310,7 @@ def main(argv=None):
         "torch": torch.__version__,
         "transformers": transformers.__version__,
         "trl": trl.__version__,
-        "iha": iha.__version__,
+        "iha_version": iha.__version__,
         "settings": {
             "model": model_label,
             "num_pseudo_heads": options.num_pseudo_heads,
@@ -274,21 +319,36 @@ def main(argv=None):
             "steps": options.steps,
             "warmup": options.warmup,
             "bf16": options.bf16,
+            "attn_implementation": options.attn_implementation,
             "gradient_checkpointing": not options.no_gradient_checkpointing,
             "rows": options.rows,
             "rounds": options.rounds,
+            "layouts": options.layouts,
         },
-        **results,
-        "ratio_wall": results["iha"]["tokens_per_second"] / results["base"]["tokens_per_second"],
-        "ratio_cpu_time": results["iha"]["tokens_per_cpu_second"] / results["base"]["tokens_per_cpu_second"],
+        "base": results["base"],
+        "iha": {layout: results[layout] for layout in options.layouts},
     }
     on_gpu = torch.cuda.is_available()
-    report["ratio"] = report["ratio_wall"] if on_gpu else report["ratio_cpu_time"]
+    rate = "tokens_per_second" if on_gpu else "tokens_per_cpu_second"
     report["ratio_basis"] = "wall-clock tokens per second" if on_gpu else "CPU-time tokens per CPU-second"
+    report["ratios"] = {
+        layout: {
+            "ratio": results[layout][rate] / results["base"][rate],
+            "ratio_by_round": [
+                iha_rate / base_rate
+                for iha_rate, base_rate in zip(results[layout][f"{rate}_by_round"], results["base"][f"{rate}_by_round"])
+            ],
+            "ratio_wall": results[layout]["tokens_per_second"] / results["base"]["tokens_per_second"],
+            "ratio_cpu_time": results[layout]["tokens_per_cpu_second"] / results["base"]["tokens_per_cpu_second"],
+        }
+        for layout in options.layouts
+    }
     output = Path(options.output)
     write_text_atomic(json.dumps(report, indent=2) + "\n", output.with_suffix(".json"))
     write_text_atomic(markdown_report(report), output.with_suffix(".md"))
-    print(f"IHA / base throughput ({report['ratio_basis']}): {report['ratio']:.3f}  ->  {output.with_suffix('.md')}")
+    for layout in options.layouts:
+        print(f"IHA ({layout}) / base throughput ({report['ratio_basis']}): {report['ratios'][layout]['ratio']:.3f}")
+    print(f"-> {output.with_suffix('.md')}")
     return report
 
 

@@ -64,3 +64,34 @@ def test_peak_memory_sees_an_allocation():
     if peak is None:
         pytest.skip("no /proc/self/clear_refs on this system")
     assert allocated * 0.9 <= peak <= allocated * 2
+
+
+def packed_row(base_cpu, iha_cpu, base_wall, iha_wall):
+    times = {"base": {"cpu": base_cpu, "wall": base_wall}, "iha": {"cpu": iha_cpu, "wall": iha_wall}}
+    return {"layout": "global", "P": 2, "documents": 4, "document_len": 512, "sliding_window": None, "train_s": times}
+
+
+def test_packed_rows_give_the_ratio_of_every_round_its_median_and_range_and_the_target():
+    row = packed_row([1.0, 2.0, 1.0], [1.05, 2.4, 1.0], [3.0, 3.0, 3.0], [6.0, 6.0, 6.0])
+    targets = bench_perf.summarize([], [], 1, [row], clock="cpu")
+    cpu = row["summary"]["cpu"]
+    assert cpu["ratio_by_round"] == pytest.approx([1.05, 1.2, 1.0])
+    assert (cpu["ratio_median"], cpu["ratio_min"], cpu["ratio_max"]) == pytest.approx((1.05, 1.0, 1.2))
+    assert targets["packed"]["met"] and "1.05 x base" in targets["packed"]["measured"]
+    # On a GPU the wall clock is the measure: 2.0 x base misses the 1.1 x target.
+    assert not bench_perf.summarize([], [], 1, [row], clock="wall")["packed"]["met"]
+    meta = {**dict.fromkeys(["command", "date", "machine", "torch", "transformers", "threads", "layers"], "-")}
+    meta.update(dict.fromkeys(["shape_name", "shape_note", "position_mode", "global_layers_note", "repeats"], "-"))
+    meta.update(machine_note="", lm_head_share="-", lm_head_share_at="-", decode_tokens=1, decode_context=1)
+    report = bench_perf.markdown_report(meta, [], [], targets, [row])
+    assert (
+        "| global IHA | 2 | 4 x 512 | 1000 / 1050 | **1.050** | 1.000 - 1.200 | 1.050, 1.200, 1.000 | 2.000 |" in report
+    )
+
+
+def test_device_and_dtype_follow_the_machine_unless_given():
+    assert bench_perf.choose_device("cpu", None) == (torch.device("cpu"), torch.float32)
+    assert bench_perf.choose_device("cuda", None) == (torch.device("cuda"), torch.bfloat16)
+    assert bench_perf.choose_device("cpu", "bfloat16") == (torch.device("cpu"), torch.bfloat16)
+    expected = "cuda" if torch.cuda.is_available() else "cpu"
+    assert bench_perf.choose_device(None, None)[0].type == expected
