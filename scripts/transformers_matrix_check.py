@@ -62,7 +62,7 @@ def check_pair(source: str, converted: str, max_new_tokens: int = 16) -> dict:
     base = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32).eval()
     base_eager = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32, attn_implementation="eager").eval()
     model = AutoModelForCausalLM.from_pretrained(converted, dtype=torch.float32, trust_remote_code=True).eval()
-    result = {"source": source, "model_class": type(model).__name__, "loaded_from": type(model).__module__}
+    result = {"source": Path(source).name, "model_class": type(model).__name__, "loaded_from": type(model).__module__}
     input_ids, attention_mask, pad_token_id = prompt_batch(source, base.config.vocab_size)
     valid = attention_mask.bool()
     with torch.no_grad():
