@@ -78,12 +78,17 @@ def test_demo_bad_input_is_one_line_and_leaves_nothing(tmp_path, capsys):
     assert listing(tmp_path) == ["taken"]
 
 
-def test_interrupted_sft_is_one_line(paused_command, tiny_llama_dir, tmp_path):
+def one_step_sft_argv(model_dir, tmp_path, output) -> list[str]:
+    """`iha sft` for one CPU step of the tiny model on 8 rows written to tmp_path, saving to `output`."""
     data = tmp_path / "train.jsonl"
     data.write_text("".join(json.dumps(row) + "\n" for row in build_training_rows(None, 8, seed=0)))
+    argv = ["sft", "--model_name_or_path", str(model_dir), "--dataset_name", str(data)]
+    return argv + ["--output_dir", str(output), "--max_steps", "1", "--use_cpu", "true", "--report_to", "none"]
+
+
+def test_interrupted_sft_is_one_line(paused_command, tiny_llama_dir, tmp_path):
     output = tmp_path / "run"
-    argv = ["sft", "--model_name_or_path", str(tiny_llama_dir), "--dataset_name", str(data)]
-    argv += ["--output_dir", str(output), "--max_steps", "1", "--use_cpu", "true", "--report_to", "none"]
+    argv = one_step_sft_argv(tiny_llama_dir, tmp_path, output)
     process = paused_command(tmp_path / "ready", "iha.sft:IHASFTTrainer.train", 1, argv)
     process.send_signal(signal.SIGINT)
     out, err = finish(process)
@@ -94,11 +99,8 @@ def test_interrupted_sft_is_one_line(paused_command, tiny_llama_dir, tmp_path):
 def test_sft_killed_while_saving_leaves_no_partial_model(paused_command, tiny_llama_dir, tmp_path):
     # Stopped after the model's weights are written and before its tokenizer is: a direct save would leave a
     # model folder without a tokenizer; the staged save leaves no model file in the output at all.
-    data = tmp_path / "train.jsonl"
-    data.write_text("".join(json.dumps(row) + "\n" for row in build_training_rows(None, 8, seed=0)))
     output = tmp_path / "run"
-    argv = ["sft", "--model_name_or_path", str(tiny_llama_dir), "--dataset_name", str(data)]
-    argv += ["--output_dir", str(output), "--max_steps", "1", "--use_cpu", "true", "--report_to", "none"]
+    argv = one_step_sft_argv(tiny_llama_dir, tmp_path, output)
     target = "transformers.tokenization_utils_base:PreTrainedTokenizerBase.save_pretrained"
     process = paused_command(tmp_path / "ready", target, 2, argv)  # the first call saves checkpoint-1
     staged = [path for path in tmp_path.glob(".run.iha-sft-*/model.safetensors")]
