@@ -91,6 +91,32 @@ def packed_mode_id(mode):
 # --- SDPA: attention per document -----------------------------------------------------------------------------------
 
 
+def assert_packed_row_matches_dense_and_reference(model, input_ids, position_ids, lengths) -> dict:
+    """The packed row's logits and parameter gradients equal those of the dense masked path and of the reference run
+    per document; returns the packed path's gradients."""
+    weights = torch.randn(sum(lengths), TINY["vocab_size"], generator=torch.Generator().manual_seed(5)).double()
+
+    def packed():
+        return model(input_ids, position_ids=position_ids, use_cache=False).logits[0]
+
+    def dense():
+        return model(
+            input_ids, position_ids=position_ids, attention_mask=dense_masks(model, lengths), use_cache=False
+        ).logits[0]
+
+    def reference():
+        return reference_per_document(model, input_ids, lengths)[0]
+
+    with torch.no_grad():
+        logits = packed()
+        torch.testing.assert_close(logits, dense(), rtol=0, atol=1e-6)
+        torch.testing.assert_close(logits, reference(), rtol=0, atol=1e-6)
+    gradients = parameter_gradients(model, lambda: (packed() * weights).sum())
+    assert_gradients_close(gradients, parameter_gradients(model, lambda: (dense() * weights).sum()))
+    assert_gradients_close(gradients, parameter_gradients(model, lambda: (reference() * weights).sum()))
+    return gradients
+
+
 @pytest.mark.parametrize("lengths", [UNEQUAL_LENGTHS, EQUAL_LENGTHS], ids=["unequal", "equal"])
 @pytest.mark.parametrize("mode", PACKED_MODES, ids=packed_mode_id)
 def test_per_document_attention_matches_dense_mask_and_reference(mode, lengths):
@@ -108,27 +134,7 @@ def test_per_document_attention_matches_dense_mask_and_reference(mode, lengths):
     # Equal documents in order are a reshape of the row: no gathers.
     assert (masks["iha_full_attention"].output_index is None) == (lengths == EQUAL_LENGTHS)
 
-    weights = torch.randn(sum(lengths), TINY["vocab_size"], generator=torch.Generator().manual_seed(5)).double()
-
-    def per_document():
-        return model(input_ids, position_ids=position_ids, use_cache=False).logits[0]
-
-    def dense():
-        return model(
-            input_ids, position_ids=position_ids, attention_mask=dense_masks(model, lengths), use_cache=False
-        ).logits[0]
-
-    def reference():
-        return reference_per_document(model, input_ids, lengths)[0]
-
-    with torch.no_grad():
-        logits = per_document()
-        torch.testing.assert_close(logits, dense(), rtol=0, atol=1e-6)
-        torch.testing.assert_close(logits, reference(), rtol=0, atol=1e-6)
-
-    gradients = parameter_gradients(model, lambda: (per_document() * weights).sum())
-    assert_gradients_close(gradients, parameter_gradients(model, lambda: (dense() * weights).sum()))
-    assert_gradients_close(gradients, parameter_gradients(model, lambda: (reference() * weights).sum()))
+    gradients = assert_packed_row_matches_dense_and_reference(model, input_ids, position_ids, lengths)
     assert gradients["model.layers.0.self_attn.head_mixing.alpha_k"].abs().sum() > 0
 
 
@@ -243,26 +249,7 @@ def test_hybrid_model_on_packed_rows_matches_dense_mask_and_reference(mask_mode)
     assert isinstance(masks["iha_sliding_attention"], BlockedLocalMask)
     assert isinstance(masks["iha_full_attention"], PackedDocumentsMask)
 
-    weights = torch.randn(sum(lengths), TINY["vocab_size"], generator=torch.Generator().manual_seed(5)).double()
-
-    def packed():
-        return model(input_ids, position_ids=position_ids, use_cache=False).logits[0]
-
-    def dense():
-        return model(
-            input_ids, position_ids=position_ids, attention_mask=dense_masks(model, lengths), use_cache=False
-        ).logits[0]
-
-    def reference():
-        return reference_per_document(model, input_ids, lengths)[0]
-
-    with torch.no_grad():
-        logits = packed()
-        torch.testing.assert_close(logits, dense(), rtol=0, atol=1e-6)
-        torch.testing.assert_close(logits, reference(), rtol=0, atol=1e-6)
-    gradients = parameter_gradients(model, lambda: (packed() * weights).sum())
-    assert_gradients_close(gradients, parameter_gradients(model, lambda: (dense() * weights).sum()))
-    assert_gradients_close(gradients, parameter_gradients(model, lambda: (reference() * weights).sum()))
+    assert_packed_row_matches_dense_and_reference(model, input_ids, position_ids, lengths)
 
 
 # --- flex attention: a BlockMask with document ids ------------------------------------------------------------------
