@@ -13,7 +13,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 import torch  # noqa: E402
 
 from iha.atomic_files import save_figure_atomic  # noqa: E402
-from iha.modeling_iha import (  # noqa: E402
+from iha.masking_iha import (  # noqa: E402
     flat_causal_mask_function,
     token_causal_mask_function,
     token_window_overlay,

@@ -14,7 +14,7 @@
 """Interleaved Head Attention (IHA) model configuration.
 
 This file is copied next to the weights by `save_pretrained`, so it may import only torch, transformers and
-its siblings (`compat_iha.py`, `modeling_iha.py`): never the `iha` package itself.
+its siblings (`compat_iha.py`, `modeling_iha.py`, ...): never the `iha` package itself.
 """
 
 # First: importing the compatibility module refuses a transformers below the supported range with one clear error,

@@ -132,7 +132,7 @@ HUB_DOWNLOAD_PATTERNS = [
     *TOKENIZER_FILES,
 ]
 PICKLE_DOWNLOAD_PATTERNS = ["pytorch_model*.bin", "pytorch_model.bin.index.json"]
-CODE_FILES = ("configuration_iha.py", "modeling_iha.py", "compat_iha.py")
+CODE_FILES = ("configuration_iha.py", "modeling_iha.py", "masking_iha.py", "attention_iha.py", "compat_iha.py")
 REPORT_NAME = "iha_conversion.json"
 
 VERIFICATION_PROMPTS = (

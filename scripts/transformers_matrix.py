@@ -1,6 +1,6 @@
 """Run converted IHA models on several transformers releases, each in an environment that cannot import `iha`.
 
-A model folder travels with its code files (`configuration_iha.py`, `modeling_iha.py`, `compat_iha.py`) and is
+A model folder travels with its code files (`configuration_iha.py`, `modeling_iha.py`, ..., `compat_iha.py`) and is
 loaded by whatever transformers its user has. For each release this script builds (once, then reuses) an environment
 with torch and only that transformers, and runs `transformers_matrix_check.py` there on folders converted here once:
 a tiny Llama (GQA), a tiny Mistral (sliding window) and the real SmolLM2-135M-Instruct. Per release and model it

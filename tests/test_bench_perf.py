@@ -5,7 +5,8 @@ import importlib.util
 import pytest
 import torch
 from conftest import REPO_ROOT
-from reference_iha import reference_mask
+
+from iha.naive_iha import reference_mask
 
 
 spec = importlib.util.spec_from_file_location("bench_perf", REPO_ROOT / "benchmarks" / "bench_perf.py")

@@ -81,8 +81,10 @@ def test_self_check_catches_a_model_that_ignores_the_cache(monkeypatch):
 
 
 def test_saved_folders_carry_the_compatibility_module(tmp_path):
+    from iha.convert import CODE_FILES
+
     iha.IHAForCausalLM(iha.IHAConfig(**TINY)).save_pretrained(tmp_path)
-    for name in ("configuration_iha.py", "modeling_iha.py", "compat_iha.py"):
+    for name in CODE_FILES:
         assert (tmp_path / name).is_file(), name
 
 

@@ -8,12 +8,12 @@
 import pytest
 import torch
 from conftest import TINY, generation_position_ids, left_padded_batch, tiny_iha_config, tiny_iha_model
-from reference_iha import reference_forward
 from test_modeling import greedy_without_cache
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM, StaticCache
 
 import iha
-from iha.modeling_iha import BlockedLocalMask, create_iha_masks, local_attention_blocks
+from iha.masking_iha import BlockedLocalMask, create_iha_masks, local_attention_blocks
+from iha.naive_iha import reference_forward
 
 
 def sharpen_attention(model, scale: float = 8.0):

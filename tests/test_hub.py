@@ -13,6 +13,7 @@ from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
 
 import iha
 from iha.cli import main as iha_main
+from iha.convert import CODE_FILES
 from iha.hub import upload_operations
 from iha.model_card import how_to_load_section, update_model_card
 
@@ -92,8 +93,7 @@ def test_push_uploads_a_card_for_the_repo_and_leaves_the_folder_alone(tmp_path):
     folder = card_folder(tmp_path)
     card_before = (folder / "README.md").read_bytes()
     operations = {operation.path_in_repo: operation for operation in upload_operations(folder, "someone/tiny-iha")}
-    assert set(operations) == {"README.md", "config.json", "configuration_iha.py", "modeling_iha.py", "compat_iha.py",
-                               "generation_config.json", "model.safetensors"}  # fmt: skip
+    assert set(operations) == {"README.md", "config.json", "generation_config.json", "model.safetensors", *CODE_FILES}
     uploaded_card = operations["README.md"].path_or_fileobj.decode()
     assert 'from_pretrained("someone/tiny-iha")' in uploaded_card and str(folder) not in uploaded_card
     assert (folder / "README.md").read_bytes() == card_before

@@ -5,10 +5,10 @@ import itertools
 import pytest
 import torch
 from conftest import TINY, generation_position_ids, left_padded_batch, randomize_mixing, tiny_iha_config, tiny_iha_model
-from reference_iha import reference_forward
 from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM
 
 import iha
+from iha.naive_iha import reference_forward
 
 
 MODES = list(

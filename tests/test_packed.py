@@ -15,16 +15,11 @@ import itertools
 import pytest
 import torch
 from conftest import TINY, tiny_iha_model
-from reference_iha import reference_forward, reference_mask
 from test_fast_paths import record_sdpa_calls, sharpen_attention
 
-from iha.modeling_iha import (
-    BlockedLocalMask,
-    PackedDocumentsMask,
-    choose_attention_path,
-    create_iha_masks,
-    group_documents_by_length,
-)
+from iha.attention_iha import choose_attention_path
+from iha.masking_iha import BlockedLocalMask, PackedDocumentsMask, create_iha_masks, group_documents_by_length
+from iha.naive_iha import reference_forward, reference_mask
 
 
 # Unequal documents: groups with padding inside, several groups, a one-token document.

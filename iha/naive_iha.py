@@ -1,9 +1,11 @@
 """A small, obviously-correct reference implementation of Interleaved Head Attention.
 
-Plain einsum, explicit virtual positions and an explicit (N*P) x (N*P) mask built from the definitions of the
-design document; no cache, no kernels, no tricks (RoPE is applied at the full virtual position after mixing,
+Plain einsum, explicit virtual positions and an explicit (N*P) x (N*P) mask built from the definitions (each head
+mixes into P pseudo-heads, pseudo-tokens interleave token-major at virtual index n * P + p, causal attention over the
+virtual sequence, a learned collapse back to H heads); no cache, no kernels, no tricks (RoPE is applied at the full virtual position after mixing,
 rather than split into a token-level and a per-pseudo-head rotation as the model does). Every fast path of the
-model is checked against it.
+model is checked against it: `from iha.naive_iha import reference_forward`. It imports only torch and does not travel
+with the weights.
 """
 
 import torch
