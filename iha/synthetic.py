@@ -342,8 +342,8 @@ CPU = replace(
     num_test=1_000,
     hidden_size=32,
     learning_rates=[1e-3],
-    batch_size=32,
-    max_epochs=60,
+    batch_size=8,
+    max_epochs=150,
 )
 # The setting before the paper's ranges: every example at the small end (binary m = 6, ternary m = 5), MHA and
 # IHA only, width 32, at most 6 epochs with patience 2 (about 22 minutes on 2 cores).
