@@ -317,10 +317,14 @@ def create_interleaved_mask(
     # Packed (padding-free) batches: restarting position_ids without an attention mask, as TRL sends them. Full layers
     # on SDPA attend per document; flex gets the document ids in its BlockMask (whose blocks across documents are
     # skipped), sliding layers in their blocked mask, eager the dense mask. FlashAttention finds the documents itself
-    # from the virtual position ids (`virtual_flash_kwargs`).
+    # from the virtual position ids (`virtual_flash_kwargs`). Under torch.compile the per-document path is not taken:
+    # it reads the document lengths on the host (a graph break per layer), and transformers cannot tell packed rows
+    # from unpacked ones while tracing (`find_packed_sequence_indices` always returns ids then), so compiled forwards
+    # use the dense mask with the document ids, as transformers' own models do.
     if position_ids is not None and attention_mask is None and past_key_values is None:
         packed_sequence_ids = find_packed_sequence_indices(position_ids.expand(batch_size, -1))
-        if packed_sequence_ids is not None and sliding_window is None and config._attn_implementation == "sdpa":
+        attends_per_document = sliding_window is None and config._attn_implementation == "sdpa"
+        if packed_sequence_ids is not None and attends_per_document and not torch.compiler.is_compiling():
             return create_packed_documents_mask(
                 packed_sequence_ids, num_pseudo, token_causal=config.iha_mask_mode == "token_causal"
             )
