@@ -19,7 +19,11 @@ COMMANDS = {
     "convert": ("iha.convert", [], "convert a Llama / Mistral / Qwen2 checkpoint to IHA"),
     "sft": ("iha.sft", [], "supervised fine-tuning (OpenThoughts-style reasoning) with TRL"),
     "eval": ("iha.evaluation.cli", [], "math (GSM8K, MATH-500) and long-context retrieval evaluation"),
-    "synthetic": ("iha.synthetic", [], "the paper's synthetic relation-composition comparison: MHA, 2-simplicial, IHA"),
+    "synthetic": (
+        "iha.synthetic.cli",
+        [],
+        "the paper's synthetic relation-composition comparison: MHA, 2-simplicial, IHA",
+    ),
     "card": ("iha.model_card", [], "write the IHA model card of a folder `trl sft` trained (base, how to load)"),
     "push": ("iha.hub", [], "upload an IHA folder (converted or fine-tuned) to the Hugging Face Hub"),
 }

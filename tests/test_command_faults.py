@@ -141,7 +141,7 @@ def test_interrupted_synthetic_keeps_its_finished_runs_to_resume(paused_command,
     output = tmp_path / "synthetic"
     argv = ["synthetic", "--preset", "tiny", "--tasks", "binary", "--max-epochs", "1", "--output-dir", str(output)]
     # Stopped before the second run: the first one is in results.partial.json.
-    process = paused_command(tmp_path / "ready", "iha.synthetic:train_one", 2, argv)
+    process = paused_command(tmp_path / "ready", "iha.synthetic.train:train_one", 2, argv)
     process.send_signal(signal.SIGINT)
     out, err = finish(process)
     last = assert_one_line_interruption(process, "iha synthetic", signal.SIGINT, out, err)

@@ -17,13 +17,13 @@ from iha.synthetic import (
     compose_relation,
     count_parameters,
     evaluate,
-    main,
     make_composition_data,
     masked_loss,
     run_comparison,
     valid_positions,
     write_outputs,
 )
+from iha.synthetic.cli import main
 
 
 def brute_force_composition(relation: torch.Tensor, order: int) -> torch.Tensor:
@@ -237,11 +237,11 @@ def test_cli_runs_the_tiny_preset(tmp_path):
 
 
 def test_an_interrupted_comparison_resumes_from_its_checkpoint(tmp_path, monkeypatch):
-    import iha.synthetic as synthetic
+    import iha.synthetic.train as synthetic_training
 
     config = replace(TINY, tasks=["binary"], max_epochs=1)
     checkpoint = tmp_path / "results.partial.json"
-    real_train_one = synthetic.train_one
+    real_train_one = synthetic_training.train_one
     calls = []
 
     def train_then_fail_on_the_second_run(*args, **kwargs):
@@ -250,13 +250,13 @@ def test_an_interrupted_comparison_resumes_from_its_checkpoint(tmp_path, monkeyp
             raise KeyboardInterrupt  # the machine went away during the second run
         return real_train_one(*args, **kwargs)
 
-    monkeypatch.setattr(synthetic, "train_one", train_then_fail_on_the_second_run)
+    monkeypatch.setattr(synthetic_training, "train_one", train_then_fail_on_the_second_run)
     with pytest.raises(KeyboardInterrupt):
         run_comparison(config, progress=False, checkpoint=checkpoint)
     saved = json.loads(checkpoint.read_text())
     assert [run["model"] for run in saved["runs"]] == ["MHA"]
 
-    monkeypatch.setattr(synthetic, "train_one", real_train_one)
+    monkeypatch.setattr(synthetic_training, "train_one", real_train_one)
     resumed = run_comparison(config, progress=False, checkpoint=checkpoint)
     assert [run["model"] for run in resumed["runs"]] == ["MHA", "2-simplicial", "IHA P=2"]
     assert resumed["runs"][0] == saved["runs"][0]  # taken over, not retrained
@@ -332,7 +332,7 @@ def test_cli_with_several_seeds_runs_each_and_summarizes(tmp_path):
 
 
 def test_a_finished_comparison_is_reused_and_never_overwritten_by_another(tmp_path, monkeypatch):
-    import iha.synthetic as synthetic
+    import iha.synthetic.train as synthetic_training
 
     arguments = ["--preset", "tiny", "--tasks", "binary", "--max-epochs", "1", "--output-dir", str(tmp_path)]
     main(arguments)
@@ -341,7 +341,7 @@ def test_a_finished_comparison_is_reused_and_never_overwritten_by_another(tmp_pa
     def no_training(*args, **kwargs):
         raise AssertionError("a finished comparison must not be trained again")
 
-    monkeypatch.setattr(synthetic, "train_one", no_training)
+    monkeypatch.setattr(synthetic_training, "train_one", no_training)
     main(arguments)  # same configuration: reused
     assert (tmp_path / "results.json").read_text() == first
     with pytest.raises(SystemExit, match="another configuration: pass --fresh"):
@@ -390,10 +390,10 @@ def test_presets_and_size_ranges_on_the_command_line(tmp_path, capsys):
 
 
 def test_several_seeds_train_the_cheap_models_first_and_resume_after_an_interruption(tmp_path, monkeypatch):
-    import iha.synthetic as synthetic
+    import iha.synthetic.train as synthetic_training
 
     arguments = ["--preset", "tiny", "--max-epochs", "1", "--seeds", "0", "1", "--output-dir", str(tmp_path)]
-    real_train_one = synthetic.train_one
+    real_train_one = synthetic_training.train_one
     order = []
 
     def record(model, data, learning_rate, config, description=""):
@@ -402,7 +402,7 @@ def test_several_seeds_train_the_cheap_models_first_and_resume_after_an_interrup
             raise KeyboardInterrupt  # the machine went away in the second costly run
         return real_train_one(model, data, learning_rate, config, description)
 
-    monkeypatch.setattr(synthetic, "train_one", record)
+    monkeypatch.setattr(synthetic_training, "train_one", record)
     assert main(arguments) == 130  # Ctrl-C: one line, the conventional exit status
     # MHA and IHA P=2 of both tasks for every seed before any 2-simplicial run.
     cheap = [f"{task} m=3..4 {model}" for task in ("binary", "ternary") for model in ("MHA", "IHA P=2")]
@@ -413,7 +413,9 @@ def test_several_seeds_train_the_cheap_models_first_and_resume_after_an_interrup
 
     order.clear()
     monkeypatch.setattr(
-        synthetic, "train_one", lambda *args, **kwargs: (order.append(args[3].seed), real_train_one(*args, **kwargs))[1]
+        synthetic_training,
+        "train_one",
+        lambda *args, **kwargs: (order.append(args[3].seed), real_train_one(*args, **kwargs))[1],
     )
     main(arguments)  # the same command resumes: 4 runs of seed 0 and 1 of seed 1 are not trained again
     assert sorted(order) == [0, 1, 1]  # seed 0's ternary 2-simplicial, seed 1's two

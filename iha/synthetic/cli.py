@@ -1,0 +1,223 @@
+"""`iha synthetic`: the command line (train the preset's comparison over seeds, resume, summarize)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+
+from ..atomic_folders import run_command
+from .config import PRESET_SEEDS, PRESETS, SyntheticConfig
+from .report import results_table, write_outputs, write_seed_summary
+from .task import TASKS
+from .train import config_as_saved, model_variants, run_comparison
+
+
+def _parse_m(values: list[str] | None) -> dict[str, list[int]] | None:
+    """TASK=SIZE (every example that m) or TASK=LOW-HIGH (m drawn per example) -> {task: [low, high]}."""
+    if not values:
+        return None
+    sizes = {}
+    for value in values:
+        task, separator, size = value.partition("=")
+        low, dash, high = size.partition("-")
+        high = high if dash else low
+        if not separator or not low.isdigit() or not high.isdigit():
+            raise SystemExit(f"--m takes TASK=SIZE or TASK=LOW-HIGH (e.g. binary=6 or binary=6-10), got {value!r}")
+        sizes[task] = [int(low), int(high)]
+    return sizes
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="iha synthetic",
+        description="Relation composition (paper appendix): MHA, 2-simplicial attention and IHA, one bidirectional "
+        "attention layer trained from scratch.",
+    )
+    parser.add_argument(
+        "--preset",
+        choices=sorted(PRESETS),
+        default="cpu",
+        help="cpu: the full comparison shrunk for 2 CPU cores (~30 min a seed on a quiet machine; default); paper: the paper's scale "
+        "(for a GPU); fixed: every example at m = 6 / 5, MHA and IHA only; tiny: seconds",
+    )
+    parser.add_argument(
+        "--output-dir", default="runs/synthetic", help="writes results.json/.md and accuracy.png (default: %(default)s)"
+    )
+    parser.add_argument("--tasks", nargs="+", choices=sorted(TASKS), default=None)
+    parser.add_argument(
+        "--m",
+        nargs="+",
+        default=None,
+        metavar="TASK=SIZE",
+        help="matrix size per task: binary=6 (every example) or binary=6-10 (drawn per example)",
+    )
+    parser.add_argument("--num-train", type=int, default=None)
+    parser.add_argument("--num-val", type=int, default=None)
+    parser.add_argument("--num-test", type=int, default=None)
+    parser.add_argument("--hidden-size", type=int, default=None)
+    parser.add_argument("--num-heads", type=int, default=None)
+    parser.add_argument("--pseudo-heads", type=int, nargs="+", default=None, help="IHA variants (P values)")
+    parser.add_argument(
+        "--simplicial",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="train the 2-simplicial attention baseline too (default: the preset's)",
+    )
+    parser.add_argument("--learning-rates", type=float, nargs="+", default=None)
+    parser.add_argument("--batch-size", type=int, default=None)
+    parser.add_argument("--max-epochs", type=int, default=None)
+    parser.add_argument("--patience", type=int, default=None)
+    parser.add_argument("--seed", type=int, default=None, help="one comparison with this seed")
+    parser.add_argument(
+        "--seeds",
+        type=int,
+        nargs="+",
+        default=None,
+        help="one comparison per seed (in OUTPUT_DIR/seed-N), then seeds.md/.json/.png: mean and spread over seeds "
+        "(default: the preset's seeds, 0 1 2 for cpu and paper)",
+    )
+    parser.add_argument("--device", default=None, help="torch device (default: cuda when there is one, else cpu)")
+    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
+    parser.add_argument(
+        "--summarize",
+        nargs="+",
+        default=None,
+        metavar="RESULTS_JSON",
+        help="no training: write seeds.md/.json/.png (mean and spread over the seeds of these results.json files)",
+    )
+    parser.add_argument(
+        "--fresh",
+        action="store_true",
+        help="run everything again: ignore (and replace) the finished runs of an earlier call in OUTPUT_DIR "
+        "(results.partial.json of an interrupted call, results.json of a finished one)",
+    )
+    args = parser.parse_args(argv)
+    return run_command(
+        "iha synthetic",
+        lambda: _run(args),
+        errors=(ValueError,),
+        interrupted=f"the runs finished so far are kept in {args.output_dir}: the same command resumes from them",
+    )
+
+
+def _read_results(path: str) -> dict:
+    try:
+        results = json.loads(Path(path).read_text(encoding="utf-8"))
+    except ValueError as error:
+        raise ValueError(f"{path} is not valid JSON ({error}).") from None
+    if not isinstance(results, dict) or not {"config", "runs"} <= set(results):
+        raise ValueError(f"{path} is not a results.json written by `iha synthetic`.")
+    return results
+
+
+def _run(args: argparse.Namespace) -> int:
+    if args.summarize:
+        results_per_seed = [_read_results(path) for path in args.summarize]
+        paths = write_seed_summary(results_per_seed, args.output_dir)
+        print(paths["table"].read_text(encoding="utf-8"))
+        return 0
+    if args.seed is not None and args.seeds is not None:
+        raise SystemExit("Give either --seed or --seeds, not both.")
+    overrides = {
+        "tasks": args.tasks,
+        "m": _parse_m(args.m),
+        "num_train": args.num_train,
+        "num_val": args.num_val,
+        "num_test": args.num_test,
+        "hidden_size": args.hidden_size,
+        "num_heads": args.num_heads,
+        "pseudo_heads": args.pseudo_heads,
+        "simplicial": args.simplicial,
+        "learning_rates": args.learning_rates,
+        "batch_size": args.batch_size,
+        "max_epochs": args.max_epochs,
+        "patience": args.patience,
+    }
+    preset = PRESETS[args.preset]
+    if overrides["m"] is not None:
+        overrides["m"] = {**preset.m, **overrides["m"]}
+    config = replace(preset, **{key: value for key, value in overrides.items() if value is not None})
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    seeds = args.seeds or ([args.seed] if args.seed is not None else PRESET_SEEDS[args.preset])
+    if len(set(seeds)) != len(seeds):
+        raise SystemExit(f"--seeds must be distinct, got {seeds}.")
+    output_dir = Path(args.output_dir)
+    if len(seeds) > 1 and not args.fresh:
+        _train_cheap_models_first(config, seeds, output_dir, args.device)
+    results_per_seed = []
+    for seed in seeds:
+        # Several seeds: one complete comparison per seed in its own folder, then their mean and spread.
+        seed_dir = output_dir if len(seeds) == 1 else output_dir / f"seed-{seed}"
+        results_per_seed.append(_run_and_write(replace(config, seed=seed), seed_dir, args.fresh, args.device))
+    if len(seeds) > 1:
+        paths = write_seed_summary(results_per_seed, output_dir)
+        print("\n" + paths["table"].read_text(encoding="utf-8"))
+        print("wrote " + ", ".join(str(path) for path in paths.values()))
+    return 0
+
+
+def _train_cheap_models_first(config: SyntheticConfig, seeds: list[int], output_dir: Path, device: str | None) -> None:
+    """Several seeds: train every seed's MHA and IHA P = 2 first, then the costly models (IHA with P > 2 attends
+    P m^2 pseudo-tokens, 2-simplicial m^4 pairs of keys), the cheaper task first, so that an interrupted call has
+    whole models over all seeds. Runs go to each seed's checkpoint; the outputs are written afterwards."""
+    cheap = {"MHA", "IHA P=1", "IHA P=2"}
+    tasks_by_cost = sorted(config.tasks, key=lambda task: config.m[task][1])  # the largest m costs the most
+    passes = [{(task, name) for task in config.tasks for name, _, _ in model_variants(config) if name in cheap}]
+    for task in tasks_by_cost:
+        passes.append({(task, name) for name, _, _ in model_variants(config) if name not in cheap})
+    for only in passes:
+        for seed in seeds:
+            seed_config = replace(config, seed=seed)
+            seed_dir = output_dir / f"seed-{seed}"
+            finished = seed_dir / "results.json"
+            if finished.is_file():
+                saved = json.loads(finished.read_text(encoding="utf-8"))
+                if saved.get("config") == config_as_saved(seed_config):
+                    continue  # done; another configuration is refused by _run_and_write
+                return
+            run_comparison(seed_config, checkpoint=seed_dir / "results.partial.json", device=device, only=only)
+
+
+def _run_and_write(config: SyntheticConfig, output_dir: Path, fresh: bool, device: str | None = None) -> dict:
+    """One comparison (resuming from `output_dir`'s checkpoint unless `fresh`), its outputs written to `output_dir`.
+
+    A finished comparison of the same configuration already in `output_dir` is reused rather than recomputed (so
+    `--seeds` picks up where an interrupted call stopped); one of another configuration is never overwritten
+    unless `fresh`.
+    """
+    checkpoint = output_dir / "results.partial.json"
+    finished = output_dir / "results.json"
+    if fresh:
+        checkpoint.unlink(missing_ok=True)
+    elif finished.is_file():
+        saved = json.loads(finished.read_text(encoding="utf-8"))
+        if saved.get("config") == config_as_saved(config):
+            print(f"{finished}: this comparison has already run; reusing it (--fresh runs it again).")
+            return saved
+        raise SystemExit(
+            f"{finished} holds a comparison with another configuration: pass --fresh to replace it, or choose "
+            "another --output-dir."
+        )
+    start = time.perf_counter()
+    results = run_comparison(config, checkpoint=checkpoint, device=device)
+    results["wall_seconds"] = time.perf_counter() - start  # this call only (resumed runs are not counted)
+    results["train_seconds_total"] = sum(run["train_seconds"] for run in results["runs"])
+    paths = write_outputs(results, output_dir)
+    checkpoint.unlink(missing_ok=True)
+    print(results_table(results))
+    print(
+        f"\nseed {config.seed}: training time {results['train_seconds_total'] / 60:.1f} min "
+        f"(this call {results['wall_seconds'] / 60:.1f} min); wrote " + ", ".join(str(p) for p in paths.values())
+    )
+    return results
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,110 @@
+"""Settings of a comparison (`SyntheticConfig`) and the presets: paper, cpu, fixed, tiny."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+from .task import TASKS
+
+
+@dataclass
+class SyntheticConfig:
+    tasks: list[str] = field(default_factory=lambda: ["binary", "ternary"])
+    # Matrix size per task, [low, high]: m drawn uniformly per example (low == high: every example the same m).
+    m: dict[str, list[int]] = field(default_factory=lambda: {task: list(TASKS[task]["m"]) for task in TASKS})
+    num_train: int = 40_000
+    num_val: int = 5_000
+    num_test: int = 5_000
+    hidden_size: int = 128
+    num_heads: int = 8
+    pseudo_heads: list[int] = field(default_factory=lambda: [2, 8])  # IHA variants; MHA always runs
+    simplicial: bool = True  # also the 2-simplicial attention baseline
+    learning_rates: list[float] = field(default_factory=lambda: [1e-3, 1e-4])
+    batch_size: int = 128
+    max_epochs: int = 200
+    patience: int = 10
+    weight_decay: float = 0.01
+    seed: int = 0
+
+    def __post_init__(self):
+        unknown = [task for task in self.tasks if task not in TASKS]
+        if unknown:
+            raise ValueError(f"Unknown task(s) {unknown}: choose from {sorted(TASKS)}.")
+        missing = [task for task in self.tasks if task not in self.m]
+        if missing:
+            raise ValueError(f"No matrix size `m` given for task(s) {missing}.")
+        # A single size (results written before ranges existed) is the range [m, m].
+        self.m = {task: [size, size] if isinstance(size, int) else list(size) for task, size in self.m.items()}
+        for task, (low, high) in self.m.items():
+            if not 2 <= low <= high:
+                raise ValueError(f"`m` of {task} must be a range [low, high] with 2 <= low <= high, got {[low, high]}.")
+        if any(p < 1 for p in self.pseudo_heads):
+            raise ValueError(f"Every pseudo-head count must be >= 1, got {self.pseudo_heads}.")
+        for name in ("num_train", "num_val", "num_test", "batch_size", "max_epochs", "patience"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"`{name}` must be >= 1, got {getattr(self, name)}.")
+
+
+def describe_m(low_high: list[int] | int) -> str:
+    low, high = (low_high, low_high) if isinstance(low_high, int) else low_high
+    return str(low) if low == high else f"{low}..{high}"
+
+
+# The paper's scale as far as the paper states it: m per example from its ranges, width 128, H = 8, IHA with
+# P = 8 (and P = 2), 40k/5k/5k examples, lr 1e-3 and 1e-4, early stopping with patience 10. Our choices where it is
+# silent: batch 128, AdamW with weight decay 0.01, at most 200 epochs (the length Kozachinskiy et al. 2025 train
+# binary composition for), seeds 0, 1, 2. Sized for a GPU (the device is picked automatically): on 2 CPU cores one
+# epoch of IHA P = 8 or 2-simplicial at m = 10 takes tens of minutes.
+PAPER = SyntheticConfig()
+# The full comparison of PAPER (MHA, 2-simplicial, IHA P = 2 and 8; both tasks with the paper's m ranges; H = 8;
+# seeds 0, 1, 2; patience 10) shrunk for 2 shared CPU cores. IHA P = 8 (8 m^2 pseudo-tokens) and 2-simplicial (m^4
+# pairs of keys per query) take almost all of the time: measured per training example at m up to 10 (width 32,
+# forward and backward), MHA and IHA P = 2 cost 1-20 ms, IHA P = 8 20-25 ms on a quiet machine and ~200 ms with the
+# 2 cores shared by other jobs (load ~10), 2-simplicial ~35 and ~400 ms. What had to give, in order: lr 1e-3 only
+# (the rate validation picked for every model in the fixed-m runs; lr 1e-4 needs many more epochs), width 32 (head
+# dim 4), 320 / 160 / 1,000 examples with batch 32 (10 steps an epoch), at most 60 epochs. Estimate on a quiet
+# machine: ~30 minutes per seed if every run uses its 60 epochs, most of it the two costly models; on shared cores
+# several times that. Several seeds train every seed's MHA and IHA P = 2 first (about 15 minutes per seed even with
+# busy cores), then the costly models, ternary before binary. With busy cores pass `--threads 1`: small ops ran 3-5x
+# faster on one thread than on two, the costly ones as fast. The data is small, so the results measure learning
+# from few examples rather than the paper's 40k, and the 60-epoch budget, not patience, ends most runs (MHA on
+# binary is still rising slowly at epoch 60).
+CPU = replace(
+    PAPER,
+    num_train=320,
+    num_val=160,
+    num_test=1_000,
+    hidden_size=32,
+    learning_rates=[1e-3],
+    batch_size=8,
+    max_epochs=150,
+)
+# The setting before the paper's ranges: every example at the small end (binary m = 6, ternary m = 5), MHA and
+# IHA only, width 32, at most 6 epochs with patience 2 (about 22 minutes on 2 cores).
+FIXED = replace(
+    PAPER,
+    m={"binary": [6, 6], "ternary": [5, 5]},
+    hidden_size=32,
+    pseudo_heads=[8, 2],
+    simplicial=False,
+    max_epochs=6,
+    patience=2,
+)
+# Seconds, for the tests.
+TINY = SyntheticConfig(
+    m={"binary": [3, 4], "ternary": [3, 4]},
+    num_train=256,
+    num_val=64,
+    num_test=64,
+    hidden_size=16,
+    num_heads=4,
+    pseudo_heads=[2],
+    simplicial=True,
+    learning_rates=[1e-2],
+    batch_size=64,
+    max_epochs=3,
+    patience=2,
+)
+PRESETS = {"paper": PAPER, "cpu": CPU, "fixed": FIXED, "tiny": TINY}
+# Seeds a preset runs when neither --seed nor --seeds is given.
+PRESET_SEEDS = {"paper": [0, 1, 2], "cpu": [0, 1, 2], "fixed": [0], "tiny": [0]}

@@ -1,0 +1,361 @@
+"""Tables, seed summaries and plots of finished comparisons."""
+
+from __future__ import annotations
+
+import math
+import os
+from pathlib import Path
+
+from ..atomic_files import save_figure_atomic, write_json_atomic, write_text_atomic
+from .config import SyntheticConfig, describe_m
+from .train import model_variants
+
+
+def best_runs(results: dict) -> dict[tuple[str, str], dict]:
+    """Per (task, model): the learning rate with the best validation accuracy (ties: the first listed)."""
+    best = {}
+    for run in results["runs"]:
+        key = (run["task"], run["model"])
+        if key not in best or run["val_accuracy"] > best[key]["val_accuracy"]:
+            best[key] = run
+    return best
+
+
+def _saved_config(config: dict) -> SyntheticConfig:
+    """A results file's config; those written before the 2-simplicial baseline existed ran without it."""
+    return SyntheticConfig(**{"simplicial": False, **config})
+
+
+def _model_names(config: dict) -> list[str]:
+    return [name for name, _, _ in model_variants(_saved_config(config))]
+
+
+def _sizes(config: dict, task: str) -> list[int]:
+    low, high = _saved_config(config).m[task]
+    return list(range(low, high + 1))
+
+
+def _stopping_line(runs: list[dict]) -> str:
+    recorded = [run for run in runs if "stopped_by" in run]  # results written before it was recorded lack it
+    if not recorded:
+        return "How the runs stopped was not recorded."
+    by_patience = sum(run["stopped_by"] == "patience" for run in recorded)
+    return (
+        f"{by_patience} of {len(recorded)} runs stopped by patience, {len(recorded) - by_patience} by the epoch budget."
+    )
+
+
+def results_table(results: dict) -> str:
+    """Markdown: per task and model, test accuracy at each learning rate, the validation-selected one, params;
+    then the validation-selected runs' accuracy per m, and how the runs stopped."""
+    config = results["config"]
+    learning_rates = config["learning_rates"]
+    best = best_runs(results)
+    models = _model_names(config)
+    header = ["Task", "m", "Model", "Parameters"]
+    header += [f"test acc, lr {lr:g}" for lr in learning_rates]
+    header += ["test acc (val-selected lr)", "exact match (val-selected)", "epochs (best / run)"]
+    lines = ["| " + " | ".join(header) + " |", "|---|---:|---|---:|" + "---:|" * (len(header) - 4)]
+    for task in config["tasks"]:
+        baseline = results["baselines"][task]
+        for model in models:
+            runs = {
+                run["learning_rate"]: run for run in results["runs"] if run["task"] == task and run["model"] == model
+            }
+            chosen = best[(task, model)]
+            row = [task, describe_m(baseline["m"]), model, f"{chosen['parameters']:,}"]
+            row += [f"{100 * runs[lr]['test_accuracy']:.2f}" for lr in learning_rates]
+            row += [
+                f"**{100 * chosen['test_accuracy']:.2f}**",
+                f"{100 * chosen['test_exact_match']:.2f}",
+                f"{chosen['best_epoch']} / {chosen['epochs_run']}",
+            ]
+            lines.append("| " + " | ".join(row) + " |")
+        majority = f"{100 * baseline['majority_accuracy']:.2f}"
+        row = [task, describe_m(baseline["m"]), "constant (majority label)", "0"]
+        row += [majority] * len(learning_rates) + [majority, "–", "–"]
+        lines.append("| " + " | ".join(row) + " |")
+    lines += ["", "Test accuracy per m (validation-selected learning rate):", ""]
+    for task in config["tasks"]:
+        sizes = _sizes(config, task)
+        lines.append("| " + " | ".join([f"{task}: model", *[f"m = {size}" for size in sizes]]) + " |")
+        lines.append("|---|" + "---:|" * len(sizes))
+        for model in models:
+            by_m = best[(task, model)].get("test_accuracy_by_m", {})
+            cells = [f"{100 * by_m[str(size)]:.2f}" if str(size) in by_m else "–" for size in sizes]
+            lines.append("| " + " | ".join([model, *cells]) + " |")
+        by_m = results["baselines"][task].get("majority_accuracy_by_m", {})
+        cells = [f"{100 * by_m[str(size)]:.2f}" if str(size) in by_m else "–" for size in sizes]
+        lines.append("| " + " | ".join(["majority label", *cells]) + " |")
+        lines.append("")
+    lines.append(_stopping_line(results["runs"]))
+    return "\n".join(lines)
+
+
+def _mean_std(values: list[float]) -> tuple[float, float]:
+    mean = sum(values) / len(values)
+    std = math.sqrt(sum((v - mean) ** 2 for v in values) / (len(values) - 1)) if len(values) > 1 else 0.0
+    return mean, std
+
+
+def seed_summary(results_per_seed: list[dict]) -> tuple[str, dict]:
+    """Test accuracy over several seeds: mean ± std per task, model and learning rate, for the validation-selected
+    learning rate (with every seed's value and the gap to each baseline), and per m; a markdown table and its numbers.
+
+    Every element of `results_per_seed` is the output of one `run_comparison` (same tasks and models, another seed).
+    """
+    if not results_per_seed:
+        raise ValueError("No results to summarise.")
+    seeds = [results["config"]["seed"] for results in results_per_seed]
+    if len(set(seeds)) != len(seeds):
+        raise ValueError(f"Each result must come from a different seed; got seeds {seeds}.")
+    first = results_per_seed[0]["config"]
+    models = _model_names(first)
+    learning_rates = first["learning_rates"]
+    baselines = [name for name in ("MHA", "2-simplicial") if name in models]
+    selected = [best_runs(results) for results in results_per_seed]
+    summary = {}
+    header = ["Task", "m", "Model", *[f"lr {lr:g}" for lr in learning_rates], "val-selected lr"]
+    header += [f"seed {seed}" for seed in seeds] + [f"− {name}" for name in baselines]
+    lines = ["| " + " | ".join(header) + " |", "|---|---:|---|" + "---:|" * (len(header) - 3)]
+    for task in first["tasks"]:
+        for model in models:
+            per_rate = {}
+            for lr in learning_rates:
+                values = []
+                for results in results_per_seed:
+                    matching = [
+                        run["test_accuracy"]
+                        for run in results["runs"]
+                        if run["task"] == task and run["model"] == model and run["learning_rate"] == lr
+                    ]
+                    values += [100 * accuracy for accuracy in matching[:1]]
+                if values:  # a seed may have run fewer learning rates (then the table says over how many seeds)
+                    per_rate[f"{lr:g}"] = dict(zip(("mean", "std"), _mean_std(values)), test_accuracy=values)
+            # Seeds that have this model (all, unless some results are a partial checkpoint of a running call).
+            having = [(seed, runs[(task, model)]) for seed, runs in zip(seeds, selected) if (task, model) in runs]
+            if not having:
+                continue
+            values = [100 * run["test_accuracy"] for _, run in having]
+            mean, std = _mean_std(values)
+            by_m = {}
+            for size in _sizes(first, task):
+                per_seed = [run.get("test_accuracy_by_m", {}).get(str(size)) for _, run in having]
+                if None not in per_seed:
+                    by_m[str(size)] = dict(zip(("mean", "std"), _mean_std([100 * value for value in per_seed])))
+            summary[f"{task}/{model}"] = {
+                "task": task,
+                "m": first["m"][task],
+                "model": model,
+                "test_accuracy": values,
+                "mean": mean,
+                "std": std,
+                "seeds": [seed for seed, _ in having],
+                "learning_rates": [run["learning_rate"] for _, run in having],
+                "by_learning_rate": per_rate,
+                "by_m": by_m,
+                "stopped_by_patience": sum(
+                    run.get("stopped_by") == "patience"
+                    for results in results_per_seed
+                    for run in results["runs"]
+                    if run["task"] == task and run["model"] == model
+                ),
+                "runs": sum(
+                    run["task"] == task and run["model"] == model
+                    for results in results_per_seed
+                    for run in results["runs"]
+                ),
+            }
+            row = [task, describe_m(first["m"][task]), model]
+            for lr in learning_rates:
+                rate = per_rate.get(f"{lr:g}")
+                cell = "–" if rate is None else f"{rate['mean']:.2f} ± {rate['std']:.2f}"
+                if rate is not None and len(rate["test_accuracy"]) < len(seeds):
+                    cell += f" ({len(rate['test_accuracy'])} of {len(seeds)} seeds)"
+                row.append(cell)
+            selected_cell = f"**{mean:.2f} ± {std:.2f}**"
+            if len(having) < len(seeds):
+                selected_cell += f" ({len(having)} of {len(seeds)} seeds)"
+            by_seed = {seed: 100 * run["test_accuracy"] for seed, run in having}
+            row += [selected_cell, *[f"{by_seed[seed]:.2f}" if seed in by_seed else "–" for seed in seeds]]
+            for name in baselines:
+                reference = summary.get(f"{task}/{name}")
+                row.append("–" if name == model or reference is None else f"{mean - reference['mean']:+.2f}")
+            lines.append("| " + " | ".join(row) + " |")
+    lines += ["", "Test accuracy per m, mean ± std over seeds (validation-selected learning rate):", ""]
+    for task in first["tasks"]:
+        sizes = _sizes(first, task)
+        lines.append("| " + " | ".join([f"{task}: model", *[f"m = {size}" for size in sizes]]) + " |")
+        lines.append("|---|" + "---:|" * len(sizes))
+        for model in models:
+            if f"{task}/{model}" not in summary:
+                continue
+            by_m = summary[f"{task}/{model}"]["by_m"]
+            cells = [
+                f"{by_m[str(size)]['mean']:.2f} ± {by_m[str(size)]['std']:.2f}" if str(size) in by_m else "–"
+                for size in sizes
+            ]
+            lines.append("| " + " | ".join([model, *cells]) + " |")
+        lines.append("")
+    lines.append(_stopping_line([run for results in results_per_seed for run in results["runs"]]))
+    return "\n".join(lines), summary
+
+
+def plot_results(results: dict, path: str | os.PathLike) -> Path:
+    """Per task (one column): test accuracy per model (validation-selected learning rate), validation curves, and
+    test accuracy against m."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    config = results["config"]
+    tasks = config["tasks"]
+    models = _model_names(config)
+    best = best_runs(results)
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    figure, axes = plt.subplots(3, len(tasks), figsize=(5.5 * len(tasks), 12), squeeze=False)
+    for column, task in enumerate(tasks):
+        baseline = results["baselines"][task]
+        accuracies = [100 * best[(task, model)]["test_accuracy"] for model in models]
+        bar_axis = axes[0][column]
+        bars = bar_axis.bar(models, accuracies, color=colors[: len(models)])
+        for bar, accuracy, model in zip(bars, accuracies, models):
+            label = f"{accuracy:.2f}\nlr {best[(task, model)]['learning_rate']:g}"
+            bar_axis.text(
+                bar.get_x() + bar.get_width() / 2, bar.get_height(), label, ha="center", va="bottom", fontsize=8
+            )
+        bar_axis.axhline(100 * baseline["majority_accuracy"], color="gray", linestyle="--", label="majority label")
+        low = min(accuracies + [100 * baseline["majority_accuracy"]])
+        bar_axis.set_ylim(max(0, low - 5), max(accuracies) + 8)  # room for the labels above the bars
+        bar_axis.set_title(f"{task} composition, m = {describe_m(baseline['m'])}: test accuracy")
+        bar_axis.set_ylabel("per-position accuracy (%)")
+        bar_axis.tick_params(axis="x", labelsize=8)
+        bar_axis.legend(loc="lower right", fontsize=8)
+        curve_axis = axes[1][column]
+        for index, model in enumerate(models):
+            for run in results["runs"]:
+                if run["task"] != task or run["model"] != model:
+                    continue
+                epochs = [point["epoch"] for point in run["history"]]
+                values = [100 * point["val_accuracy"] for point in run["history"]]
+                style = "-" if run["learning_rate"] == max(config["learning_rates"]) else ":"
+                curve_axis.plot(
+                    epochs, values, style, color=colors[index], label=f"{model}, lr {run['learning_rate']:g}"
+                )
+        curve_axis.set_xlabel("epoch")
+        curve_axis.set_ylabel("validation accuracy (%)")
+        curve_axis.set_title(f"{task}: validation accuracy per epoch")
+        curve_axis.legend(fontsize=7)
+        size_axis = axes[2][column]
+        sizes = _sizes(config, task)
+        for index, model in enumerate(models):
+            by_m = best[(task, model)].get("test_accuracy_by_m", {})
+            shown = [size for size in sizes if str(size) in by_m]
+            size_axis.plot(shown, [100 * by_m[str(size)] for size in shown], "o-", color=colors[index], label=model)
+        majority = baseline.get("majority_accuracy_by_m", {})
+        shown = [size for size in sizes if str(size) in majority]
+        size_axis.plot(shown, [100 * majority[str(s)] for s in shown], "--", color="gray", label="majority label")
+        size_axis.set_xticks(sizes)
+        size_axis.set_xlabel("m (relation size)")
+        size_axis.set_ylabel("test accuracy (%)")
+        size_axis.set_title(f"{task}: test accuracy against m")
+        size_axis.legend(fontsize=7)
+    figure.tight_layout()
+    try:
+        return save_figure_atomic(figure, path, dpi=110)
+    finally:
+        plt.close(figure)
+
+
+def plot_seed_summary(summary: dict, path: str | os.PathLike) -> Path:
+    """Per task (one column): mean test accuracy per model over seeds (bars, +-1 std, every seed a dot), and mean
+    test accuracy against m (+-1 std)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    tasks = list(dict.fromkeys(entry["task"] for entry in summary.values()))
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    figure, axes = plt.subplots(2, len(tasks), figsize=(5.5 * len(tasks), 8.4), squeeze=False)
+    for column, task in enumerate(tasks):
+        axis = axes[0][column]
+        entries = [entry for entry in summary.values() if entry["task"] == task]
+        positions = range(len(entries))
+        means = [entry["mean"] for entry in entries]
+        axis.bar(
+            positions,
+            means,
+            yerr=[entry["std"] for entry in entries],
+            capsize=4,
+            color=colors[: len(entries)],
+            alpha=0.75,
+        )
+        # Labels sit above both the error bar and the highest seed, so that neither hides them.
+        tops = [max(entry["mean"] + entry["std"], *entry["test_accuracy"]) for entry in entries]
+        bottoms = [min(entry["mean"] - entry["std"], *entry["test_accuracy"]) for entry in entries]
+        span = max(max(tops) - min(bottoms), 1.0)
+        for position, entry, top in zip(positions, entries, tops):
+            values = entry["test_accuracy"]
+            axis.scatter([position] * len(values), values, color="black", s=12, zorder=3)
+            label = f"{entry['mean']:.2f} ± {entry['std']:.2f}"
+            axis.text(position, top + 0.03 * span, label, ha="center", va="bottom", fontsize=8)
+        axis.set_ylim(min(bottoms) - 0.3 * span, max(tops) + 0.15 * span)
+        axis.set_xticks(list(positions), [entry["model"] for entry in entries], fontsize=8)
+        seeds = ", ".join(str(seed) for seed in entries[0]["seeds"])
+        m = describe_m(entries[0]["m"])
+        axis.set_title(f"{task} composition, m = {m}: test accuracy, seeds {seeds}", fontsize=10)
+        axis.set_ylabel("per-position accuracy (%)")
+        axis.grid(axis="y", alpha=0.3)
+        size_axis = axes[1][column]
+        for index, entry in enumerate(entries):
+            sizes = sorted(int(size) for size in entry.get("by_m", {}))
+            if not sizes:
+                continue
+            size_axis.errorbar(
+                sizes,
+                [entry["by_m"][str(size)]["mean"] for size in sizes],
+                yerr=[entry["by_m"][str(size)]["std"] for size in sizes],
+                fmt="o-",
+                capsize=3,
+                color=colors[index],
+                label=entry["model"],
+            )
+            size_axis.set_xticks(sizes)
+        size_axis.set_xlabel("m (relation size)")
+        size_axis.set_ylabel("test accuracy (%), mean ± std over seeds")
+        size_axis.set_title(f"{task}: test accuracy against m", fontsize=10)
+        size_axis.legend(fontsize=7)
+        size_axis.grid(alpha=0.3)
+    figure.tight_layout()
+    try:
+        return save_figure_atomic(figure, path, dpi=110)
+    finally:
+        plt.close(figure)
+
+
+def write_seed_summary(results_per_seed: list[dict], output_dir: str | os.PathLike) -> dict[str, Path]:
+    """seeds.md (the table), seeds.json and seeds.png in `output_dir`."""
+    output_dir = Path(output_dir)
+    table, summary = seed_summary(results_per_seed)
+    paths = {"table": output_dir / "seeds.md", "json": output_dir / "seeds.json", "plot": output_dir / "seeds.png"}
+    write_text_atomic(table + "\n", paths["table"])
+    write_json_atomic(summary, paths["json"])
+    plot_seed_summary(summary, paths["plot"])
+    return paths
+
+
+def write_outputs(results: dict, output_dir: str | os.PathLike) -> dict[str, Path]:
+    """results.json, results.md (the table) and accuracy.png in `output_dir`."""
+    output_dir = Path(output_dir)
+    output_dir.mkdir(parents=True, exist_ok=True)
+    json_path, table_path, plot_path = (
+        output_dir / "results.json",
+        output_dir / "results.md",
+        output_dir / "accuracy.png",
+    )
+    write_json_atomic(results, json_path)
+    write_text_atomic(results_table(results) + "\n", table_path)
+    plot_results(results, plot_path)
+    return {"json": json_path, "table": table_path, "plot": plot_path}

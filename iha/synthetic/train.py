@@ -1,0 +1,241 @@
+"""Training one model with early stopping, evaluating it, and running a whole comparison with resume."""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import time
+from collections.abc import Collection
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from tqdm.auto import tqdm
+
+from ..atomic_files import write_json_atomic
+from .config import SyntheticConfig, describe_m
+from .models import build_model, count_parameters
+from .task import CompositionData, make_composition_data, valid_positions
+
+
+def default_device() -> torch.device:
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+@torch.no_grad()
+def evaluate(model: nn.Module, data: CompositionData, batch_size: int = 256) -> dict:
+    """Accuracy over real positions (the paper's), per-matrix exact match, mean BCE loss; overall and per m.
+
+    Examples are evaluated in order of m, so that a batch holds few sizes and little padding (the mask makes the
+    result independent of how the examples are batched).
+    """
+    model.eval()
+    order = torch.argsort(data.sizes.cpu(), stable=True).to(data.sizes.device)
+    correct = torch.zeros(len(data), device=data.sizes.device)
+    loss = torch.zeros((), device=data.sizes.device)
+    exact = torch.zeros(len(data), dtype=torch.bool, device=data.sizes.device)
+    for start in range(0, len(order), batch_size):
+        index = order[start : start + batch_size]
+        batch = data.subset(index)
+        logits = model(batch.bits, batch.sizes)
+        is_real = valid_positions(batch.sizes, batch.bits.shape[1])
+        right = ((logits > 0).float() == batch.labels) & is_real
+        correct[index] = right.float().sum(dim=-1)
+        exact[index] = (right | ~is_real).all(dim=-1)
+        losses = F.binary_cross_entropy_with_logits(logits, batch.labels, reduction="none")
+        loss += losses[is_real].sum()
+    positions = (data.sizes * data.sizes).float()
+    metrics = {
+        "accuracy": (correct.sum() / positions.sum()).item(),
+        "exact_match": exact.float().mean().item(),
+        "loss": (loss / positions.sum()).item(),
+        "accuracy_by_m": {},
+        "exact_match_by_m": {},
+    }
+    for size in data.sizes.unique().tolist():
+        examples = data.sizes == size
+        metrics["accuracy_by_m"][str(size)] = (correct[examples].sum() / positions[examples].sum()).item()
+        metrics["exact_match_by_m"][str(size)] = exact[examples].float().mean().item()
+    return metrics
+
+
+def masked_loss(logits: torch.Tensor, batch: CompositionData) -> torch.Tensor:
+    """Mean binary cross-entropy over the real positions of a right-padded batch (padding never counts)."""
+    is_real = valid_positions(batch.sizes, batch.bits.shape[1])
+    return F.binary_cross_entropy_with_logits(logits[is_real], batch.labels[is_real])
+
+
+def train_one(
+    model: nn.Module,
+    data: dict[str, CompositionData],
+    learning_rate: float,
+    config: SyntheticConfig,
+    description: str = "",
+) -> dict:
+    """Train with early stopping on validation accuracy; returns history and the test metrics of the best epoch."""
+    train_data = data["train"]
+    device = train_data.sizes.device
+    optimizer = torch.optim.AdamW(model.parameters(), lr=learning_rate, weight_decay=config.weight_decay)
+    generator = torch.Generator().manual_seed(config.seed)
+    best_accuracy, best_epoch, best_state, history = -1.0, 0, None, []
+    epochs_without_gain = 0
+    start_time = time.perf_counter()
+    # A context manager, so that an interruption closes the bar before the command prints its last line.
+    with tqdm(range(1, config.max_epochs + 1), desc=description, unit="epoch", leave=False) as progress:
+        for epoch in progress:
+            model.train()
+            order = torch.randperm(len(train_data), generator=generator).to(device)
+            total_loss = 0.0
+            for start in range(0, len(order), config.batch_size):
+                batch = train_data.subset(order[start : start + config.batch_size])  # padded to this batch's largest m
+                loss = masked_loss(model(batch.bits, batch.sizes), batch)
+                optimizer.zero_grad(set_to_none=True)
+                loss.backward()
+                optimizer.step()
+                total_loss += loss.item() * len(batch)
+            validation = evaluate(model, data["val"], config.batch_size)
+            history.append(
+                {"epoch": epoch, "train_loss": total_loss / len(order), "val_accuracy": validation["accuracy"]}
+            )
+            progress.set_postfix(loss=f"{total_loss / len(order):.4f}", val_acc=f"{validation['accuracy']:.4f}")
+            if validation["accuracy"] > best_accuracy:
+                best_accuracy, best_epoch, epochs_without_gain = validation["accuracy"], epoch, 0
+                best_state = copy.deepcopy(model.state_dict())
+            else:
+                epochs_without_gain += 1
+                if epochs_without_gain >= config.patience:
+                    break
+    model.load_state_dict(best_state)
+    test = evaluate(model, data["test"], config.batch_size)
+    return {
+        "best_epoch": best_epoch,
+        "epochs_run": len(history),
+        "stopped_by": "patience" if epochs_without_gain >= config.patience else "epoch budget",
+        "val_accuracy": best_accuracy,
+        "test_accuracy": test["accuracy"],
+        "test_exact_match": test["exact_match"],
+        "test_loss": test["loss"],
+        "test_accuracy_by_m": test["accuracy_by_m"],
+        "test_exact_match_by_m": test["exact_match_by_m"],
+        "train_seconds": time.perf_counter() - start_time,
+        "history": history,
+    }
+
+
+def model_variants(config: SyntheticConfig) -> list[tuple[str, str, int | None]]:
+    """(name, attention, P) of every model the comparison trains."""
+    variants = [("MHA", "mha", None)]
+    if config.simplicial:
+        variants.append(("2-simplicial", "simplicial", None))
+    return variants + [(f"IHA P={p}", "iha", p) for p in config.pseudo_heads]
+
+
+def config_as_saved(config: SyntheticConfig) -> dict:
+    """The config as it reads back from a results file (JSON turns tuples into lists, int keys into strings), so
+    that a saved comparison can be matched against the one asked for."""
+    return json.loads(json.dumps(asdict(config)))
+
+
+def _load_checkpoint(path: Path | None, config: SyntheticConfig) -> list[dict]:
+    """Finished runs from an earlier, interrupted call with the same config (none if there is no checkpoint)."""
+    if path is None or not path.is_file():
+        return []
+    saved = json.loads(path.read_text(encoding="utf-8"))
+    if saved.get("config") != config_as_saved(config):
+        raise ValueError(
+            f"{path} holds runs of a different configuration. Delete it (or pass --fresh) to start over, or use "
+            "another output folder."
+        )
+    return saved["runs"]
+
+
+def majority_baseline(data: CompositionData) -> dict:
+    """Accuracy of always predicting the more frequent label, over all real positions and per m."""
+    is_real = valid_positions(data.sizes, data.bits.shape[1])
+    positive_rate = data.labels[is_real].mean().item()
+    by_m = {}
+    for size in data.sizes.unique().tolist():
+        rate = data.labels[data.sizes == size, : size * size].mean().item()
+        by_m[str(size)] = max(rate, 1 - rate)
+    return {
+        "test_positive_rate": positive_rate,
+        "majority_accuracy": max(positive_rate, 1 - positive_rate),
+        "majority_accuracy_by_m": by_m,
+    }
+
+
+def run_comparison(
+    config: SyntheticConfig,
+    progress: bool = True,
+    checkpoint: str | os.PathLike | None = None,
+    device: str | torch.device | None = None,
+    only: Collection[tuple[str, str]] | None = None,
+) -> dict:
+    """Every task x model x learning rate; returns a JSON-ready dict (config, baselines, runs).
+
+    With `checkpoint`, every finished run is saved there at once, and a later call with the same config skips the
+    runs it finds: an interrupted comparison resumes where it stopped (each run is deterministic in the seed).
+    `device` defaults to CUDA when there is one. `only` ((task, model) pairs) trains just those runs now, keeping
+    the checkpoint's other runs, so that a caller can order the work across seeds (cheap models first).
+    """
+    device = torch.device(device) if device is not None else default_device()
+    checkpoint = Path(checkpoint) if checkpoint is not None else None
+    finished = {(run["task"], run["model"], run["learning_rate"]): run for run in _load_checkpoint(checkpoint, config)}
+    runs = []
+    baselines = {}
+    variants = model_variants(config)
+    total = len(config.tasks) * len(variants) * len(config.learning_rates)
+    with tqdm(total=total, desc="synthetic runs", unit="run", disable=not progress) as overall:
+        for task_index, task in enumerate(config.tasks):
+            m = config.m[task]
+            seed = config.seed + 1000 * task_index
+            data = {
+                "train": make_composition_data(task, m, config.num_train, seed),
+                "val": make_composition_data(task, m, config.num_val, seed + 1),
+                "test": make_composition_data(task, m, config.num_test, seed + 2),
+            }
+            baselines[task] = {"m": m, **majority_baseline(data["test"])}
+            data = {split: split_data.to(device) for split, split_data in data.items()}
+            for name, attention, num_pseudo_heads in variants:
+                if only is not None and (task, name) not in only:
+                    overall.update(len(config.learning_rates))
+                    continue
+                for learning_rate in config.learning_rates:
+                    description = f"{task} m={describe_m(m)} {name} lr={learning_rate:g}"
+                    if (task, name, learning_rate) in finished:
+                        runs.append(finished[(task, name, learning_rate)])
+                        overall.update(1)
+                        overall.set_postfix_str(f"{description}: done before")
+                        continue
+                    model = build_model(
+                        m[1], config.hidden_size, config.num_heads, num_pseudo_heads, config.seed, attention
+                    ).to(device)
+                    result = train_one(model, data, learning_rate, config, description)
+                    runs.append(
+                        {
+                            "task": task,
+                            "m": m,
+                            "model": name,
+                            "attention": attention,
+                            "num_pseudo_heads": num_pseudo_heads,
+                            "learning_rate": learning_rate,
+                            "parameters": count_parameters(model),
+                            **result,
+                        }
+                    )
+                    if checkpoint is not None:
+                        done = {(run["task"], run["model"], run["learning_rate"]) for run in runs}
+                        kept = [run for key, run in finished.items() if key not in done]  # runs outside `only`
+                        write_json_atomic({"config": asdict(config), "runs": runs + kept}, checkpoint)
+                    overall.update(1)
+                    overall.set_postfix_str(f"{description}: test acc {result['test_accuracy']:.4f}")
+    return {
+        "config": asdict(config),
+        "baselines": baselines,
+        "runs": runs,
+        "device": str(device),
+        "torch_threads": torch.get_num_threads(),
+    }
