@@ -14,7 +14,6 @@ Device and dtype come from the machine (`bench_perf.choose_device`): on CPU floa
 time; on CUDA bfloat16, wall-clock after synchronizing. Nothing to edit for a GPU run.
 """
 
-import argparse
 import json
 import platform
 import sys
@@ -30,6 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_perf  # noqa: E402
 from bench_perf import SMOLLM2_135M_SHAPE, alternate, base_model, converted_iha_model, median  # noqa: E402
 
+from iha.arguments import ArgumentParser  # noqa: E402
 from iha.atomic_files import write_text_atomic  # noqa: E402
 
 
@@ -129,7 +129,7 @@ def markdown_report(meta: dict, results: dict) -> str:
 
 
 def parse_args(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="tiny shapes: a quick run of the whole script")
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--seq-len", type=int, default=512)

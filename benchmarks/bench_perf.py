@@ -24,7 +24,6 @@ from the CUDA allocator. `--attn-implementation` runs SDPA (default), flex atten
 runs no sliding IHA layers, so it measures the global layout only).
 """
 
-import argparse
 import ctypes
 import json
 import os
@@ -43,6 +42,7 @@ from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import iha  # noqa: E402
+from iha.arguments import ArgumentParser  # noqa: E402
 from iha.atomic_files import write_text_atomic  # noqa: E402
 
 
@@ -728,7 +728,7 @@ def markdown_report(meta: dict, grid: list[dict], decoding: list[dict], targets:
 
 
 def parse_args(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="tiny model and lengths: a seconds-long smoke run")
     parser.add_argument("--layers", type=int, default=10, help="decoder layers (SmolLM2-135M has 30)")
     parser.add_argument("--seq-lens", type=int, nargs="+", default=[512, 2048])

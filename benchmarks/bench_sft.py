@@ -43,6 +43,7 @@ import trl
 from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
 
 import iha
+from iha.arguments import ArgumentParser  # noqa: E402
 from iha.atomic_files import write_text_atomic
 from iha.convert import llama_to_iha
 from iha.data import gsm8k_file_to_openthoughts
@@ -205,7 +206,7 @@ def markdown_report(report: dict) -> str:
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", help="Llama-style checkpoint (default: SmolLM2-135M-Instruct via iha.builtin)")
     parser.add_argument("--data", default=str(DEFAULT_DATA), help="GSM8K-style .jsonl (question, answer)")
     parser.add_argument("--rows", type=int, default=256)

@@ -24,11 +24,11 @@ python -m iha.chat_templates smollm2_training.jinja --tokenizer path/to/converte
 ```
 """
 
-import argparse
 import os
 import re
 from pathlib import Path
 
+from .arguments import ArgumentParser
 from .atomic_files import write_text_atomic
 
 
@@ -115,8 +115,8 @@ def write_chat_template(chat_template: str, path: str | os.PathLike) -> Path:
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(
-        prog="python -m iha.chat_templates",
+    parser = ArgumentParser(
+        prog="iha chat-template",
         description="Write a chat template with {% generation %} markers (for assistant_only_loss) as a .jinja file.",
     )
     parser.add_argument("output", help="where to write the template (.jinja)")

@@ -7,6 +7,11 @@ iha eval        GSM8K / MATH-500 / needle-in-a-haystack evaluation       (same a
 iha synthetic   the paper's relation-composition comparison: MHA, 2-simplicial, IHA
 iha card        the IHA model card of a folder `trl sft` trained
 iha push        upload an IHA folder to the Hub                          (same as `iha-convert push`)
+iha data        SFT data: GSM8K to OpenThoughts rows, any schema to `messages` rows   (same as `python -m iha.data`)
+iha chat-template  a chat template with {% generation %} markers        (same as `python -m iha.chat_templates`)
+
+Every command takes its flags as `--snake_case` (transformers' and TRL's style), each also as `--kebab-case`
+(`iha.arguments`).
 """
 
 import importlib
@@ -26,12 +31,15 @@ COMMANDS = {
     ),
     "card": ("iha.model_card", [], "write the IHA model card of a folder `trl sft` trained (base, how to load)"),
     "push": ("iha.hub", [], "upload an IHA folder (converted or fine-tuned) to the Hugging Face Hub"),
+    "data": ("iha.data", [], "SFT data: GSM8K rows to OpenThoughts format, any row schema to `messages` rows"),
+    "chat-template": ("iha.chat_templates", [], "write a chat template with {% generation %} markers (.jinja)"),
 }
 
 
 def usage() -> str:
     lines = ["usage: iha COMMAND [options]   (iha COMMAND --help for a command's options)", "", "commands:"]
-    lines += [f"  {name:<10} {summary}" for name, (_, _, summary) in COMMANDS.items()]
+    lines += [f"  {name:<14} {summary}" for name, (_, _, summary) in COMMANDS.items()]
+    lines += ["", "Flags are written --snake_case; --kebab-case works too."]
     return "\n".join(lines)
 
 

@@ -47,6 +47,7 @@ from pathlib import Path
 
 import torch
 
+from .arguments import ArgumentParser
 from .atomic_files import write_text_atomic
 from .atomic_folders import run_command, staged_folder
 from .configuration_iha import (
@@ -1576,7 +1577,7 @@ def write_conversion_card(folder: Path, report: ConversionReport, source_dir: Pa
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = ArgumentParser(
         prog="iha-convert",
         description=(
             "Convert a Llama-style checkpoint (Llama 2/3, SmolLM/SmolLM2, Mistral, Qwen2) to Interleaved Head "

@@ -41,6 +41,7 @@ from typing import Any
 
 from datasets import Dataset, load_dataset
 
+from .arguments import ArgumentParser
 from .atomic_files import write_jsonl_atomic
 
 
@@ -463,9 +464,8 @@ def write_jsonl(rows: Iterable[dict], path: str | os.PathLike) -> Path:
 def main(argv=None):
     """`python -m iha.data`: write GSM8K rows as OpenThoughts rows, or any supported schema as `messages` rows
     (the form in which TRL's own `trl sft` keeps the system prompt)."""
-    import argparse
 
-    parser = argparse.ArgumentParser(prog="python -m iha.data", description=main.__doc__)
+    parser = ArgumentParser(prog="iha data", description=main.__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
     gsm8k = commands.add_parser("gsm8k-to-openthoughts", help="GSM8K (Hub id or .jsonl) -> OpenThoughts-114k .jsonl")
     gsm8k.add_argument("source", help="a Hub dataset id (openai/gsm8k) or your own GSM8K .jsonl file")

@@ -12,7 +12,6 @@ Every step can be pointed elsewhere: `--model` (a folder or Hub id), `--train-da
 GSM8K-style rows), `--eval-data` (a GSM8K or MATH-500 jsonl).
 """
 
-import argparse
 import errno
 import inspect
 import os
@@ -20,6 +19,7 @@ import sys
 import time
 from pathlib import Path
 
+from .arguments import ArgumentParser, HelpFormatter
 from .atomic_files import save_figure_atomic, write_json_atomic, write_text_atomic
 from .atomic_folders import run_command, staged_folder
 from .convert import ConversionError
@@ -277,9 +277,7 @@ def format_summary(summary: dict) -> str:
 def main(argv: list[str] | None = None) -> int:
     # The command line's defaults are run_demo's, so the two never drift apart.
     defaults = {name: parameter.default for name, parameter in inspect.signature(run_demo).parameters.items()}
-    parser = argparse.ArgumentParser(
-        prog="iha demo", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    parser = ArgumentParser(prog="iha demo", description=__doc__, formatter_class=HelpFormatter)
     parser.add_argument("--output-dir", default="iha-demo", help="where everything is written (default: iha-demo)")
     parser.add_argument("--overwrite", action="store_true", help="replace a non-empty output folder")
     parser.add_argument(

@@ -30,6 +30,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+from .arguments import ArgumentParser
 from .atomic_folders import run_command
 from .model_card import MODEL_CARD_NAME, how_to_load_section, read_model_card, render_model_card
 
@@ -115,7 +116,7 @@ def push_to_hub(
 
 
 def build_parser(prog: str = "iha push") -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = ArgumentParser(
         prog=prog,
         description="Upload an IHA folder (converted or fine-tuned) to the Hugging Face Hub in one commit. The "
         "uploaded model card loads the model from REPO_ID; the folder itself is not modified.",

@@ -28,6 +28,7 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from .arguments import ArgumentParser
 from .atomic_files import write_text_atomic
 from .compat_iha import supported_range_text
 
@@ -238,10 +239,9 @@ def rewrite_trainer_card(folder: str | os.PathLike, base: str) -> Path:
 
 def main(argv: list[str] | None = None) -> int:
     """`iha card FOLDER --base-model BASE`: the IHA card for a folder `trl sft` (or another trainer) wrote."""
-    import argparse
     import sys
 
-    parser = argparse.ArgumentParser(
+    parser = ArgumentParser(
         prog="iha card",
         description="Rewrite the model card a trainer wrote into FOLDER (e.g. `trl sft`, whose card names no local "
         "base and loads without trust_remote_code) as an IHA card; the trainer's other sections are kept.",

@@ -39,7 +39,7 @@ import re
 import shutil
 import sys
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -749,8 +749,39 @@ def write_merged_card(folder: Path, adapter_dir: Path, output_dir: Path) -> None
 # ---------------------------------------------------------------------------------------------------------------------
 
 
+# The flags `IHASFTConfig` adds to or changes in TRL's `SFTConfig`, shown in their own group before TRL's.
+IHA_TRAINING_FLAGS = ("mixing_learning_rate", "mixing_weight_decay", "assistant_only_loss", "bf16")
+
+
 def make_parser() -> HfArgumentParser:
-    return HfArgumentParser((ModelArguments, DataArguments, IHASFTConfig))
+    """`iha-sft`'s flags. `--help` lists the package's own first (model, data, IHA training), then TRL's ~200."""
+    parser = HfArgumentParser(
+        (ModelArguments, DataArguments, IHASFTConfig),
+        prog="iha-sft",
+        usage="%(prog)s --model_name_or_path MODEL --dataset_name DATA [flags below]   or   %(prog)s CONFIG.yaml",
+    )
+    # HfArgumentParser puts every field into the parser's one "options" group, in dataclass order: the few IHA
+    # flags would come after ~800 lines of TRL's. Regroup them (argparse prints groups in list order).
+    groups = {
+        "model (iha)": [f.name for f in fields(ModelArguments)],
+        "data (iha)": [f.name for f in fields(DataArguments)],
+        "IHA training": list(IHA_TRAINING_FLAGS),
+    }
+    options = parser._optionals
+    options.title = "training (TRL's SFTConfig and transformers' TrainingArguments)"
+    groups = [parser.add_argument_group("help")]
+    groups[0]._group_actions = [action for action in options._group_actions if action.dest == "help"]
+    for title, names in (("model (iha)", fields(ModelArguments)), ("data (iha)", fields(DataArguments))):
+        groups.append(parser.add_argument_group(title))
+        groups[-1]._group_actions = [
+            action for action in options._group_actions if action.dest in {f.name for f in names}
+        ]
+    groups.append(parser.add_argument_group("IHA training"))
+    groups[-1]._group_actions = [action for action in options._group_actions if action.dest in IHA_TRAINING_FLAGS]
+    moved = {id(action) for group in groups for action in group._group_actions}
+    options._group_actions = [action for action in options._group_actions if id(action) not in moved]
+    parser._action_groups = [parser._positionals, *groups, options]
+    return parser
 
 
 def parse_args(argv: Sequence[str] | None = None) -> tuple[ModelArguments, DataArguments, IHASFTConfig]:

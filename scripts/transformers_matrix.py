@@ -31,6 +31,7 @@ from pathlib import Path
 REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO_ROOT))
 
+from iha.arguments import ArgumentParser  # noqa: E402
 from iha.atomic_files import write_json_atomic, write_text_atomic  # noqa: E402
 from iha.compat_iha import MINIMUM_TRANSFORMERS, NEWEST_TESTED_TRANSFORMERS, supported_range_text  # noqa: E402
 
@@ -44,7 +45,7 @@ CHECK_SCRIPT = Path(__file__).resolve().with_name("transformers_matrix_check.py"
 
 
 def parse_args(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--releases", nargs="+", default=RELEASES, help="supported releases to check (%(default)s)")
     parser.add_argument(
         "--refused-releases", nargs="*", default=REFUSED_RELEASES, help="releases that must be refused (%(default)s)"

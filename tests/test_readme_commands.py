@@ -52,7 +52,7 @@ PLACEHOLDERS = {
 SFT_TINY = ["--max_steps", "1", "--max_length", "512", "--per_device_train_batch_size", "1", "--report_to", "none"]
 # (program, first argument) -> flags appended.
 TINY_SETTINGS = {
-    ("python", "-m iha.data gsm8k-to-openthoughts"): ["--limit", "48"],
+    ("iha", "data gsm8k-to-openthoughts"): ["--limit", "48"],
     ("iha-sft", None): [*SFT_TINY, "--max_train_rows", "8"],
     ("trl", "sft"): SFT_TINY,
     ("accelerate", "launch"): [*SFT_TINY, "--max_train_rows", "8"],
@@ -62,7 +62,7 @@ TINY_SETTINGS = {
 }
 # Commands the README marks as needing the Hub or GPUs: a distinctive part of the command -> why it is not run here.
 NOT_RUN = {
-    "--push-to-hub me/my-llama-p2": "uploads to the Hub (the offline failure is tested in tests/test_convert.py)",
+    "--push_to_hub me/my-llama-p2": "uploads to the Hub (the offline failure is tested in tests/test_convert.py)",
     "--dataset_name open-thoughts/OpenThoughts-114k": "OpenThoughts-114k is on the Hub only",
     "examples/accelerate/fsdp.yaml": "FSDP needs GPUs",
     "lm_eval --model hf": "the lm-eval gsm8k task downloads GSM8K (tests/test_lm_eval.py runs lm_eval offline)",

@@ -18,6 +18,7 @@ import re
 import sys
 from pathlib import Path
 
+from ..arguments import ArgumentParser, HelpFormatter
 from ..atomic_folders import run_command
 from .math_eval import (
     BENCHMARKS,
@@ -42,17 +43,6 @@ def _named(value: str, what: str) -> tuple[str, str]:
         return name, rest
     name = re.sub(r"[^A-Za-z0-9_.-]+", "_", Path(value.rstrip("/")).name) or what
     return name, value
-
-
-class HelpFormatter(argparse.RawDescriptionHelpFormatter):
-    """Keeps the description's layout and appends "(default: ...)" to every option with a real default."""
-
-    def _get_help_string(self, action):
-        help_text = action.help or ""
-        unset = action.default is None or action.default is False or action.default == argparse.SUPPRESS
-        if "default" in help_text or not action.option_strings or unset:
-            return help_text
-        return f"{help_text} (default: %(default)s)"
 
 
 NEEDLE_DESCRIPTION = """RULER-style multi-key needle in a haystack, greedy decoding, exact match.
@@ -81,7 +71,7 @@ def _add_model_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="iha-eval", description=__doc__, formatter_class=HelpFormatter)
+    parser = ArgumentParser(prog="iha-eval", description=__doc__, formatter_class=HelpFormatter)
     commands = parser.add_subparsers(dest="command", required=True)
 
     math = commands.add_parser(

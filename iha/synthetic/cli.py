@@ -11,6 +11,7 @@ from pathlib import Path
 
 import torch
 
+from ..arguments import ArgumentParser
 from ..atomic_folders import run_command
 from .config import PRESET_SEEDS, PRESETS, SyntheticConfig
 from .report import results_table, write_outputs, write_seed_summary
@@ -34,7 +35,7 @@ def _parse_m(values: list[str] | None) -> dict[str, list[int]] | None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
+    parser = ArgumentParser(
         prog="iha synthetic",
         description="Relation composition (paper appendix): MHA, 2-simplicial attention and IHA, one bidirectional "
         "attention layer trained from scratch.",
