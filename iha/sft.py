@@ -39,6 +39,7 @@ import re
 import shutil
 import sys
 from collections.abc import Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -351,6 +352,57 @@ def iha_parameter_groups(
     return [group for group in groups if group["params"]]
 
 
+def enable_fsdp_on_cpu(accelerator, args) -> bool:
+    """Make FSDP asked for on processes joined on CPU shard, as it does on GPUs. Returns whether it switched.
+
+    accelerate builds the FSDP plugin (from `accelerate launch --use_fsdp` or a config's `distributed_type: FSDP`,
+    or from the Trainer's `fsdp` / `fsdp_config`), but its state turns to FSDP only from a GPU-family distributed type:
+    processes joined on CPU over gloo (`use_cpu`: `MULTI_CPU`) drop the plugin without a word and train plain data
+    parallel, every process holding every weight, while the run looks like FSDP. torch's `fully_shard` runs on CPU
+    over gloo, so the state is switched to FSDP with that plugin, as accelerate does for GPUs.
+    """
+    from accelerate.state import PartialState
+    from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
+
+    state = accelerator.state
+    # Set by `accelerate launch` for FSDP, and by the Accelerator when the Trainer hands it a plugin.
+    asked = os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true"
+    if not asked or state.distributed_type != DistributedType.MULTI_CPU or getattr(state, "fsdp_plugin", None):
+        return False
+    plugin_args = args.fsdp_plugin_args or {}  # the Trainer's fsdp_config; without it the plugin reads FSDP_* variables
+    plugin = FullyShardedDataParallelPlugin(**plugin_args)
+    if state.mixed_precision != "no":
+        plugin.set_mixed_precision(state.mixed_precision)
+    state.fsdp_plugin = plugin
+    state.distributed_type = DistributedType.FSDP
+    PartialState._shared_state["distributed_type"] = DistributedType.FSDP  # what every later AcceleratorState copies
+    logger.info("FSDP on CPU: sharding over gloo with fully_shard (accelerate would train plain data parallel).")
+    return True
+
+
+@contextmanager
+def own_class_while_saving(model: torch.nn.Module):
+    """While saving, give a model under FSDP2 back its own class (e.g. `IHAForCausalLM`).
+
+    `fully_shard` swaps the class of every module it shards for a generated subclass (`FSDPIHAForCausalLM`,
+    defined in torch's `_fsdp_init`). `save_pretrained` of a model with custom code names the class of the object in
+    `auto_map` and copies the file of its module as the model's code: it would write
+    `_fsdp_init.FSDPIHAForCausalLM` and torch's FSDP sources instead of `modeling_iha.IHAForCausalLM` and the IHA
+    code. Only writing happens inside (the sharded weights are gathered before); the FSDP class comes back after.
+    """
+    from torch.distributed.fsdp import FSDPModule
+
+    fsdp_class = type(model)
+    if not isinstance(model, FSDPModule):
+        yield
+        return
+    model.__class__ = next(base for base in fsdp_class.__bases__ if not issubclass(base, FSDPModule))
+    try:
+        yield
+    finally:
+        model.__class__ = fsdp_class
+
+
 class IHASFTTrainer(SFTTrainer):
     """`SFTTrainer` whose optimizer gives the IHA mixing parameters their own learning rate and weight decay.
 
@@ -372,6 +424,16 @@ class IHASFTTrainer(SFTTrainer):
             "num_rows": None,
             "peft_config": kwargs.get("peft_config"),
         }
+
+    def create_accelerator_and_postprocess(self):
+        super().create_accelerator_and_postprocess()
+        if enable_fsdp_on_cpu(self.accelerator, self.args):
+            # Again, now that accelerate's state says FSDP: the Trainer's own FSDP setup and checks.
+            super().create_accelerator_and_postprocess()
+
+    def _save(self, output_dir=None, state_dict=None):
+        with own_class_while_saving(self.accelerator.unwrap_model(self.model)):
+            super()._save(output_dir, state_dict=state_dict)
 
     def create_model_card(self, model_name=None, dataset_name=None, tags=None):
         # TRL writes its generic card into output_dir at every checkpoint save: write the IHA card instead.
@@ -561,8 +623,12 @@ def save_final_model(trainer, output_dir: str | os.PathLike) -> None:
 
     One process saves into a staging folder next to `output_dir`, whose files are then renamed into it (the
     checkpoints there stay); a run killed while saving leaves the checkpoints and no partial model files. Several
-    processes save together (sharded states gather on the main one) straight into `output_dir`.
+    processes save together (sharded states gather on the main one) straight into `output_dir`. Under FSDP the final
+    model is saved whole whatever the checkpoints' state dict type: with SHARDED_STATE_DICT `Trainer.save_model`
+    writes no weights at all.
     """
+    if trainer.is_fsdp_enabled:
+        trainer.accelerator.state.fsdp_plugin.set_state_dict_type("FULL_STATE_DICT")
     if trainer.accelerator.num_processes > 1:
         trainer.save_model(output_dir)
         return

@@ -5,6 +5,7 @@ trained on the same GSM8K -> OpenThoughts rows keeps the tests fast while using 
 special tokens.
 """
 
+import socket
 from pathlib import Path
 
 import torch
@@ -19,6 +20,13 @@ from iha.data import gsm8k_file_to_openthoughts
 REPO_ROOT = Path(__file__).resolve().parent.parent
 GSM8K_TRAIN = REPO_ROOT.parent / "shared" / "data" / "gsm8k" / "train.jsonl"
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+
+
+def free_port() -> int:
+    """A TCP port free now, for `accelerate launch --main_process_port` (the default 29500 is shared by every run)."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
 
 
 def gsm8k_openthoughts_rows(limit: int = 64) -> list[dict]:

@@ -7,7 +7,7 @@ import textwrap
 from pathlib import Path
 
 import torch
-from sft_utils import build_tiny_tokenizer, gsm8k_openthoughts_rows, tiny_iha_model
+from sft_utils import build_tiny_tokenizer, free_port, gsm8k_openthoughts_rows, tiny_iha_model
 from transformers import AutoModelForCausalLM
 
 from iha.data import write_jsonl
@@ -52,6 +52,7 @@ def test_two_process_cpu_run_agrees_on_final_weights(tmp_path):
         sys.executable, "-m", "accelerate.commands.launch",
         "--config_file", str(ACCELERATE_CONFIG),
         "--num_processes", "2",
+        "--main_process_port", str(free_port()),
         str(driver),
         "--use_cpu", "true",
         "--model_name_or_path", str(model_dir),
