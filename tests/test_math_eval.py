@@ -111,7 +111,7 @@ def tokenizer():
 def llama_and_iha(tokenizer):
     """A tiny random Llama with the SmolLM2 tokenizer, and its exact IHA conversion (P = 2)."""
     llama = tiny_llama_for_tokenizer(tokenizer)
-    converted = llama_to_iha(llama, num_pseudo_heads=2).eval()  # exact by default (design section 3)
+    converted = llama_to_iha(llama, num_pseudo_heads=2).eval()  # exact by default
     return llama, converted
 
 

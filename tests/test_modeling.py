@@ -74,7 +74,7 @@ def test_fresh_model_starts_at_identity():
     torch.testing.assert_close(mixing.collapse, torch.tensor([[0.0, 0.0, 1.0]] * 4))
 
 
-# --- exactness against Llama (design section 3) ---------------------------------------------------------------------
+# --- exactness against Llama (identity conversion) ---------------------------------------------------------------------
 
 
 def llama_and_converted(num_key_value_heads: int, collapse_init="last", mask_mode="flat_causal", **extra):
@@ -323,7 +323,7 @@ def test_gradients_reach_mixing_and_checkpointing_gives_same_gradients(collapse_
 
 
 def test_identity_start_gets_gradients_that_break_the_symmetry():
-    # Design section 3: with identical copies, select-last + flat mask give the copies different gradients.
+    # With identical copies, select-last + flat mask give the copies different gradients.
     model = tiny_iha_model(randomize=False, num_pseudo_heads=2).train()
     input_ids, _ = left_padded_batch(seq_len=10)
     model(input_ids, labels=input_ids).loss.backward()
