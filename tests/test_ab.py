@@ -222,3 +222,4 @@ def test_seed_spread_and_its_comparison():
     assert spread_a["std"] == pytest.approx(0.04 / math.sqrt(2))
     assert stats.exceeds_seed_spread(spread_a, spread_b)
     assert not stats.exceeds_seed_spread(spread_a, stats.seed_spread([0.31, 0.36]))
+    assert stats.exceeds_seed_spread(stats.seed_spread([0.3]), stats.seed_spread([0.4])) is None  # no spread known

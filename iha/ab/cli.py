@@ -54,6 +54,9 @@ def make_parser() -> argparse.ArgumentParser:
     parser.add_argument("--preset", choices=sorted(PRESETS), default="cpu", help="starting settings (default: cpu)")
     parser.add_argument("--output-dir", default=None, help="where runs and report go (default: ab-PRESET)")
     parser.add_argument("--fresh", action="store_true", help="remove an earlier A/B run in OUTPUT_DIR and start over")
+    parser.add_argument(
+        "--threads", type=int, default=None, help="CPU threads of torch (default: torch's; 1 on cores other jobs share)"
+    )
     hints = typing.get_type_hints(ABConfig)
     for field in dataclasses.fields(ABConfig):
         flag = "--" + field.name.replace("_", "-")
@@ -76,12 +79,20 @@ def config_from_args(args: argparse.Namespace) -> ABConfig:
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    args = make_parser().parse_args(argv)
+    parser = make_parser()
+    args = parser.parse_args(argv)
+    if args.threads is not None and args.threads < 1:
+        parser.error(f"--threads must be >= 1, got {args.threads}")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     output_dir = args.output_dir or f"ab-{args.preset}"
 
     def ab() -> int:
         from .experiment import run_ab
+
+        if args.threads is not None:
+            import torch
+
+            torch.set_num_threads(args.threads)
 
         config = config_from_args(args)
         run_ab(config, output_dir, fresh=args.fresh, command=shlex.join(["iha", "ab", *argv]))

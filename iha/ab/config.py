@@ -101,16 +101,24 @@ class ABConfig:
         return dataclasses.asdict(self)
 
 
-# Measured on the 2-core CPU machine this project is developed on, shared with other jobs (figures in
-# benchmarks/ab/README.md): SmolLM2-135M-Instruct in fp32 trains ~ PLACEHOLDER
+# Sized from measurements on the 2-core CPU machine this project is developed on, shared with other jobs, torch on
+# one thread (`iha ab --threads 1`; two threads on busy cores made generation ~10x slower per CPU-second). Per CPU-
+# second of one core: a training step of ~900 packed tokens (SmolLM2-135M-Instruct, fp32, no activation
+# checkpointing) 15.6 s (A) / 16.8 s (B); validation loss 1.3 s (A) / 1.8 s (B) per row; greedy generation of 16
+# problems 7-9 s of prefill plus 0.19 s (A) / 0.31 s (B) per new token. Rows without the OpenThoughts system prompt
+# (the chat template's own short one instead) are ~280 tokens, not ~510: 1.8x more rows for the same time. So:
+# 5 trainings (2 of A, 2 mixing-lr candidates, 1x and 10x the other weights', and 1 more seed of B) x ~20 steps ~ 1,600 s, validation 5 x 64 rows
+# ~ 510 s, 4 evaluations x 48 problems at up to 320 new tokens (98.9% of GSM8K test reference solutions in this
+# format fit) ~ 1,070 s, loading, saving and the conversion check ~ 200 s: ~3,400 CPU-seconds, which took 1.1-1.5x
+# as long in wall-clock time on the shared cores (about 60-85 minutes). benchmarks/ab/README.md has the figures.
 CPU = ABConfig(
     num_train_rows=64,
     num_validation_rows=64,
-    num_test_problems=64,
+    num_test_problems=48,
     keep_system_prompt=False,
     seeds=[0, 1],
-    mixing_learning_rates=[5e-4, 5e-3],
-    learning_rate=5e-5,
+    mixing_learning_rates=[1e-4, 1e-3],
+    learning_rate=1e-4,
     max_length=1024,
     per_device_train_batch_size=1,
     max_new_tokens=320,

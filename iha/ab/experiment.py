@@ -92,7 +92,8 @@ def run_ab(config: ABConfig, output_dir: str | Path, fresh: bool = False, comman
         nonlocal done
         done += 1
         name = run_name(arm, seed, mixing_learning_rate)
-        log(f"training {done}/{num_trainings}: {name}")
+        finished_earlier = (output_dir / name / "train.json").is_file()
+        log(f"training {done}/{num_trainings}: {name}{' (finished earlier: reused)' if finished_earlier else ''}")
         result = train_run(
             output_dir / name, arm, seed, mixing_learning_rate, source, train_rows, validation_rows, config, settings
         )

@@ -158,6 +158,16 @@ def summarize(config, runs_a: list[dict], runs_b: list[dict], candidates: list[d
 # ---------------------------------------------------------------------------------------------------------------------
 
 
+def _yes_no(value: bool | None) -> str:
+    return "n/a (one seed)" if value is None else "yes" if value else "no"
+
+
+def _exceeds(value: bool | None) -> str:
+    if value is None:
+        return "cannot be compared with a seed spread (one seed)"
+    return "exceeds the seed spread" if value else "does not exceed the seed spread"
+
+
 def _spread(spread: dict, scale: float = 1.0, digits: int = 4) -> str:
     return f"{scale * spread['mean']:.{digits}f} ± {scale * spread['std']:.{digits}f}"
 
@@ -187,7 +197,7 @@ def conclusions(report: dict) -> list[str]:
     lines.append(
         f"Validation loss: arm B (IHA) is {direction} by {abs(paired['estimate']):.4f} nats/token, 95% CI "
         f"{_interval(paired['ci'])}; the interval {'excludes' if excludes_zero else 'includes'} 0. The difference "
-        f"{'exceeds' if loss['exceeds_seed_spread'] else 'does not exceed'} the seed spread "
+        f"{_exceeds(loss['exceeds_seed_spread'])} "
         f"(largest range over seeds {max(loss['a']['range'], loss['b']['range']):.4f})."
     )
     for name, bench in report["benchmarks"].items():
@@ -202,8 +212,8 @@ def conclusions(report: dict) -> list[str]:
         )
         lines.append(
             f"{name} {test['metric']}: B - A = {100 * difference:+.1f} points (mean over seeds); exact McNemar p per "
-            f"seed {p_values}; the difference {'exceeds' if metric['exceeds_seed_spread'] else 'does not exceed'} "
-            f"the seed spread. With {bench['num_problems']} problems and the observed disagreement "
+            f"seed {p_values}; the difference {_exceeds(metric['exceeds_seed_spread'])}. "
+            f"With {bench['num_problems']} problems and the observed disagreement "
             f"({100 * power['mean_discordant_share']:.1f}% of problems), the smallest difference this run detects at "
             f"alpha {power['alpha']} with power {power['power']} is {detectable_text} "
             f"({_exact_floor(power, bench['num_problems'])})."
@@ -243,7 +253,7 @@ def render_markdown(report: dict) -> str:
         "|---|---:|---:|---:|---|---|",
         f"| validation loss (nats/token) | {_spread(loss['a'])} | {_spread(loss['b'])} | "
         f"{loss['b']['mean'] - loss['a']['mean']:+.4f} | {_interval(loss['paired']['difference']['ci'])} | "
-        f"{'yes' if loss['exceeds_seed_spread'] else 'no'} |",
+        f"{_yes_no(loss['exceeds_seed_spread'])} |",
     ]
     for name, bench in report["benchmarks"].items():
         for metric, values in bench["metrics"].items():
@@ -252,7 +262,7 @@ def render_markdown(report: dict) -> str:
             lines.append(
                 f"| {name} {metric} (%) | {_spread(values['a'], 100, 1)} | {_spread(values['b'], 100, 1)} | "
                 f"{100 * (values['b']['mean'] - values['a']['mean']):+.1f} | {ci} | "
-                f"{'yes' if values['exceeds_seed_spread'] else 'no'} |"
+                f"{_yes_no(values['exceeds_seed_spread'])} |"
             )
     lines += ["", "Per seed:", "", "| metric | " + " | ".join(f"A s{s} | B s{s}" for s in seeds) + " |"]
     lines.append("|---|" + "---:|" * (2 * len(seeds)))
@@ -297,8 +307,8 @@ def render_markdown(report: dict) -> str:
         "",
         "## What it cannot show",
         "",
-        f"- One source model, one training set and {len(seeds)} seeds per arm: the seed spread is estimated from "
-        f"{len(seeds)} values per arm, and the conclusion holds for this model, data and budget only.",
+        f"- One source model, one training set and {len(seeds)} seed(s) per arm: the seed spread is estimated from "
+        f"{len(seeds)} value(s) per arm, and the conclusion holds for this model, data and budget only.",
         "- Differences smaller than the detectable differences above are not ruled out: a result without "
         "significance here is not evidence of no effect.",
         "- The validation rows come from the training distribution; test accuracy is the out-of-sample measure, and "

@@ -191,8 +191,11 @@ def seed_spread(values: Sequence[float]) -> dict:
     }
 
 
-def exceeds_seed_spread(spread_a: dict, spread_b: dict) -> bool:
-    """Whether the difference of the arms' means is larger than the larger of the two arms' seed ranges."""
+def exceeds_seed_spread(spread_a: dict, spread_b: dict) -> bool | None:
+    """Whether the difference of the arms' means is larger than the larger of the two arms' seed ranges; None when
+    neither arm has two seeds (no spread to compare with)."""
+    if len(spread_a["values"]) < 2 and len(spread_b["values"]) < 2:
+        return None
     return abs(spread_b["mean"] - spread_a["mean"]) > max(spread_a["range"], spread_b["range"])
 
 
