@@ -4,6 +4,7 @@ iha demo        convert SmolLM2-135M-Instruct, verify, fine-tune briefly, evalua
 iha convert     convert a Llama-style checkpoint to IHA                 (same as `iha-convert`)
 iha sft         reasoning SFT with TRL, full or LoRA                     (same as `iha-sft`)
 iha eval        GSM8K / MATH-500 / needle-in-a-haystack evaluation       (same as `iha-eval`)
+iha ab          A/B: SFT of a model as it is vs of its IHA conversion, with paired tests
 iha synthetic   the paper's relation-composition comparison: MHA, 2-simplicial, IHA
 iha card        the IHA model card of a folder `trl sft` trained
 iha push        upload an IHA folder to the Hub                          (same as `iha-convert push`)
@@ -24,6 +25,7 @@ COMMANDS = {
     "convert": ("iha.convert", [], "convert a Llama / Mistral / Qwen2 checkpoint to IHA"),
     "sft": ("iha.sft", [], "supervised fine-tuning (OpenThoughts-style reasoning) with TRL"),
     "eval": ("iha.evaluation.cli", [], "math (GSM8K, MATH-500) and long-context retrieval evaluation"),
+    "ab": ("iha.ab.cli", [], "A/B: SFT of a Llama-style model as it is vs of its IHA conversion (paired tests)"),
     "synthetic": (
         "iha.synthetic.cli",
         [],

@@ -59,12 +59,23 @@ TINY_SETTINGS = {
     ("iha-eval", "math"): ["--limit", "1", "--num-samples", "2", "--max-new-tokens", "8"],
     ("iha-eval", "needle"): ["--num-examples", "1", "--lengths", "256", "--max-new-tokens", "8"],
     ("iha", "synthetic"): ["--preset", "tiny", "--tasks", "binary", "--max-epochs", "1", "--num-train", "128"],
+    ("iha", "ab"): [
+        "--preset",
+        "tiny",
+        "--model",
+        "tiny-smollm2",
+        "--train-data",
+        str(SHARED_DATA / "gsm8k" / "train.jsonl"),
+        "--test-data",
+        str(SHARED_DATA / "gsm8k" / "test.jsonl"),
+    ],
 }
 # Commands the README marks as needing the Hub or GPUs: a distinctive part of the command -> why it is not run here.
 NOT_RUN = {
     "--push_to_hub me/my-llama-p2": "uploads to the Hub (the offline failure is tested in tests/test_convert.py)",
     "--dataset_name open-thoughts/OpenThoughts-114k": "OpenThoughts-114k is on the Hub only",
     "examples/accelerate/fsdp.yaml": "the GPU configuration as shipped (8 processes, bf16); its CPU run is run",
+    "iha ab --preset gpu": "the gpu preset trains on all of GSM8K on a CUDA device (tests/test_ab.py runs the tiny one)",
     "lm_eval --model hf": "the lm-eval gsm8k task downloads GSM8K (tests/test_lm_eval.py runs lm_eval offline)",
 }
 MARKER = re.compile(r"#.*needs (the Hub|GPUs)")
@@ -161,6 +172,10 @@ def parse_only(program: str, arguments: list[str]) -> None:
         from iha.sft import parse_args
 
         parse_args(arguments)
+    elif program == "iha" and arguments[:1] == ["ab"]:
+        from iha.ab.cli import make_parser
+
+        make_parser().parse_args(arguments[1:])
     elif program == "lm_eval":
         from lm_eval._cli import HarnessCLI
 

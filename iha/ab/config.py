@@ -1,0 +1,181 @@
+# Copyright 2026 The iha authors.
+#
+# Licensed under the Apache License, Version 2.0 (the "License");
+# you may not use this file except in compliance with the License.
+# You may obtain a copy of the License at
+#
+#     http://www.apache.org/licenses/LICENSE-2.0
+#
+# Unless required by applicable law or agreed to in writing, software
+# distributed under the License is distributed on an "AS IS" BASIS,
+# WITHOUT WARRANTIES OR CONDITIONS OF ANY KIND, either express or implied.
+# See the License for the specific language governing permissions and
+# limitations under the License.
+"""What an A/B run does: `ABConfig`, and the presets `tiny` (tests), `cpu` (2 cores) and `gpu` (one CUDA device).
+
+Every field is the same for both arms; the only difference between the arms is the conversion to IHA (and the
+mixing learning rate, which only arm B has parameters for).
+"""
+
+import dataclasses
+from dataclasses import dataclass, field
+
+
+@dataclass
+class ABConfig:
+    """Settings of `iha ab`. Data, training and evaluation are identical for arm A (the source model as it is) and
+    arm B (its IHA conversion)."""
+
+    # Model and data
+    model: str | None = field(
+        default=None, metadata={"help": "Llama-style folder or Hub id (default: built-in SmolLM2-135M-Instruct)"}
+    )
+    train_data: str = field(
+        default="openai/gsm8k",
+        metadata={
+            "help": "training rows: GSM8K-style (question, answer) or any schema iha-sft reads; Hub id or .jsonl"
+        },
+    )
+    test_data: str = field(default="openai/gsm8k", metadata={"help": "held-out GSM8K test problems: Hub id or .jsonl"})
+    math500_data: str | None = field(
+        default=None, metadata={"help": "also evaluate on MATH-500 (HuggingFaceH4/MATH-500 or a .jsonl)"}
+    )
+    num_train_rows: int | None = field(
+        default=None, metadata={"help": "training rows (default: all left after the validation split)"}
+    )
+    num_validation_rows: int = field(default=200, metadata={"help": "validation rows carved from the training data"})
+    num_test_problems: int | None = field(default=None, metadata={"help": "first N test problems (default: all)"})
+    split_seed: int = field(default=0, metadata={"help": "seed of the shuffle that carves the validation split"})
+    keep_system_prompt: bool = field(
+        default=True,
+        metadata={"help": "keep the OpenThoughts system prompt of the rows (and in evaluation prompts)"},
+    )
+    # Arms
+    seeds: list[int] = field(default_factory=lambda: [0, 1], metadata={"help": "training seeds, the same per arm"})
+    num_pseudo_heads: int = field(default=2, metadata={"help": "IHA pseudo-heads P of arm B's conversion"})
+    mixing_learning_rates: list[float] = field(
+        default_factory=lambda: [1e-3, 1e-2],
+        metadata={"help": "candidate learning rates of arm B's mixing coefficients, chosen on validation loss"},
+    )
+    # Training (TRL SFTConfig fields)
+    learning_rate: float = field(default=5e-5, metadata={"help": "peak learning rate of every other weight"})
+    lr_scheduler_type: str = field(default="cosine", metadata={"help": "learning-rate schedule"})
+    warmup_steps: float = field(default=0.1, metadata={"help": "warm-up steps, or a fraction < 1 of all steps"})
+    weight_decay: float = field(default=0.0, metadata={"help": "AdamW weight decay (not on the mixing coefficients)"})
+    num_train_epochs: float = field(default=1.0, metadata={"help": "epochs over the training rows"})
+    max_steps: int = field(default=-1, metadata={"help": "optimizer steps (> 0 overrides num_train_epochs)"})
+    per_device_train_batch_size: int = field(default=1, metadata={"help": "packed rows per step"})
+    gradient_accumulation_steps: int = field(default=1, metadata={"help": "micro-batches per optimizer step"})
+    max_length: int = field(default=1024, metadata={"help": "tokens per packed row; longer conversations are dropped"})
+    gradient_checkpointing: bool = field(default=False, metadata={"help": "recompute activations in backward"})
+    save_steps: int = field(default=50, metadata={"help": "checkpoint every N steps (an interrupted run resumes)"})
+    # Evaluation
+    validation_batch_size: int = field(default=8, metadata={"help": "rows per forward pass of the validation loss"})
+    max_new_tokens: int = field(default=384, metadata={"help": "generation length limit on test problems"})
+    eval_batch_size: int = field(default=16, metadata={"help": "prompts per generate call"})
+    num_samples: int = field(
+        default=1, metadata={"help": "> 1: also sample this many answers per problem (pass@1, maj@k)"}
+    )
+    temperature: float = field(default=0.6, metadata={"help": "sampling temperature (num_samples > 1)"})
+    top_p: float = field(default=0.95, metadata={"help": "sampling top-p (num_samples > 1)"})
+    num_bootstrap: int = field(default=10_000, metadata={"help": "bootstrap resamples of the confidence intervals"})
+
+    def __post_init__(self):
+        checks = [
+            (bool(self.seeds), "--seeds needs at least one seed"),
+            (len(set(self.seeds)) == len(self.seeds), "--seeds must not repeat a seed"),
+            (bool(self.mixing_learning_rates), "--mixing-learning-rates needs at least one value"),
+            (all(lr > 0 for lr in self.mixing_learning_rates), "--mixing-learning-rates must be > 0"),
+            (self.num_validation_rows >= 1, "--num-validation-rows must be >= 1"),
+            (self.num_train_rows is None or self.num_train_rows >= 1, "--num-train-rows must be >= 1"),
+            (self.num_test_problems is None or self.num_test_problems >= 1, "--num-test-problems must be >= 1"),
+            (self.num_samples >= 1, "--num-samples must be >= 1"),
+            (self.max_new_tokens >= 1, "--max-new-tokens must be >= 1"),
+        ]
+        for ok, message in checks:
+            if not ok:
+                raise ValueError(message)
+        self.mixing_learning_rates = [float(lr) for lr in self.mixing_learning_rates]
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+# Sized from measurements on the 2-core CPU machine this project is developed on, shared with other jobs, torch on
+# one thread (`iha ab --threads 1`; two threads on busy cores made generation ~10x slower per CPU-second). Per CPU-
+# second of one core: a training step of ~900 packed tokens (SmolLM2-135M-Instruct, fp32, no activation
+# checkpointing) 15.6 s (A) / 16.8 s (B); validation loss 1.3 s (A) / 1.8 s (B) per row; greedy generation of 16
+# problems 7-9 s of prefill plus 0.19 s (A) / 0.31 s (B) per new token. Rows without the OpenThoughts system prompt
+# (the chat template's own short one instead) are ~280 tokens, not ~510: 1.8x more rows for the same time. So:
+# 5 trainings (2 of A, 2 mixing-lr candidates, 10x and 100x the other weights', and 1 more seed of B) x ~20 steps ~ 1,600 s, validation 5 x 64 rows
+# ~ 510 s, 4 evaluations x 48 problems at up to 320 new tokens (98.9% of GSM8K test reference solutions in this
+# format fit) ~ 1,070 s, loading, saving and the conversion check ~ 200 s: ~3,400 CPU-seconds, which took 1.1-1.5x
+# as long in wall-clock time on the shared cores (about 60-85 minutes). benchmarks/ab/README.md has the figures.
+CPU = ABConfig(
+    num_train_rows=64,
+    num_validation_rows=64,
+    num_test_problems=48,
+    keep_system_prompt=False,
+    seeds=[0, 1],
+    # 10x and 100x the other weights' (`IHASFTConfig.mixing_learning_rate`: the few mixing coefficients start at
+    # identity and need a larger rate to move in a short SFT); validation picks.
+    mixing_learning_rates=[1e-3, 1e-2],
+    learning_rate=1e-4,
+    max_length=1024,
+    per_device_train_batch_size=1,
+    max_new_tokens=320,
+    eval_batch_size=16,
+    save_steps=10,
+)
+
+# One CUDA device: all of GSM8K train (less 500 validation rows) for one epoch, all 1319 test problems, greedy and
+# the paper's sampling (temperature 0.6, top-p 0.95, 16 samples: pass@1 and maj@16), three seeds per arm.
+GPU = ABConfig(
+    num_train_rows=None,
+    num_validation_rows=500,
+    num_test_problems=None,
+    keep_system_prompt=True,
+    seeds=[0, 1, 2],
+    mixing_learning_rates=[5e-4, 5e-3, 5e-2],
+    learning_rate=5e-5,
+    max_length=4096,
+    per_device_train_batch_size=4,
+    save_steps=50,
+    validation_batch_size=32,
+    max_new_tokens=1024,
+    eval_batch_size=64,
+    num_samples=16,
+    temperature=0.6,
+    top_p=0.95,
+)
+
+# The tests: a tiny model (give --model), a few rows, a few steps, short answers; seconds on a CPU.
+TINY = ABConfig(
+    num_train_rows=12,
+    num_validation_rows=4,
+    num_test_problems=4,
+    keep_system_prompt=False,
+    seeds=[0, 1],
+    mixing_learning_rates=[1e-3, 1e-1],
+    learning_rate=1e-3,
+    max_steps=3,
+    max_length=512,
+    per_device_train_batch_size=1,
+    save_steps=2,
+    validation_batch_size=4,
+    max_new_tokens=8,
+    eval_batch_size=4,
+    num_bootstrap=200,
+)
+
+PRESETS = {"tiny": TINY, "cpu": CPU, "gpu": GPU}
+
+
+def preset_config(name: str, **overrides) -> ABConfig:
+    """A preset with some fields replaced (None values are ignored: they mean "the preset's value")."""
+    if name not in PRESETS:
+        raise ValueError(f"Unknown preset {name!r}: choose one of {sorted(PRESETS)}.")
+    return dataclasses.replace(PRESETS[name], **{key: value for key, value in overrides.items() if value is not None})
+
+
+__all__ = ["ABConfig", "PRESETS", "preset_config"]

@@ -1,0 +1,416 @@
+# Copyright 2026 The iha authors.
+#
+# Licensed under the Apache License, Version 2.0 (the "License");
+# you may not use this file except in compliance with the License.
+# You may obtain a copy of the License at
+#
+#     http://www.apache.org/licenses/LICENSE-2.0
+#
+# Unless required by applicable law or agreed to in writing, software
+# distributed under the License is distributed on an "AS IS" BASIS,
+# WITHOUT WARRANTIES OR CONDITIONS OF ANY KIND, either express or implied.
+# See the License for the specific language governing permissions and
+# limitations under the License.
+"""The A/B report: per-arm metrics over seeds, the paired tests, the power of the run, and two plots.
+
+`summarize` turns the runs' result files into one dict (report.json); `render_markdown` writes it as report.md;
+`plot_curves` and `plot_drift` draw the training curves of both arms and the drift of arm B's mixing coefficients.
+"""
+
+import statistics
+from pathlib import Path
+
+from ..atomic_files import save_figure_atomic
+from . import stats
+from .run import ARM_A, ARM_B
+
+
+ALPHA = 0.05
+POWER = 0.8
+MIXING_NAMES = ("alpha_q", "alpha_k", "alpha_v", "collapse")
+
+
+def same_data(trace_a: list[dict], trace_b: list[dict]) -> bool:
+    """Whether two runs trained on the same tokens in the same order (equal step traces)."""
+    return bool(trace_a) and trace_a == trace_b
+
+
+def _mean_over_seeds(per_seed: list[list[float]]) -> list[float]:
+    return [statistics.fmean(values) for values in zip(*per_seed)]
+
+
+def compare_per_problem(evals_a: list[dict], evals_b: list[dict], config) -> dict:
+    """The paired comparison of one benchmark's answers (one eval per seed and arm, seeds paired in order)."""
+    num_problems = evals_a[0]["num_problems"]
+    num_samples = evals_a[0]["sampling"]["num_samples"]
+    result = {"num_problems": num_problems, "num_samples": num_samples, "metrics": {}}
+    metric_names = ["pass@1", f"maj@{num_samples}"] if num_samples > 1 else ["pass@1"]
+    for metric in [*metric_names, "finish_rate", "no_answer_rate"]:
+        result["metrics"][metric] = {
+            "a": stats.seed_spread([e["metrics"][metric] for e in evals_a]),
+            "b": stats.seed_spread([e["metrics"][metric] for e in evals_b]),
+        }
+        spread = result["metrics"][metric]
+        spread["exceeds_seed_spread"] = stats.exceeds_seed_spread(spread["a"], spread["b"])
+    # Binary per-problem outcomes: greedy correctness (pass@1 with one sample) or the majority vote's correctness.
+    binary_metric = "pass@1" if num_samples == 1 else f"maj@{num_samples}"
+    key = "correct_fraction" if num_samples == 1 else "majority_correct"
+    per_seed_tests = []
+    for eval_a, eval_b in zip(evals_a, evals_b):
+        correct_a = [bool(p[key]) for p in eval_a["problems"]]
+        correct_b = [bool(p[key]) for p in eval_b["problems"]]
+        b, c = stats.discordant_counts(correct_a, correct_b)
+        per_seed_tests.append({"only_a": b, "only_b": c, "p_value": stats.mcnemar_exact(b, c)})
+    discordant_share = statistics.fmean((t["only_a"] + t["only_b"]) / num_problems for t in per_seed_tests)
+    detectable = stats.detectable_accuracy_difference(num_problems, discordant_share, ALPHA, POWER)
+    minimum_pairs = stats.minimum_discordant_pairs(ALPHA)
+    result["mcnemar"] = {"metric": binary_metric, "per_seed": per_seed_tests}
+    result["power"] = {
+        "alpha": ALPHA,
+        "power": POWER,
+        "mean_discordant_share": discordant_share,
+        "detectable_difference": detectable,
+        "exact_test_floor": minimum_pairs / num_problems,
+        "minimum_discordant_pairs": minimum_pairs,
+    }
+    # Per-problem scores averaged over seeds, compared with a paired bootstrap over problems.
+    for metric, field in (("pass@1", "correct_fraction"), (f"maj@{num_samples}", "majority_correct")):
+        if metric not in metric_names:
+            continue
+        scores_a = _mean_over_seeds([[float(p[field]) for p in e["problems"]] for e in evals_a])
+        scores_b = _mean_over_seeds([[float(p[field]) for p in e["problems"]] for e in evals_b])
+        result["metrics"][metric]["bootstrap"] = stats.mean_bootstrap(
+            scores_a, scores_b, num_resamples=config.num_bootstrap
+        )
+    return result
+
+
+def summarize(config, runs_a: list[dict], runs_b: list[dict], candidates: list[dict], evaluations: dict, extra: dict):
+    """report.json: `runs_a` / `runs_b` are the train.json of each arm's seeds (same order), `candidates` arm B's
+    seed-0 runs of every mixing learning rate, `evaluations` {benchmark[-sampled]: (evals of A, evals of B)}."""
+    losses_a = [run["validation"]["loss"] for run in runs_a]
+    losses_b = [run["validation"]["loss"] for run in runs_b]
+    tokens = runs_a[0]["validation"]["tokens"]
+    loss = stats.token_loss_bootstrap(
+        _mean_over_seeds([run["validation"]["nll"] for run in runs_a]),
+        _mean_over_seeds([run["validation"]["nll"] for run in runs_b]),
+        tokens,
+        num_resamples=config.num_bootstrap,
+    )
+    z = statistics.NormalDist().inv_cdf(1 - ALPHA / 2) + statistics.NormalDist().inv_cdf(POWER)
+    loss["detectable_difference"] = z * loss["difference"]["standard_error"]
+    spread_a, spread_b = stats.seed_spread(losses_a), stats.seed_spread(losses_b)
+    per_seed_same_data = [
+        {
+            "seed": run_a["seed"],
+            "same_data": same_data(run_a["step_trace"], run_b["step_trace"]),
+            "steps": [run_a["steps"], run_b["steps"]],
+            "tokens": [sum(s["tokens"] for s in run_a["step_trace"]), sum(s["tokens"] for s in run_b["step_trace"])],
+        }
+        for run_a, run_b in zip(runs_a, runs_b)
+    ]
+    drift = [
+        {
+            "layer": layer_entries[0]["layer"],
+            **{name: statistics.fmean(entry[name] for entry in layer_entries) for name in MIXING_NAMES},
+            **{
+                f"{name}_relative": statistics.fmean(entry[f"{name}_relative"] for entry in layer_entries)
+                for name in MIXING_NAMES
+            },
+        }
+        for layer_entries in zip(*[run["mixing_drift"] for run in runs_b])
+    ]
+    return {
+        "config": config.to_dict(),
+        **extra,
+        "arms": {
+            "a": {"name": ARM_A, "runs": [run["run"] for run in runs_a]},
+            "b": {"name": ARM_B, "runs": [run["run"] for run in runs_b]},
+        },
+        "mixing_learning_rate_selection": [
+            {"mixing_learning_rate": run["mixing_learning_rate"], "validation_loss": run["validation"]["loss"]}
+            for run in candidates
+        ],
+        "chosen_mixing_learning_rate": runs_b[0]["mixing_learning_rate"],
+        "same_data": per_seed_same_data,
+        "validation_loss": {
+            "a": spread_a,
+            "b": spread_b,
+            "exceeds_seed_spread": stats.exceeds_seed_spread(spread_a, spread_b),
+            "paired": loss,
+        },
+        "benchmarks": {
+            name: compare_per_problem(evals_a, evals_b, config) for name, (evals_a, evals_b) in evaluations.items()
+        },
+        "mixing_drift": drift,
+        "curves": {
+            run["run"]: [(entry["step"], entry["loss"]) for entry in run["log_history"] if "loss" in entry]
+            for run in [*runs_a, *runs_b, *candidates]
+        },
+        "seconds": {
+            run["run"]: run["seconds"] for run in {r["run"]: r for r in [*runs_a, *runs_b, *candidates]}.values()
+        },
+    }
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Markdown
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+def _yes_no(value: bool | None) -> str:
+    return "n/a (one seed)" if value is None else "yes" if value else "no"
+
+
+def _exceeds(value: bool | None) -> str:
+    if value is None:
+        return "cannot be compared with a seed spread (one seed)"
+    return "exceeds the seed spread" if value else "does not exceed the seed spread"
+
+
+def _spread(spread: dict, scale: float = 1.0, digits: int = 4) -> str:
+    return f"{scale * spread['mean']:.{digits}f} ± {scale * spread['std']:.{digits}f}"
+
+
+def _interval(ci, scale: float = 1.0, digits: int = 4, signed: bool = True) -> str:
+    sign = "+" if signed else ""
+    return f"[{scale * ci[0]:{sign}.{digits}f}, {scale * ci[1]:{sign}.{digits}f}]"
+
+
+def _exact_floor(power: dict, num_problems: int) -> str:
+    """The smallest accuracy difference an exact McNemar test can call significant on `num_problems` problems."""
+    if power["exact_test_floor"] > 1:
+        return f"no difference can reach p < {power['alpha']} on {num_problems} problems with an exact test"
+    return (
+        f"an exact test needs at least {power['minimum_discordant_pairs']} one-sided disagreements: "
+        f"{100 * power['exact_test_floor']:.1f} points"
+    )
+
+
+def conclusions(report: dict) -> list[str]:
+    """What the run shows, sentence by sentence, from the numbers alone."""
+    lines = []
+    loss = report["validation_loss"]
+    paired = loss["paired"]["difference"]
+    excludes_zero = paired["ci"][0] > 0 or paired["ci"][1] < 0
+    direction = "lower" if paired["estimate"] < 0 else "higher"
+    lines.append(
+        f"Validation loss: arm B (IHA) is {direction} by {abs(paired['estimate']):.4f} nats/token, 95% CI "
+        f"{_interval(paired['ci'])}; the interval {'excludes' if excludes_zero else 'includes'} 0. The difference "
+        f"{_exceeds(loss['exceeds_seed_spread'])} "
+        f"(largest range over seeds {max(loss['a']['range'], loss['b']['range']):.4f})."
+    )
+    for name, bench in report["benchmarks"].items():
+        test = bench["mcnemar"]
+        metric = bench["metrics"][test["metric"]]
+        difference = metric["b"]["mean"] - metric["a"]["mean"]
+        p_values = ", ".join(f"{t['p_value']:.3g}" for t in test["per_seed"])
+        power = bench["power"]
+        detectable = power["detectable_difference"]
+        detectable_text = (
+            f"{100 * detectable:.1f} points" if detectable is not None else "undefined (the arms never disagreed)"
+        )
+        lines.append(
+            f"{name} {test['metric']}: B - A = {100 * difference:+.1f} points (mean over seeds); exact McNemar p per "
+            f"seed {p_values}; the difference {_exceeds(metric['exceeds_seed_spread'])}. "
+            f"With {bench['num_problems']} problems and the observed disagreement "
+            f"({100 * power['mean_discordant_share']:.1f}% of problems), the smallest difference this run detects at "
+            f"alpha {power['alpha']} with power {power['power']} is {detectable_text} "
+            f"({_exact_floor(power, bench['num_problems'])})."
+        )
+    return lines
+
+
+def render_markdown(report: dict) -> str:
+    config = report["config"]
+    seeds = config["seeds"]
+    loss = report["validation_loss"]
+    same_data_summary = ", ".join(
+        f"seed {entry['seed']}: {entry['steps'][0]} steps, {entry['tokens'][0]} tokens" for entry in report["same_data"]
+    )
+    lines = [
+        "# Does converting to IHA pay off? SFT of the source model (A) vs its IHA conversion (B)",
+        "",
+        f"Source model: {report['source_model']}. Arm A trains it as it is; arm B trains its IHA conversion "
+        f"(P = {config['num_pseudo_heads']} pseudo-heads, identity mixing: the same function before training). "
+        f"Same rows, order, steps, optimizer, schedule (lr {config['learning_rate']}, {config['lr_scheduler_type']}), "
+        f"packing (max length {config['max_length']}) and assistant-only loss; seeds {seeds}. Device: "
+        f"{report['machine']['device']}{' (bf16 mixed precision)' if report['machine']['bf16'] else ' (fp32)'}.",
+        "",
+        f"Data: {report['data']['num_train_rows']} training rows and {report['data']['num_validation_rows']} "
+        f"validation rows carved (seed {config['split_seed']}) from `{config['train_data']}`; test: "
+        + ", ".join(f"{bench['num_problems']} {name} problems" for name, bench in report["benchmarks"].items())
+        + f" (max {config['max_new_tokens']} new tokens).",
+        "",
+        f"Before training, B's logits match A's to {report['conversion']['max_abs_logit_diff']:.2e} "
+        f"(max |difference| over {report['conversion']['num_rows']} validation rows). Same training tokens in the same "
+        f"order in both arms: {all(entry['same_data'] for entry in report['same_data'])} "
+        f"({same_data_summary}).",
+        "",
+        "## Results (mean ± std over seeds)",
+        "",
+        "| metric | A (base) | B (IHA) | B - A | 95% CI of B - A (paired bootstrap) | exceeds seed spread |",
+        "|---|---:|---:|---:|---|---|",
+        f"| validation loss (nats/token) | {_spread(loss['a'])} | {_spread(loss['b'])} | "
+        f"{loss['b']['mean'] - loss['a']['mean']:+.4f} | {_interval(loss['paired']['difference']['ci'])} | "
+        f"{_yes_no(loss['exceeds_seed_spread'])} |",
+    ]
+    for name, bench in report["benchmarks"].items():
+        for metric, values in bench["metrics"].items():
+            bootstrap = values.get("bootstrap")
+            ci = _interval(bootstrap["difference"]["ci"], 100, 1) if bootstrap else "-"
+            lines.append(
+                f"| {name} {metric} (%) | {_spread(values['a'], 100, 1)} | {_spread(values['b'], 100, 1)} | "
+                f"{100 * (values['b']['mean'] - values['a']['mean']):+.1f} | {ci} | "
+                f"{_yes_no(values['exceeds_seed_spread'])} |"
+            )
+    lines += ["", "Per seed:", "", "| metric | " + " | ".join(f"A s{s} | B s{s}" for s in seeds) + " |"]
+    lines.append("|---|" + "---:|" * (2 * len(seeds)))
+    lines.append(
+        "| validation loss | "
+        + " | ".join(f"{a:.4f} | {b:.4f}" for a, b in zip(loss["a"]["values"], loss["b"]["values"]))
+        + " |"
+    )
+    for name, bench in report["benchmarks"].items():
+        for metric, values in bench["metrics"].items():
+            cells = " | ".join(
+                f"{100 * a:.1f} | {100 * b:.1f}" for a, b in zip(values["a"]["values"], values["b"]["values"])
+            )
+            lines.append(f"| {name} {metric} (%) | {cells} |")
+    lines += ["", "## Paired tests and power", ""]
+    paired = loss["paired"]
+    lines.append(
+        f"- Validation loss, B - A per token over {paired['num_rows']} rows ({paired['num_tokens']} tokens; per-row "
+        f"losses averaged over seeds): {paired['difference']['estimate']:+.4f}, 95% CI "
+        f"{_interval(paired['difference']['ci'])} (half-width {paired['difference']['half_width']:.4f}; "
+        f"{paired['num_resamples']} resamples). A: {paired['a']['estimate']:.4f} {_interval(paired['a']['ci'], signed=False)}, "
+        f"B: {paired['b']['estimate']:.4f} {_interval(paired['b']['ci'], signed=False)}. Smallest difference detectable at alpha "
+        f"{ALPHA} with power {POWER}: {paired['detectable_difference']:.4f} nats/token."
+    )
+    for name, bench in report["benchmarks"].items():
+        test = bench["mcnemar"]
+        per_seed = "; ".join(
+            f"seed {seed}: only A right {t['only_a']}, only B right {t['only_b']}, p = {t['p_value']:.3g}"
+            for seed, t in zip(seeds, test["per_seed"])
+        )
+        power = bench["power"]
+        detectable = power["detectable_difference"]
+        lines.append(
+            f"- {name} {test['metric']}, exact McNemar on {bench['num_problems']} problems: {per_seed}. Detectable "
+            f"difference (alpha {power['alpha']}, power {power['power']}, discordant share "
+            f"{100 * power['mean_discordant_share']:.1f}%): "
+            + (f"{100 * detectable:.1f} points" if detectable is not None else "undefined (no disagreement)")
+            + f"; {_exact_floor(power, bench['num_problems'])}."
+        )
+    lines += ["", "## What it shows", ""] + [f"- {line}" for line in conclusions(report)]
+    lines += [
+        "",
+        "## What it cannot show",
+        "",
+        f"- One source model, one training set and {len(seeds)} seed(s) per arm: the seed spread is estimated from "
+        f"{len(seeds)} value(s) per arm, and the conclusion holds for this model, data and budget only.",
+        "- Differences smaller than the detectable differences above are not ruled out: a result without "
+        "significance here is not evidence of no effect.",
+        "- The validation rows come from the training distribution; test accuracy is the out-of-sample measure, and "
+        "the mixing learning rate was chosen on validation loss only (never on test problems).",
+        "",
+        f"## Arm B's mixing learning rate (chosen on validation loss, seed {seeds[0]})",
+        "",
+        "| mixing lr | validation loss |",
+        "|---:|---:|",
+    ]
+    for entry in report["mixing_learning_rate_selection"]:
+        chosen = " (chosen)" if entry["mixing_learning_rate"] == report["chosen_mixing_learning_rate"] else ""
+        lines.append(f"| {entry['mixing_learning_rate']:g}{chosen} | {entry['validation_loss']:.4f} |")
+    lines += [
+        "",
+        "## Drift of the mixing coefficients from identity (Frobenius norm, mean over B's seeds)",
+        "",
+        "![drift](drift.png)",
+        "",
+        "| layer | " + " | ".join(MIXING_NAMES) + " | " + " | ".join(f"{n} (relative)" for n in MIXING_NAMES) + " |",
+        "|---:|" + "---:|" * (2 * len(MIXING_NAMES)),
+    ]
+    for entry in report["mixing_drift"]:
+        lines.append(
+            f"| {entry['layer']} | "
+            + " | ".join(f"{entry[name]:.4f}" for name in MIXING_NAMES)
+            + " | "
+            + " | ".join(f"{entry[f'{name}_relative']:.4f}" for name in MIXING_NAMES)
+            + " |"
+        )
+    lines += ["", "## Training curves", "", "![training curves](curves.png)", "", "## Time (wall-clock seconds)", ""]
+    lines += ["| run | training | validation loss |", "|---|---:|---:|"]
+    for run, seconds in report["seconds"].items():
+        lines.append(f"| {run} | {seconds['train']:.0f} | {seconds['validation']:.0f} |")
+    lines += ["", "| evaluation | generation |", "|---|---:|"]
+    for name, seconds in report.get("eval_seconds", {}).items():
+        lines.append(f"| {name} | {seconds:.0f} |")
+    lines += ["", f"Reproduce: `{report['command']}`", ""]
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Plots
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+def plot_curves(report: dict, path: Path) -> Path:
+    """The training loss of every run: arm A in blue, arm B in orange (the chosen mixing lr), other candidates grey."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    chosen = set(report["arms"]["b"]["runs"])
+    figure, axis = plt.subplots(figsize=(7, 4))
+    for run, points in report["curves"].items():
+        if not points:
+            continue
+        steps, losses = zip(*points)
+        if run in report["arms"]["a"]["runs"]:
+            style = {"color": "tab:blue", "label": f"A {run}"}
+        elif run in chosen:
+            style = {"color": "tab:orange", "label": f"B {run}"}
+        else:
+            style = {"color": "grey", "linestyle": "--", "alpha": 0.6, "label": f"B candidate {run}"}
+        axis.plot(steps, losses, linewidth=1.2, **style)
+    axis.set_xlabel("optimizer step")
+    axis.set_ylabel("training loss (assistant tokens)")
+    axis.set_title("SFT: source model (A) vs its IHA conversion (B)")
+    axis.grid(alpha=0.3)
+    axis.legend(fontsize=7)
+    figure.tight_layout()
+    try:
+        return save_figure_atomic(figure, path, dpi=120)
+    finally:
+        plt.close(figure)
+
+
+def plot_drift(report: dict, runs_b: list[dict], path: Path) -> Path:
+    """Per layer, the Frobenius norm of each mixing parameter minus its identity init, one line per seed of B."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axes = plt.subplots(1, len(MIXING_NAMES), figsize=(12, 3.2), sharex=True)
+    for axis, name in zip(axes, MIXING_NAMES):
+        for run in runs_b:
+            layers = [entry["layer"] for entry in run["mixing_drift"]]
+            axis.plot(
+                layers, [entry[name] for entry in run["mixing_drift"]], marker="o", markersize=3, label=run["run"]
+            )
+        axis.set_title(name)
+        axis.set_xlabel("layer")
+        axis.grid(alpha=0.3)
+    axes[0].set_ylabel("||W - W_identity||_F")
+    axes[-1].legend(fontsize=7)
+    figure.tight_layout()
+    try:
+        return save_figure_atomic(figure, path, dpi=120)
+    finally:
+        plt.close(figure)
+
+
+__all__ = ["plot_curves", "plot_drift", "render_markdown", "summarize"]
