@@ -49,6 +49,11 @@ EXACT_ATOL = 1e-5
 NOISE_MULTIPLE = 4.0
 
 
+def config_choice(default: str, choices: tuple[str, ...], config_field: str, help: str):
+    """A setting with fixed `choices` that fills the `IHAConfig` field `config_field`."""
+    return field(default=default, metadata={"choices": choices, "config_field": config_field, "help": help})
+
+
 @dataclass
 class IHAConversionOptions:
     """What the converted model computes. The defaults give an exact conversion: every layer becomes an IHA layer
@@ -70,37 +75,23 @@ class IHAConversionOptions:
             "(default: max_position_embeddings)"
         },
     )
-    mask_mode: str = field(
-        default="flat_causal",
-        metadata={
-            "choices": MASK_MODES,
-            "config_field": "iha_mask_mode",
-            "help": "flat_causal (the paper's, default) or token_causal (a pseudo-token sees all of its own token)",
-        },
+    mask_mode: str = config_choice(
+        "flat_causal",
+        MASK_MODES,
+        "iha_mask_mode",
+        "flat_causal (the paper's, default) or token_causal (a pseudo-token sees all of its own token)",
     )
-    position_mode: str = field(
-        default="shared",
-        metadata={
-            "choices": POSITION_MODES,
-            "config_field": "iha_position_mode",
-            "help": "virtual is the paper's, not exact",
-        },
+    position_mode: str = config_choice(
+        "shared", POSITION_MODES, "iha_position_mode", "virtual is the paper's, not exact"
     )
-    collapse_mode: str = field(
-        default="per_head",
-        metadata={
-            "choices": COLLAPSE_MODES,
-            "config_field": "iha_collapse_mode",
-            "help": "collapse R: [H, P] or [H, H, P]",
-        },
+    collapse_mode: str = config_choice(
+        "per_head", COLLAPSE_MODES, "iha_collapse_mode", "collapse R: [H, P] or [H, H, P]"
     )
-    collapse_init: str = field(
-        default="last",
-        metadata={
-            "choices": COLLAPSE_INITS,
-            "config_field": "iha_collapse_init",
-            "help": "initial collapse; with flat_causal only 'last' is exact, with token_causal all are",
-        },
+    collapse_init: str = config_choice(
+        "last",
+        COLLAPSE_INITS,
+        "iha_collapse_init",
+        "initial collapse; with flat_causal only 'last' is exact, with token_causal all are",
     )
 
     def __post_init__(self):
