@@ -49,9 +49,9 @@ EXACT_ATOL = 1e-5
 NOISE_MULTIPLE = 4.0
 
 
-def config_choice(default: str, choices: tuple[str, ...], config_field: str, help: str):
+def config_choice(default: str, choices: tuple[str, ...], config_field: str, help_text: str):
     """A setting with fixed `choices` that fills the `IHAConfig` field `config_field`."""
-    return field(default=default, metadata={"choices": choices, "config_field": config_field, "help": help})
+    return field(default=default, metadata={"choices": choices, "config_field": config_field, "help": help_text})
 
 
 @dataclass
