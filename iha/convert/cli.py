@@ -14,9 +14,9 @@
 """`iha-convert SRC DST [options]` (also `iha convert`), and `iha-convert push FOLDER REPO_ID` (the same as `iha push`).
 
 The IHA, output, source and verification flags are generated from the fields of `IHAConversionOptions` and
-`CheckpointOptions` (`num_pseudo_heads` -> `--num-pseudo-heads`; a setting that is on by default, like `verify`,
-gets a `--no-...` flag); only what belongs to the command line itself (`--push-to-hub`, `--private`, `--quiet`) is
-written here. `make_parser(subparsers)` adds the command to another parser (`iha convert`); `main(args)` runs it.
+`CheckpointOptions` (`num_pseudo_heads` -> `--num_pseudo_heads`, also spelled `--num-pseudo-heads` as every `iha`
+flag; a setting that is on by default, like `verify`, gets a `--no_...` flag); only what belongs to the command line
+itself (`--push_to_hub`, `--private`, `--quiet`) is written here. `make_parser(subparsers)` adds the command to another parser (`iha convert`); `main(args)` runs it.
 """
 
 import argparse
@@ -26,6 +26,7 @@ import sys
 import typing
 from collections.abc import Callable, Sequence
 
+from ..arguments import ArgumentParser
 from ..atomic_folders import run_command
 from .errors import ConversionError, VerificationFailedError
 from .options import CheckpointOptions, IHAConversionOptions
@@ -53,11 +54,11 @@ def add_options_arguments(parser: argparse.ArgumentParser, options_class, title:
         if group_title not in groups:
             groups[group_title] = parser.add_argument_group(group_title)
         group = groups[group_title]
-        flag = "--" + setting.name.replace("_", "-")
+        flag = f"--{setting.name}"
         help_text = setting.metadata.get("help")
         if setting.type is bool:
             if setting.default:
-                group.add_argument(f"--no-{flag[2:]}", dest=setting.name, action="store_false", help=help_text)
+                group.add_argument(f"--no_{setting.name}", dest=setting.name, action="store_false", help=help_text)
             else:
                 group.add_argument(flag, dest=setting.name, action="store_true", help=help_text)
             continue
@@ -80,7 +81,7 @@ def options_from_args(args: argparse.Namespace, options_class):
 def make_parser(subparsers=None) -> argparse.ArgumentParser:
     """The `iha-convert` parser, or, given the subparsers of another parser, its `convert` command."""
     if subparsers is None:
-        parser = argparse.ArgumentParser(prog="iha-convert", description=DESCRIPTION)
+        parser = ArgumentParser(prog="iha-convert", description=DESCRIPTION)
     else:
         parser = subparsers.add_parser("convert", help=SUMMARY, description=DESCRIPTION)
     parser.add_argument("source", help="local checkpoint folder or Hub model id (org/name)")
@@ -88,7 +89,7 @@ def make_parser(subparsers=None) -> argparse.ArgumentParser:
     add_options_arguments(parser, IHAConversionOptions, "IHA settings")
     add_options_arguments(parser, CheckpointOptions)
     hub_group = parser.add_argument_group("Hub")
-    hub_group.add_argument("--push-to-hub", metavar="REPO_ID", help="upload the converted folder to this Hub repo")
+    hub_group.add_argument("--push_to_hub", metavar="REPO_ID", help="upload the converted folder to this Hub repo")
     hub_group.add_argument("--private", action="store_true", help="create the Hub repo as private")
     parser.add_argument("--quiet", "-q", action="store_true", help="no progress bars or progress messages")
     return parser

@@ -168,7 +168,10 @@ class CheckpointOptions:
     )
     verify: bool = field(
         default=True,
-        metadata={"group": "verification", "help": "skip running both models on a fixed batch"},
+        metadata={
+            "group": "verification",
+            "help": "skip running both models on a fixed batch and comparing their logits (done by default)",
+        },
     )
     tolerance: float | None = field(
         default=None,
