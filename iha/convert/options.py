@@ -131,55 +131,39 @@ class IHAConversionOptions:
         return settings_from(cls, values, {})[0]
 
 
+def grouped_setting(group: str, default, help_text: str, **metadata):
+    """A setting the command line shows in its argument group `group`."""
+    return field(default=default, metadata={"group": group, "help": help_text, **metadata})
+
+
 @dataclass
 class CheckpointOptions:
     """How `convert_checkpoint` reads the source checkpoint, and writes and checks the IHA folder."""
 
-    dtype: str = field(
-        default="auto",
-        metadata={"group": "output", "choices": ("auto", *DTYPE_NAMES), "help": "default: keep the source's"},
+    dtype: str = grouped_setting("output", "auto", "default: keep the source's", choices=("auto", *DTYPE_NAMES))
+    max_shard_size: int | str = grouped_setting("output", "5GB", "largest weight file, e.g. 5GB, 500MB")
+    overwrite: bool = grouped_setting("output", False, "replace a non-empty output folder")
+    base_model: str | None = grouped_setting("output", None, "Hub id to name as base model in the model card")
+    allow_pickle: bool = grouped_setting(
+        "source",
+        False,
+        "accept pickle (.bin) weights, read with torch.load(weights_only=True); refused by default",
     )
-    max_shard_size: int | str = field(
-        default="5GB", metadata={"group": "output", "help": "largest weight file, e.g. 5GB, 500MB"}
+    revision: str | None = grouped_setting("source", None, "Hub revision (branch, tag or commit) of SOURCE")
+    token: str | None = grouped_setting("source", None, "Hub token (default: the logged-in one)")
+    cache_dir: str | None = grouped_setting(
+        "source", None, "Hugging Face cache folder for Hub downloads (default: HF_HUB_CACHE)"
     )
-    overwrite: bool = field(default=False, metadata={"group": "output", "help": "replace a non-empty output folder"})
-    base_model: str | None = field(
-        default=None, metadata={"group": "output", "help": "Hub id to name as base model in the model card"}
+    verify: bool = grouped_setting(
+        "verification",
+        True,
+        "skip running both models on a fixed batch and comparing their logits (done by default)",
     )
-    allow_pickle: bool = field(
-        default=False,
-        metadata={
-            "group": "source",
-            "help": "accept pickle (.bin) weights, read with torch.load(weights_only=True); refused by default",
-        },
-    )
-    revision: str | None = field(
-        default=None, metadata={"group": "source", "help": "Hub revision (branch, tag or commit) of SOURCE"}
-    )
-    token: str | None = field(
-        default=None, metadata={"group": "source", "help": "Hub token (default: the logged-in one)"}
-    )
-    cache_dir: str | None = field(
-        default=None,
-        metadata={
-            "group": "source",
-            "help": "Hugging Face cache folder for Hub downloads (default: HF_HUB_CACHE)",
-        },
-    )
-    verify: bool = field(
-        default=True,
-        metadata={
-            "group": "verification",
-            "help": "skip running both models on a fixed batch and comparing their logits (done by default)",
-        },
-    )
-    tolerance: float | None = field(
-        default=None,
-        metadata={
-            "group": "verification",
-            "help": f"max logit difference for exact settings (default: max({EXACT_ATOL:g}, {NOISE_MULTIPLE:g} x the "
-            "source's own sdpa-vs-eager difference))",
-        },
+    tolerance: float | None = grouped_setting(
+        "verification",
+        None,
+        f"max logit difference for exact settings (default: max({EXACT_ATOL:g}, {NOISE_MULTIPLE:g} x the source's "
+        "own sdpa-vs-eager difference))",
     )
 
     def __post_init__(self):
