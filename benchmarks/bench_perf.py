@@ -44,6 +44,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import iha  # noqa: E402
 from iha.arguments import ArgumentParser  # noqa: E402
 from iha.atomic_files import write_text_atomic  # noqa: E402
+from iha.configuration_iha import is_iha_layer, is_sliding_layer  # noqa: E402
 
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
@@ -138,8 +139,8 @@ def model_flops(
     for attention_type in attention_types:
         flops["projections"] += 2 * num_tokens * hidden * head_dim * (2 * heads + 2 * kv_heads)
         flops["mlp"] += 2 * num_tokens * 3 * hidden * shape["intermediate_size"]
-        is_iha = attention_type.startswith("iha_")
-        window = sliding_window if attention_type.endswith("sliding_attention") else None
+        is_iha = is_iha_layer(attention_type)
+        window = sliding_window if is_sliding_layer(attention_type) else None
         pseudo = num_pseudo_heads if is_iha else 1
         pairs = attention_pairs(num_tokens, pseudo, mask_mode if is_iha else "flat_causal", window, past_tokens)
         flops["attention"] += 2 * 2 * heads * head_dim * pairs

@@ -44,8 +44,20 @@ def write_text_atomic(text: str, path: str | os.PathLike) -> Path:
 
 
 def write_json_atomic(data, path: str | os.PathLike, default=None) -> Path:
-    """Indented, UTF-8 JSON with a final newline; `default` converts what `json` cannot (as in `json.dumps`)."""
-    return write_text_atomic(json.dumps(data, indent=2, ensure_ascii=False, default=default) + "\n", path)
+    """Indented, UTF-8 JSON with a final newline. Numpy and torch scalars are written as plain numbers; `default`
+    converts anything else `json` cannot (as in `json.dumps`)."""
+    return write_text_atomic(
+        json.dumps(data, indent=2, ensure_ascii=False, default=lambda value: plain_scalar(value, default)) + "\n", path
+    )
+
+
+def plain_scalar(value, default=None):
+    """A numpy / torch scalar as the Python number it holds; anything else through `default` (TypeError without)."""
+    if hasattr(value, "item"):
+        return value.item()
+    if default is not None:
+        return default(value)
+    raise TypeError(f"Object of type {type(value).__name__} is not JSON serializable")
 
 
 def write_jsonl_atomic(rows: Iterable[dict], path: str | os.PathLike) -> Path:

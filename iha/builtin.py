@@ -61,6 +61,14 @@ def smollm2_gguf_path() -> Path:
     return gguf_path
 
 
+def builtin_base_model(folder: str | os.PathLike) -> str | None:
+    """The Hub id of the model a folder made here was built from (its stamp's `base_model`), or None."""
+    stamp = Path(folder) / STAMP_NAME
+    if stamp.is_file():
+        return json.loads(stamp.read_text(encoding="utf-8")).get("base_model")
+    return None
+
+
 def smollm2_dir(cache_dir: str | os.PathLike | None = None) -> Path:
     """A local Hugging Face folder of SmolLM2-135M-Instruct (LlamaForCausalLM, fp32 safetensors).
 
@@ -122,4 +130,4 @@ def smollm2_dir(cache_dir: str | os.PathLike | None = None) -> Path:
     return target
 
 
-__all__ = ["smollm2_dir", "smollm2_gguf_path", "default_cache_dir"]
+__all__ = ["builtin_base_model", "default_cache_dir", "smollm2_dir", "smollm2_gguf_path"]

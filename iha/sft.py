@@ -40,7 +40,7 @@ import shutil
 import sys
 from collections.abc import Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -54,7 +54,7 @@ import iha  # noqa: F401  (registers IHAConfig / IHAForCausalLM with the Auto cl
 from .atomic_files import write_json_atomic
 from .atomic_folders import run_command, staged_folder
 from .chat_templates import has_generation_markers, training_chat_template
-from .convert import ConversionError
+from .convert import ConversionError, IHAConversionOptions
 from .data import filter_by_length, load_sft_dataset
 
 
@@ -160,7 +160,7 @@ class ModelArguments:
     )
     iha_options: str | None = field(
         default=None,
-        metadata={"help": "JSON dict for iha.convert.llama_to_iha, e.g. '{\"num_pseudo_heads\": 2}'."},
+        metadata={"help": "JSON object of iha.convert.IHAConversionOptions, e.g. '{\"num_pseudo_heads\": 2}'."},
     )
     use_peft: bool = field(default=False, metadata={"help": "Train LoRA adapters instead of all weights."})
     lora_r: int = field(default=16, metadata={"help": "LoRA rank."})
@@ -270,7 +270,7 @@ def load_model_for_sft(
 
     logger.info("Converting %s (%s) to IHA with %s.", model_name_or_path, config.model_type, iha_options or {})
     # The loaded source model is dropped right after: let the IHA model take over its tensors instead of copying.
-    return llama_to_iha(model, **{"share_weights": True, **(iha_options or {})}), True
+    return llama_to_iha(model, iha_options, share_weights=True), True
 
 
 def prepare_tokenizer(tokenizer, assistant_only_loss: bool, chat_template_path: str | None = None):
@@ -517,7 +517,7 @@ def train_sft(
     """Fine-tune an IHA model on chat / reasoning rows with TRL and save the result Hub-ready. Returns the trainer.
 
     - `model`: an IHA checkpoint (folder or Hub id) or model; a Llama-style checkpoint or model is converted with
-      `iha.convert.llama_to_iha(**iha_options)` unless `convert_to_iha=False` (then it trains as is: the baseline).
+      `iha.convert.llama_to_iha(model, iha_options)` unless `convert_to_iha=False` (then it trains as is: the baseline).
     - `train_dataset`: anything `iha.data.load_sft_dataset` reads (OpenThoughts-114k / OpenThoughts3 / messages /
       prompt-completion; Hub id, .json / .jsonl / .parquet, `Dataset`, list of dicts). Rows become `messages` with
       their system prompt; with `filter_long_rows`, rows longer than `args.max_length` tokens are dropped (and
@@ -541,7 +541,7 @@ def train_sft(
         from .convert import llama_to_iha
 
         logger.info("Converting the %s model to IHA with %s.", model.config.model_type, iha_options or {})
-        model, converted = llama_to_iha(model, **(iha_options or {})), True
+        model, converted = llama_to_iha(model, iha_options), True
     if processing_class is None:
         source = model_name_or_path or getattr(model, "name_or_path", None)
         if not source:
@@ -864,6 +864,7 @@ def run_cli(argv: Sequence[str] | None = None) -> IHASFTTrainer:
     """What `iha-sft` runs, returning the trainer: the flags of `IHASFTConfig` (TRL's `SFTConfig` + mixing lr / wd),
     `ModelArguments` and `DataArguments`, or one .yaml / .json file holding them."""
     model_args, data_args, training_args = parse_args(argv)
+    iha_options = asdict(IHAConversionOptions.from_json(model_args.iha_options)) if model_args.iha_options else None
     logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s", level=logging.INFO)
     training_args.model_init_kwargs = {
         **(training_args.model_init_kwargs or {}),
@@ -893,7 +894,7 @@ def run_cli(argv: Sequence[str] | None = None) -> IHASFTTrainer:
         eval_dataset=data_args.eval_dataset_name if training_args.eval_strategy != "no" else None,
         peft_config=peft_config,
         convert_to_iha=model_args.convert_to_iha,
-        iha_options=json.loads(model_args.iha_options) if model_args.iha_options else None,
+        iha_options=iha_options,
         dataset_config_name=data_args.dataset_config,
         dataset_train_split=data_args.dataset_train_split,
         dataset_test_split=data_args.dataset_test_split,

@@ -40,6 +40,15 @@ def test_json_default_converts_unknown_values(tmp_path):
     assert not (tmp_path / "bad.json").exists()
 
 
+def test_json_writes_numpy_and_torch_scalars_as_numbers(tmp_path):
+    import numpy
+    import torch
+
+    data = {"numpy": numpy.float32(0.5), "torch": torch.tensor(3), "count": numpy.int64(7)}
+    path = write_json_atomic(data, tmp_path / "scalars.json")
+    assert json.loads(path.read_text()) == {"numpy": 0.5, "torch": 3, "count": 7}
+
+
 def test_a_failing_writer_keeps_the_old_file_and_leaves_no_temporary(tmp_path):
     destination = tmp_path / "rows.jsonl"
     destination.write_text("the user's data\n")

@@ -29,6 +29,7 @@ from transformers import (
 import iha
 from iha import convert
 from iha.builtin import smollm2_dir
+from iha.convert import writers
 from iha.model_card import parse_model_card, read_model_card, update_model_card
 
 
@@ -349,13 +350,13 @@ def test_interrupted_conversion_leaves_no_partial_output_and_keeps_the_old_one(t
     old_config = (output / "config.json").read_text()
     listing = folder_listing(tmp_path)
 
-    real_write = convert.write_safetensors_file
+    real_write = writers.write_safetensors_file
 
     def write_then_interrupt(path, tensors, progress):
         real_write(path, tensors, progress)
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(convert, "write_safetensors_file", write_then_interrupt)
+    monkeypatch.setattr(writers, "write_safetensors_file", write_then_interrupt)
     with pytest.raises(KeyboardInterrupt):
         convert.convert_checkpoint(source, output, num_pseudo_heads=4, overwrite=True, show_progress=False)
     assert folder_listing(tmp_path) == listing  # no temporary folder left next to it

@@ -17,8 +17,8 @@ from iha.builtin import smollm2_dir
 # Where the kill tests stop a conversion: before the third tensor copied into the weights file (mid-write), and
 # before the converted model's forward pass (mid-verification: the source ran on the fixed batch twice already).
 PAUSE_POINTS = {
-    "writing": ("iha.convert:SafetensorsReader.copy_raw", 3),
-    "verifying": ("iha.convert:logits_of_real_tokens", 3),
+    "writing": ("iha.convert.readers:SafetensorsReader.copy_raw", 3),
+    "verifying": ("iha.convert.verify:logits_of_real_tokens", 3),
 }
 
 

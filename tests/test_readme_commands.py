@@ -165,9 +165,9 @@ def run_command(program: str, arguments: list[str], scratch: Path) -> subprocess
 def parse_only(program: str, arguments: list[str]) -> None:
     """The command's own argument parser accepts the arguments (SystemExit from argparse fails the test)."""
     if program == "iha-convert":
-        from iha.convert import build_parser
+        from iha.convert import make_parser
 
-        build_parser().parse_args(arguments)
+        make_parser().parse_args(arguments)
     elif program == "iha-sft":
         from iha.sft import parse_args
 

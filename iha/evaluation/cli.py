@@ -19,17 +19,9 @@ import sys
 from pathlib import Path
 
 from ..arguments import ArgumentParser, HelpFormatter
+from ..atomic_files import write_json_atomic, write_text_atomic
 from ..atomic_folders import run_command
-from .math_eval import (
-    BENCHMARKS,
-    PRESETS,
-    evaluate_math,
-    load_model_and_tokenizer,
-    load_problems,
-    sampling_preset,
-    write_json_atomic,
-    write_text_atomic,
-)
+from .math_eval import BENCHMARKS, PRESETS, evaluate_math, load_model_and_tokenizer, load_problems, sampling_preset
 from .needle import evaluate_needle
 from .report import math_report, needle_report
 

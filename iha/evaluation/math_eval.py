@@ -15,8 +15,6 @@ The paper's protocol is the `paper` preset: temperature 0.6, 16 samples.
 from __future__ import annotations
 
 import json
-import math
-import os
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
@@ -24,8 +22,6 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from .. import atomic_files
-from ..atomic_files import write_text_atomic
 from .answers import extract_answer, gsm8k_gold_answer, majority_vote, parse_answer, parsed_equivalent
 
 
@@ -409,9 +405,8 @@ def load_model_and_tokenizer(
 
     import iha  # noqa: F401  (registers IHAConfig / IHAForCausalLM with the Auto classes)
 
-    torch_dtype = {"auto": "auto", "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-    if dtype not in torch_dtype:
-        raise ValueError(f"`dtype` must be one of {sorted(torch_dtype)}, got {dtype!r}.")
+    if dtype != "auto" and not isinstance(getattr(torch, dtype, None), torch.dtype):
+        raise ValueError(f"`dtype` must be 'auto' or the name of a torch dtype (e.g. 'bfloat16'), got {dtype!r}.")
     if device is None:
         device = "cuda" if torch.cuda.is_available() else "cpu"
     extra = {"gguf_file": gguf_file} if gguf_file else {}
@@ -420,24 +415,9 @@ def load_model_and_tokenizer(
 
         extra["quantization_config"] = GgufConfig(dequantize=True)
     tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code, **extra)
-    model = AutoModelForCausalLM.from_pretrained(
-        path, dtype=torch_dtype[dtype], trust_remote_code=trust_remote_code, **extra
-    )
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, trust_remote_code=trust_remote_code, **extra)
     model.to(device).eval()
     return model, tokenizer
-
-
-def write_json_atomic(data, path: str | os.PathLike) -> Path:
-    """Write evaluation results as JSON atomically; numpy / torch scalars are written as plain numbers."""
-    return atomic_files.write_json_atomic(data, path, default=_json_default)
-
-
-def _json_default(value):
-    if isinstance(value, float) and math.isnan(value):
-        return None
-    if hasattr(value, "item"):
-        return value.item()
-    raise TypeError(f"Not JSON serialisable: {type(value).__name__}")
 
 
 __all__ = [
@@ -455,6 +435,4 @@ __all__ = [
     "load_problems",
     "sampling_preset",
     "score_completions",
-    "write_json_atomic",
-    "write_text_atomic",
 ]

@@ -1,0 +1,86 @@
+# Copyright 2026 The iha authors.
+#
+# Licensed under the Apache License, Version 2.0 (the "License");
+# you may not use this file except in compliance with the License.
+# You may obtain a copy of the License at
+#
+#     http://www.apache.org/licenses/LICENSE-2.0
+#
+# Unless required by applicable law or agreed to in writing, software
+# distributed under the License is distributed on an "AS IS" BASIS,
+# WITHOUT WARRANTIES OR CONDITIONS OF ANY KIND, either express or implied.
+# See the License for the specific language governing permissions and
+# limitations under the License.
+"""Convert Llama-style checkpoints (Llama 2/3, SmolLM/SmolLM2, Mistral, Qwen2) to Interleaved Head Attention.
+
+By default the converted model computes what the source computed: the weights are copied unchanged, every attention
+layer becomes an IHA layer with the source's own window, the head mixing starts at identity, positions are shared
+by the P pseudo-tokens of a token, the mask is the paper's flat causal mask and the collapse selects the last
+pseudo-head. Other settings (virtual positions, the paper's hybrid layout, a different collapse init, a narrower
+dtype) change the function: the converter says so and measures by how much.
+
+Three entry points:
+
+- `llama_to_iha(model, options)`: an already loaded model, in memory.
+- `convert_checkpoint(source, output_dir, options)`: a local folder or Hub id to a Hub-ready folder, streaming
+  the weights tensor by tensor (never two models in memory), verified against the source, written atomically.
+- `iha-convert SRC DST [options]` (`main`).
+
+One job per module:
+
+    options.py          the settings, typed: IHAConversionOptions (what the model computes), CheckpointOptions
+    errors.py           ConversionError and its kinds
+    plan.py             source config + settings -> IHAConfig, and what the settings change
+    in_memory.py        llama_to_iha
+    readers.py          finding the source (folder or Hub id), its config, reading its weight files
+    safetensors_file.py the safetensors format, read and written one tensor at a time
+    writers.py          the output tensors, the shards, config and code files, tokenizer and license files
+    verify.py           source and converted model on the same inputs, logits compared
+    checkpoint.py       convert_checkpoint and its ConversionReport
+    cli.py              the command line
+The model card of a converted folder is written by `iha.model_card.write_conversion_card`.
+"""
+
+import importlib
+
+
+# Public name -> the module that defines it, imported on first use: importing one module of the package (the command
+# line's parser, the errors) does not import the others (readers, writers, verification).
+_EXPORTS = {
+    "CheckpointOptions": "options",
+    "EXACT_ATOL": "options",
+    "IHAConversionOptions": "options",
+    "NOISE_MULTIPLE": "options",
+    "ConversionError": "errors",
+    "UnsupportedArchitectureError": "errors",
+    "VerificationFailedError": "errors",
+    "ConversionPlan": "plan",
+    "SUPPORTED_ARCHITECTURES": "plan",
+    "plan_conversion": "plan",
+    "llama_to_iha": "in_memory",
+    "looks_like_hub_id": "readers",
+    "CODE_FILES": "writers",
+    "VerificationResult": "verify",
+    "verify_conversion": "verify",
+    "REPORT_NAME": "checkpoint",
+    "ConversionReport": "checkpoint",
+    "convert_checkpoint": "checkpoint",
+    "function_change_warning": "checkpoint",
+    "main": "cli",
+    "make_parser": "cli",
+}
+
+
+def __getattr__(name: str):
+    if name not in _EXPORTS:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"{__name__}.{_EXPORTS[name]}"), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_EXPORTS))
+
+
+__all__ = sorted(_EXPORTS)

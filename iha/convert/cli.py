@@ -1,0 +1,179 @@
+# Copyright 2026 The iha authors.
+#
+# Licensed under the Apache License, Version 2.0 (the "License");
+# you may not use this file except in compliance with the License.
+# You may obtain a copy of the License at
+#
+#     http://www.apache.org/licenses/LICENSE-2.0
+#
+# Unless required by applicable law or agreed to in writing, software
+# distributed under the License is distributed on an "AS IS" BASIS,
+# WITHOUT WARRANTIES OR CONDITIONS OF ANY KIND, either express or implied.
+# See the License for the specific language governing permissions and
+# limitations under the License.
+"""`iha-convert SRC DST [options]` (also `iha convert`), and `iha-convert push FOLDER REPO_ID` (the same as `iha push`).
+
+The IHA, output, source and verification flags are generated from the fields of `IHAConversionOptions` and
+`CheckpointOptions` (`num_pseudo_heads` -> `--num_pseudo_heads`, also spelled `--num-pseudo-heads` as every `iha`
+flag; a setting that is on by default, like `verify`, gets a `--no_...` flag); only what belongs to the command line
+itself (`--push_to_hub`, `--private`, `--quiet`) is written here. `make_parser(subparsers)` adds the command to another parser (`iha convert`); `main(args)` runs it.
+"""
+
+import argparse
+import dataclasses
+import logging
+import sys
+import typing
+from collections.abc import Callable, Sequence
+
+from ..arguments import ArgumentParser
+from ..atomic_folders import run_command
+from .errors import ConversionError, VerificationFailedError
+from .options import CheckpointOptions, IHAConversionOptions
+
+
+SUMMARY = "convert a Llama / Mistral / Qwen2 checkpoint to IHA"
+DESCRIPTION = (
+    "Convert a Llama-style checkpoint (Llama 2/3, SmolLM/SmolLM2, Mistral, Qwen2) to Interleaved Head "
+    "Attention. The defaults are exact: the converted model computes what the source computed. "
+    "To upload an existing converted folder: iha-convert push FOLDER REPO_ID."
+)
+
+
+def argument_type(annotation) -> type:
+    """What argparse converts a flag's text to: `int | None` -> int; a union with str (`str | list[int]`) -> str."""
+    types = [arg for arg in typing.get_args(annotation) if arg is not type(None)] or [annotation]
+    return str if str in types else types[0]
+
+
+def add_options_arguments(parser: argparse.ArgumentParser, options_class, title: str | None = None) -> None:
+    """One flag per field of `options_class`, in argument groups named by the fields' `group` (else `title`)."""
+    groups = {}
+    for setting in dataclasses.fields(options_class):
+        group_title = setting.metadata.get("group", title)
+        if group_title not in groups:
+            groups[group_title] = parser.add_argument_group(group_title)
+        group = groups[group_title]
+        flag = f"--{setting.name}"
+        help_text = setting.metadata.get("help")
+        if setting.type is bool:
+            if setting.default:
+                group.add_argument(f"--no_{setting.name}", dest=setting.name, action="store_false", help=help_text)
+            else:
+                group.add_argument(flag, dest=setting.name, action="store_true", help=help_text)
+            continue
+        group.add_argument(
+            flag,
+            *setting.metadata.get("aliases", ()),
+            dest=setting.name,
+            type=argument_type(setting.type),
+            default=setting.default,
+            choices=setting.metadata.get("choices"),
+            help=help_text,
+        )
+
+
+def options_from_args(args: argparse.Namespace, options_class):
+    """The `options_class` that parsed flags describe (its checks run here: bad values raise)."""
+    return options_class(**{setting.name: getattr(args, setting.name) for setting in dataclasses.fields(options_class)})
+
+
+def make_parser(subparsers=None) -> argparse.ArgumentParser:
+    """The `iha-convert` parser, or, given the subparsers of another parser, its `convert` command."""
+    if subparsers is None:
+        parser = ArgumentParser(prog="iha-convert", description=DESCRIPTION)
+    else:
+        parser = subparsers.add_parser("convert", help=SUMMARY, description=DESCRIPTION)
+    parser.add_argument("source", help="local checkpoint folder or Hub model id (org/name)")
+    parser.add_argument("output_dir", help="folder to write; must not exist or be empty unless --overwrite")
+    add_options_arguments(parser, IHAConversionOptions, "IHA settings")
+    add_options_arguments(parser, CheckpointOptions)
+    hub_group = parser.add_argument_group("Hub")
+    hub_group.add_argument("--push_to_hub", metavar="REPO_ID", help="upload the converted folder to this Hub repo")
+    hub_group.add_argument("--private", action="store_true", help="create the Hub repo as private")
+    parser.add_argument("--quiet", "-q", action="store_true", help="no progress bars or progress messages")
+    return parser
+
+
+def print_report(report, write: Callable[[str], None]) -> None:
+    from .plan import describe_layers
+
+    write(f"Converted {report.source} ({report.architecture}) -> {report.output_dir}")
+    write(
+        f"  P={report.num_pseudo_heads}, IHA layers {describe_layers(report.iha_layers) or 'none'} of "
+        f"{len(report.attention_types)}, mask {report.mask_mode}, positions {report.position_mode}, collapse "
+        f"{report.collapse_mode}/{report.collapse_init}, dtype {report.dtype}, files {', '.join(report.weight_files)}"
+    )
+    if report.verification is not None:
+        write(f"  verification: {report.verification.message}")
+    else:
+        write("  verification: skipped (--no-verify)")
+
+
+def run_conversion(args: argparse.Namespace) -> int:
+    """What `iha-convert SRC DST` does once its arguments are parsed; failures propagate to `run_command`."""
+    from .checkpoint import convert_checkpoint
+
+    options = options_from_args(args, IHAConversionOptions)
+    checkpoint_options = options_from_args(args, CheckpointOptions)
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("%(message)s"))
+    loggers = [logging.getLogger(__package__), logging.getLogger("iha.atomic_folders")]
+    previous_levels = [each.level for each in loggers]
+    for each in loggers:
+        each.addHandler(handler)
+        each.setLevel(logging.WARNING if args.quiet else logging.INFO)
+    try:
+        report = convert_checkpoint(
+            args.source, args.output_dir, options, checkpoint_options, show_progress=not args.quiet
+        )
+    except VerificationFailedError as error:
+        print(f"iha-convert: error: {error} Nothing was written to {args.output_dir}.", file=sys.stderr, flush=True)
+        return 1
+    finally:
+        for each, level in zip(loggers, previous_levels):
+            each.removeHandler(handler)
+            each.setLevel(level)
+    print_report(report, lambda message: print(message, flush=True))
+    if args.push_to_hub:
+        from ..hub import HubUploadError, push_to_hub
+
+        try:
+            url = push_to_hub(
+                report.output_dir,
+                args.push_to_hub,
+                private=args.private or None,
+                token=checkpoint_options.token,
+                retry_command="iha-convert push",
+            )
+        except HubUploadError as error:
+            print(f"iha-convert: error: {error}", file=sys.stderr, flush=True)
+            return 1
+        print(f"Uploaded to {url}", flush=True)
+    return 0
+
+
+def main(args: argparse.Namespace | Sequence[str] | None = None) -> int:
+    """`iha-convert SRC DST [options]` and `iha-convert push FOLDER REPO_ID`: the exit status, 0 on success.
+
+    `args`: the command line's words (default: `sys.argv[1:]`), or the namespace `make_parser` parsed.
+    Bad input prints one line and exits 2 (1 when verification fails, or an upload does); Ctrl-C, SIGTERM and
+    SIGHUP remove everything the run wrote and exit with 128 + the signal number (130 for Ctrl-C).
+    """
+    if not isinstance(args, argparse.Namespace):
+        argv = list(sys.argv[1:] if args is None else args)
+        if argv[:1] == ["push"]:  # an alias of `iha push`, which lives with the other Hub code
+            from ..hub import main as push_main
+
+            return push_main(argv[1:], prog="iha-convert push")
+        args = make_parser().parse_args(argv)
+    return run_command(
+        "iha-convert",
+        lambda: run_conversion(args),
+        errors=(ConversionError, ValueError),
+        interrupted=f"nothing was written to {args.output_dir}",
+    )
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,30 @@
+# Copyright 2026 The iha authors.
+#
+# Licensed under the Apache License, Version 2.0 (the "License");
+# you may not use this file except in compliance with the License.
+# You may obtain a copy of the License at
+#
+#     http://www.apache.org/licenses/LICENSE-2.0
+#
+# Unless required by applicable law or agreed to in writing, software
+# distributed under the License is distributed on an "AS IS" BASIS,
+# WITHOUT WARRANTIES OR CONDITIONS OF ANY KIND, either express or implied.
+# See the License for the specific language governing permissions and
+# limitations under the License.
+"""The errors of a conversion: one exception type that every command line prints as one line."""
+
+
+class ConversionError(Exception):
+    """A conversion that cannot go ahead: bad input, unsupported checkpoint, missing tensors, ..."""
+
+
+class UnsupportedArchitectureError(ConversionError):
+    pass
+
+
+class VerificationFailedError(ConversionError):
+    """The converted model does not compute what it should. Carries the report (a `ConversionReport`)."""
+
+    def __init__(self, message: str, report):
+        super().__init__(message)
+        self.report = report
