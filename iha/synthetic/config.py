@@ -58,17 +58,14 @@ def describe_m(low_high: list[int] | int) -> str:
 PAPER = SyntheticConfig()
 # The full comparison of PAPER (MHA, 2-simplicial, IHA P = 2 and 8; both tasks with the paper's m ranges; H = 8;
 # seeds 0, 1, 2; patience 10) shrunk for 2 shared CPU cores. IHA P = 8 (8 m^2 pseudo-tokens) and 2-simplicial (m^4
-# pairs of keys per query) take almost all of the time: measured per training example at m up to 10 (width 32,
-# forward and backward), MHA and IHA P = 2 cost 1-20 ms, IHA P = 8 20-25 ms on a quiet machine and ~200 ms with the
-# 2 cores shared by other jobs (load ~10), 2-simplicial ~35 and ~400 ms. What had to give, in order: lr 1e-3 only
-# (the rate validation picked for every model in the fixed-m runs; lr 1e-4 needs many more epochs), width 32 (head
-# dim 4), 320 / 160 / 1,000 examples with batch 32 (10 steps an epoch), at most 60 epochs. Estimate on a quiet
-# machine: ~30 minutes per seed if every run uses its 60 epochs, most of it the two costly models; on shared cores
-# several times that. Several seeds train every seed's MHA and IHA P = 2 first (about 15 minutes per seed even with
-# busy cores), then the costly models, ternary before binary. With busy cores pass `--threads 1`: small ops ran 3-5x
-# faster on one thread than on two, the costly ones as fast. The data is small, so the results measure learning
-# from few examples rather than the paper's 40k, and the 60-epoch budget, not patience, ends most runs (MHA on
-# binary is still rising slowly at epoch 60).
+# pairs of keys per query) take almost all of the time. What had to give, in order: lr 1e-3 only (the rate validation
+# picked for every model in the fixed-m runs; lr 1e-4 needs many more epochs), width 32 (head dim 4), 320 / 160 /
+# 1,000 examples. Batch 8 (40 steps an epoch) so that runs end by patience rather than by the budget: with batch 32
+# and at most 60 epochs every run hit the budget; with batch 8 all 18 runs measured so far stopped by patience, after
+# 44-118 epochs (MHA and IHA P = 2: 0.5-4 minutes a run; ternary 2-simplicial and IHA P = 8: 9-12 minutes; binary
+# 2-simplicial and IHA P = 8 at m up to 10: 40-50 minutes each on a core shared with other jobs). Several seeds
+# train every seed's MHA and IHA P = 2 first, then the costly models (ternary before binary). With busy cores pass
+# `--threads 1`: small ops ran 3-5x faster on one thread than on two, the costly ones as fast.
 CPU = replace(
     PAPER,
     num_train=320,
