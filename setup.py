@@ -60,7 +60,7 @@ setup(
         "console_scripts": [
             "iha=iha.cli:main",
             "iha-convert=iha.convert:main",
-            "iha-sft=iha.sft:main",
+            "iha-sft=iha.sft.cli:main",
             "iha-eval=iha.evaluation.cli:main",
         ]
     },

@@ -23,7 +23,7 @@ import sys
 COMMANDS = {
     "demo": ("iha.demo", [], "convert, verify, fine-tune, evaluate and save SmolLM2-135M-Instruct as IHA (offline)"),
     "convert": ("iha.convert", [], "convert a Llama / Mistral / Qwen2 checkpoint to IHA"),
-    "sft": ("iha.sft", [], "supervised fine-tuning (OpenThoughts-style reasoning) with TRL"),
+    "sft": ("iha.sft.cli", [], "supervised fine-tuning (OpenThoughts-style reasoning) with TRL"),
     "eval": ("iha.evaluation.cli", [], "math (GSM8K, MATH-500) and long-context retrieval evaluation"),
     "ab": ("iha.ab.cli", [], "A/B: SFT of a Llama-style model as it is vs of its IHA conversion (paired tests)"),
     "synthetic": (

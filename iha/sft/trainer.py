@@ -1,0 +1,184 @@
+# Copyright 2026 The iha authors.
+#
+# Licensed under the Apache License, Version 2.0 (the "License");
+# you may not use this file except in compliance with the License.
+# You may obtain a copy of the License at
+#
+#     http://www.apache.org/licenses/LICENSE-2.0
+#
+# Unless required by applicable law or agreed to in writing, software
+# distributed under the License is distributed on an "AS IS" BASIS,
+# WITHOUT WARRANTIES OR CONDITIONS OF ANY KIND, either express or implied.
+# See the License for the specific language governing permissions and
+# limitations under the License.
+"""`IHASFTTrainer`: TRL's `SFTTrainer` with the mixing parameters in their own optimizer group, FSDP on CPU, IHA cards."""
+
+import logging
+import os
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+from trl import SFTConfig, SFTTrainer
+
+import iha  # noqa: F401  (registers IHAConfig / IHAForCausalLM with the Auto classes)
+
+from .config import is_mixing_parameter
+from .model import prepare_tokenizer
+from .outputs import write_training_card
+
+
+logger = logging.getLogger(__name__)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Trainer: the mixing parameters get their own optimizer group
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+def iha_parameter_groups(
+    model: torch.nn.Module,
+    decay_parameter_names: set[str],
+    weight_decay: float,
+    mixing_learning_rate: float | None,
+    mixing_weight_decay: float,
+) -> list[dict[str, Any]]:
+    """Optimizer groups: weights with decay, weights without decay (norms, biases), and the IHA mixing parameters
+    with their own learning rate and weight decay. Frozen parameters are left out; empty groups are dropped."""
+    decay, no_decay, mixing = [], [], []
+    for name, parameter in model.named_parameters():
+        if not parameter.requires_grad:
+            continue
+        if is_mixing_parameter(name):
+            mixing.append(parameter)
+        elif name in decay_parameter_names:
+            decay.append(parameter)
+        else:
+            no_decay.append(parameter)
+    mixing_group = {"params": mixing, "weight_decay": mixing_weight_decay, "iha_group": "mixing"}
+    if mixing_learning_rate is not None:
+        mixing_group["lr"] = mixing_learning_rate
+    groups = [
+        {"params": decay, "weight_decay": weight_decay, "iha_group": "decay"},
+        {"params": no_decay, "weight_decay": 0.0, "iha_group": "no_decay"},
+        mixing_group,
+    ]
+    return [group for group in groups if group["params"]]
+
+
+def enable_fsdp_on_cpu(accelerator, args) -> bool:
+    """Make FSDP asked for on processes joined on CPU shard, as it does on GPUs. Returns whether it switched.
+
+    accelerate builds the FSDP plugin (from `accelerate launch --use_fsdp` or a config's `distributed_type: FSDP`,
+    or from the Trainer's `fsdp` / `fsdp_config`), but its state turns to FSDP only from a GPU-family distributed type:
+    processes joined on CPU over gloo (`use_cpu`: `MULTI_CPU`) drop the plugin without a word and train plain data
+    parallel, every process holding every weight, while the run looks like FSDP. torch's `fully_shard` runs on CPU
+    over gloo, so the state is switched to FSDP with that plugin, as accelerate does for GPUs.
+    """
+    from accelerate.state import PartialState
+    from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
+
+    state = accelerator.state
+    # Set by `accelerate launch` for FSDP, and by the Accelerator when the Trainer hands it a plugin.
+    asked = os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true"
+    if not asked or state.distributed_type != DistributedType.MULTI_CPU or getattr(state, "fsdp_plugin", None):
+        return False
+    plugin_args = args.fsdp_plugin_args or {}  # the Trainer's fsdp_config; without it the plugin reads FSDP_* variables
+    plugin = FullyShardedDataParallelPlugin(**plugin_args)
+    if state.mixed_precision != "no":
+        plugin.set_mixed_precision(state.mixed_precision)
+    state.fsdp_plugin = plugin
+    state.distributed_type = DistributedType.FSDP
+    PartialState._shared_state["distributed_type"] = DistributedType.FSDP  # what every later AcceleratorState copies
+    logger.info("FSDP on CPU: sharding over gloo with fully_shard (accelerate would train plain data parallel).")
+    return True
+
+
+@contextmanager
+def own_class_while_saving(model: torch.nn.Module):
+    """While saving, give a model under FSDP2 back its own class (e.g. `IHAForCausalLM`).
+
+    `fully_shard` swaps the class of every module it shards for a generated subclass (`FSDPIHAForCausalLM`,
+    defined in torch's `_fsdp_init`). `save_pretrained` of a model with custom code names the class of the object in
+    `auto_map` and copies the file of its module as the model's code: it would write
+    `_fsdp_init.FSDPIHAForCausalLM` and torch's FSDP sources instead of `modeling_iha.IHAForCausalLM` and the IHA
+    code. Only writing happens inside (the sharded weights are gathered before); the FSDP class comes back after.
+    """
+    from torch.distributed.fsdp import FSDPModule
+
+    fsdp_class = type(model)
+    if not isinstance(model, FSDPModule):
+        yield
+        return
+    model.__class__ = next(base for base in fsdp_class.__bases__ if not issubclass(base, FSDPModule))
+    try:
+        yield
+    finally:
+        model.__class__ = fsdp_class
+
+
+class IHASFTTrainer(SFTTrainer):
+    """`SFTTrainer` whose optimizer gives the IHA mixing parameters their own learning rate and weight decay.
+
+    Reads `mixing_learning_rate` / `mixing_weight_decay` from `IHASFTConfig`; with a plain `SFTConfig` the mixing
+    parameters take `learning_rate` and no weight decay. With `assistant_only_loss`, a tokenizer whose chat template
+    lacks `{% generation %}` markers gets the same template with markers (`iha.chat_templates`).
+    """
+
+    def __init__(self, model, args: SFTConfig | None = None, **kwargs):
+        processing_class = kwargs.get("processing_class")
+        if args is not None and args.assistant_only_loss and processing_class is not None:
+            kwargs["processing_class"] = prepare_tokenizer(processing_class, assistant_only_loss=True)
+        super().__init__(model, args, **kwargs)
+        # What the model card says about the run (`write_training_card`); `train_sft` fills it in.
+        self.card_details = {
+            "base": getattr(getattr(self.model, "config", None), "_name_or_path", None) or None,
+            "converted": False,
+            "train_source": self.train_dataset,
+            "num_rows": None,
+            "peft_config": kwargs.get("peft_config"),
+        }
+
+    def create_accelerator_and_postprocess(self):
+        super().create_accelerator_and_postprocess()
+        if enable_fsdp_on_cpu(self.accelerator, self.args):
+            # Again, now that accelerate's state says FSDP: the Trainer's own FSDP setup and checks.
+            super().create_accelerator_and_postprocess()
+
+    def _save(self, output_dir=None, state_dict=None):
+        with own_class_while_saving(self.accelerator.unwrap_model(self.model)):
+            super()._save(output_dir, state_dict=state_dict)
+
+    def create_model_card(self, model_name=None, dataset_name=None, tags=None):
+        # TRL writes its generic card into output_dir at every checkpoint save: write the IHA card instead.
+        if self.is_world_process_zero():
+            write_training_card(self.args.output_dir, self, **self.card_details)
+
+    def create_optimizer(self, model=None):
+        if self.optimizer is not None:
+            return self.optimizer
+        opt_model = self.model if model is None else model
+        mixing_learning_rate = getattr(self.args, "mixing_learning_rate", None)
+        mixing_weight_decay = getattr(self.args, "mixing_weight_decay", 0.0)
+        if self.optimizer_cls_and_kwargs is not None:
+            optimizer_cls, optimizer_kwargs = self.optimizer_cls_and_kwargs
+        else:
+            optimizer_cls, optimizer_kwargs = self.get_optimizer_cls_and_kwargs(self.args, opt_model)
+        optimizer_kwargs = dict(optimizer_kwargs)
+        if not isinstance(optimizer_cls, type) or {"params", "model", "optimizer_dict"} & optimizer_kwargs.keys():
+            # GaLore, LOMO, Muon factories, layer-wise optimizers... build their own groups.
+            if mixing_learning_rate is not None:
+                raise ValueError(
+                    f"`mixing_learning_rate` needs a standard optimizer (e.g. `--optim adamw_torch`), but "
+                    f"`optim={self.args.optim}` builds its own parameter groups. Unset `mixing_learning_rate` to use it."
+                )
+            return super().create_optimizer(model)
+        groups = iha_parameter_groups(
+            opt_model,
+            set(self.get_decay_parameter_names(opt_model)),
+            weight_decay=self.args.weight_decay,
+            mixing_learning_rate=mixing_learning_rate,
+            mixing_weight_decay=mixing_weight_decay,
+        )
+        self.optimizer = optimizer_cls(groups, **optimizer_kwargs)
+        return self.optimizer
