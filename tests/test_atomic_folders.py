@@ -89,11 +89,12 @@ def test_run_command_reports_signals_and_errors_in_one_line(capsys):
 
         return body
 
+    handler_before = signal.getsignal(signal.SIGTERM)  # SIG_DFL, or whatever an earlier test's library installed
     assert run_command("tool", signalled(signal.SIGTERM), interrupted="nothing was written") == 143
     assert capsys.readouterr().err == "tool: interrupted (SIGTERM); nothing was written\n"
     assert run_command("tool", signalled(signal.SIGINT)) == 130
     assert capsys.readouterr().err == "tool: interrupted (SIGINT)\n"
-    assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL  # restored afterwards
+    assert signal.getsignal(signal.SIGTERM) == handler_before  # restored afterwards
 
     def missing_file():
         open("/nonexistent/file")
