@@ -80,7 +80,16 @@ def test_only_provably_abandoned_staging_folders_are_removed(tmp_path, caplog):
         os.close(holder)
 
 
-def test_run_command_reports_signals_and_errors_in_one_line(capsys):
+@pytest.fixture
+def python_ctrl_c():
+    """Python's own SIGINT handler for the test. A job started in the background without job control (`make test &`,
+    some CI runners) inherits an ignored SIGINT, which run_command rightly leaves ignored."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, previous)
+
+
+def test_run_command_reports_signals_and_errors_in_one_line(capsys, python_ctrl_c):
     def signalled(signum):
         def body():
             os.kill(os.getpid(), signum)
