@@ -23,7 +23,7 @@ Python:
 >>> trainer = train_sft("my-iha-model", "data.jsonl", args, peft_config=iha_lora_config(r=16))   # LoRA
 ```
 
-Command line (the flags of TRL's `SFTConfig`, plus the model and data arguments below):
+Command line (the flags of TRL's `SFTConfig`, plus `ModelArguments` and `DataArguments` of `iha.sft.config`):
 
 ```bash
 iha-sft --model_name_or_path my-iha-model --dataset_name open-thoughts/OpenThoughts-114k \
