@@ -91,3 +91,5 @@ def test_two_process_cpu_run_agrees_on_final_weights(tmp_path):
     saved = AutoModelForCausalLM.from_pretrained(output_dir).state_dict()
     for name in rank0:
         torch.testing.assert_close(saved[name], rank0[name], rtol=0, atol=0)
+    # The final save went through one staging folder (both processes saved into the main one's), renamed into place.
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["driver.py", "model", "out", "train.jsonl"]
