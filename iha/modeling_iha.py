@@ -375,7 +375,7 @@ class IHAPreTrainedModel(PreTrainedModel):
     _supports_flash_attn = True
     _supports_sdpa = True
     _supports_flex_attn = True
-    _can_compile_fullgraph = True  # tests/test_compile.py: one graph (fullgraph=True) on every layout and input kind
+    _can_compile_fullgraph = True  # one graph on every layout and input kind: tests/models/test_compile.py
     _supports_attention_backend = True
     _can_record_outputs = {
         "hidden_states": IHADecoderLayer,

@@ -6,7 +6,7 @@ what earlier ones wrote, as they would for a user who follows the README). Each 
 1. **run as written**, with three mechanical changes, all listed below:
    - `LOCAL_COPIES`: a Hub id is replaced by a local stand-in: GSM8K / MATH-500 by the benchmark files the tests
      read, SmolLM2-135M-Instruct by `tiny-smollm2`, a tiny random Llama with SmolLM2's tokenizer and chat template
-     (the same code paths in seconds; the real weights go through them in tests/test_convert.py and test_demo.py);
+     (the same code paths in seconds; the real weights go through them in tests/conversion/test_convert.py and test_demo.py);
    - `PLACEHOLDERS`: a name the README uses for "your folder" (`CONVERTED_DIR`, `./my-llama`) becomes a real one;
    - `TINY_SETTINGS`: flags appended to make the run small (argparse and `HfArgumentParser` keep the last value of
      a repeated flag, so these override the README's own values: fewer steps, rows, tokens, examples, epochs);
@@ -72,11 +72,11 @@ TINY_SETTINGS = {
 }
 # Commands the README marks as needing the Hub or GPUs: a distinctive part of the command -> why it is not run here.
 NOT_RUN = {
-    "--push_to_hub me/my-llama-p2": "uploads to the Hub (the offline failure is tested in tests/test_convert.py)",
+    "--push_to_hub me/my-llama-p2": "uploads to the Hub (the offline failure is tested in tests/conversion/test_convert.py)",
     "--dataset_name open-thoughts/OpenThoughts-114k": "OpenThoughts-114k is on the Hub only",
     "examples/accelerate/fsdp.yaml": "the GPU configuration as shipped (8 processes, bf16); its CPU run is run",
-    "iha ab --preset gpu": "the gpu preset trains on all of GSM8K on a CUDA device (tests/test_ab.py runs the tiny one)",
-    "lm_eval --model hf": "the lm-eval gsm8k task downloads GSM8K (tests/test_lm_eval.py runs lm_eval offline)",
+    "iha ab --preset gpu": "the gpu preset trains on all of GSM8K on a CUDA device (tests/experiments/test_ab.py runs the tiny one)",
+    "lm_eval --model hf": "the lm-eval gsm8k task downloads GSM8K (tests/evaluation/test_lm_eval.py runs lm_eval offline)",
 }
 MARKER = re.compile(r"#.*needs (the Hub|GPUs)")
 

@@ -32,7 +32,7 @@ from iha.data import write_jsonl
 from iha.sft import is_mixing_parameter, run_cli
 
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
+REPO_ROOT = Path(__file__).resolve().parents[2]
 FSDP_CONFIG = REPO_ROOT / "examples" / "accelerate" / "fsdp.yaml"
 STEPS, CHECKPOINT_STEP = 6, 3
 LEARNING_RATE, MIXING_LEARNING_RATE = 3e-3, 3e-2

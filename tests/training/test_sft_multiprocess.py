@@ -13,7 +13,7 @@ from transformers import AutoModelForCausalLM
 from iha.data import write_jsonl
 
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
+REPO_ROOT = Path(__file__).resolve().parents[2]
 ACCELERATE_CONFIG = REPO_ROOT / "examples" / "accelerate" / "multi_cpu.yaml"
 
 # Runs iha-sft's own entry point in every process, then each rank saves what it ended with.
