@@ -48,7 +48,7 @@ def _check_processes_are_connected(args: SFTConfig):
     # accelerate join them over gloo, each one silently trains its own copy on the whole dataset.
     launched = int(os.environ.get("WORLD_SIZE", "1"))
     if launched > 1 and args.world_size != launched:
-        raise RuntimeError(
+        raise ValueError(
             f"{launched} processes were launched but training would run in {args.world_size}: without a GPU, pass "
             "`--use_cpu true` (SFTConfig(use_cpu=True)) so that the processes train together over gloo."
         )

@@ -93,3 +93,34 @@ def test_two_process_cpu_run_agrees_on_final_weights(tmp_path):
         torch.testing.assert_close(saved[name], rank0[name], rtol=0, atol=0)
     # The final save went through one staging folder (both processes saved into the main one's), renamed into place.
     assert sorted(path.name for path in tmp_path.iterdir()) == ["driver.py", "model", "out", "train.jsonl"]
+
+
+def test_processes_launched_apart_are_refused_with_the_fix(tmp_path):
+    # `--multi_gpu` on a machine without GPUs starts 2 processes that accelerate would not connect: each would train
+    # its own copy on the whole dataset. Every process refuses in one line that names the fix, and nothing is written.
+    tokenizer = build_tiny_tokenizer()
+    model_dir = tmp_path / "model"
+    tiny_iha_model(tokenizer, seed=4).save_pretrained(model_dir)
+    tokenizer.save_pretrained(model_dir)
+    data = write_jsonl(gsm8k_openthoughts_rows(8), tmp_path / "train.jsonl")
+    command = [
+        sys.executable, "-m", "accelerate.commands.launch",
+        "--multi_gpu", "--num_processes", "2", "--main_process_port", str(free_port()),
+        "-m", "iha.sft",
+        "--model_name_or_path", str(model_dir),
+        "--dataset_name", str(data),
+        "--output_dir", str(tmp_path / "out"),
+        "--max_steps", "1",
+        "--bf16", "false",
+        "--report_to", "none",
+    ]  # fmt: skip
+    environment = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    result = subprocess.run(command, cwd=tmp_path, env=environment, capture_output=True, text=True, timeout=300)
+    assert result.returncode != 0
+    output = result.stdout + result.stderr
+    refusal = (
+        "iha-sft: error: 2 processes were launched but training would run in 1: without a GPU, pass `--use_cpu true`"
+    )
+    assert output.count(refusal) == 2, output[-3000:]
+    assert "ValueError" not in output
+    assert not (tmp_path / "out").exists()
