@@ -117,6 +117,23 @@ def own_class_while_saving(model: torch.nn.Module):
         model.__class__ = fsdp_class
 
 
+def without_tied_copies(model, state_dict: dict) -> dict:
+    """`state_dict` less the tied weights' copies (`lm_head.weight` of a model tying it to the input embeddings).
+
+    FSDP's gathered state dict holds separate tensors, so `save_pretrained` cannot see that `lm_head.weight` is the
+    embedding matrix (it recognises shared storage) and would write it twice. Only exact copies are dropped.
+    """
+    tied = getattr(model, "all_tied_weights_keys", None) or getattr(model, "_tied_weights_keys", None) or {}
+    if not isinstance(tied, dict):  # older releases list the tied targets without their sources
+        return state_dict
+    copies = {
+        target
+        for target, source in tied.items()
+        if target in state_dict and source in state_dict and torch.equal(state_dict[target], state_dict[source])
+    }
+    return {name: tensor for name, tensor in state_dict.items() if name not in copies}
+
+
 class IHASFTTrainer(SFTTrainer):
     """`SFTTrainer` whose optimizer gives the IHA mixing parameters their own learning rate and weight decay.
 
@@ -146,7 +163,10 @@ class IHASFTTrainer(SFTTrainer):
             super().create_accelerator_and_postprocess()
 
     def _save(self, output_dir=None, state_dict=None):
-        with own_class_while_saving(self.accelerator.unwrap_model(self.model)):
+        model = self.accelerator.unwrap_model(self.model)
+        if state_dict is not None:
+            state_dict = without_tied_copies(model, state_dict)
+        with own_class_while_saving(model):
             super()._save(output_dir, state_dict=state_dict)
 
     def create_model_card(self, model_name=None, dataset_name=None, tags=None):

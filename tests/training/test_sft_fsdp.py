@@ -25,6 +25,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors import safe_open
 from sft_utils import build_tiny_tokenizer, free_port, gsm8k_openthoughts_rows, tiny_iha_model
 from transformers import AutoModelForCausalLM
 
@@ -209,6 +210,10 @@ def test_final_model_is_the_one_process_model(runs):
     assert sorted(path.name for path in sharded.glob("*.py")) == sorted(path.name for path in single.glob("*.py"))
     auto_map = [json.loads((path / "config.json").read_text())["auto_map"] for path in (sharded, single)]
     assert auto_map[0] == auto_map[1]
+    # The same tensors: the tied lm_head is not written a second time from FSDP's gathered (unshared) copies.
+    with safe_open(sharded / "model.safetensors", "pt") as saved, safe_open(single / "model.safetensors", "pt") as one:
+        assert sorted(saved.keys()) == sorted(one.keys())
+        assert "lm_head.weight" not in saved.keys()
     trained = AutoModelForCausalLM.from_pretrained(sharded).eval()
     reference = AutoModelForCausalLM.from_pretrained(single).eval()
     initial = AutoModelForCausalLM.from_pretrained(folder / "model")
