@@ -417,7 +417,12 @@ def gsm8k_to_openthoughts(row: dict, index: int = 0) -> dict:
 
 
 def read_jsonl(path: str | os.PathLike, limit: int | None = None) -> list[dict]:
-    """Rows of a .jsonl file; a line that is not a JSON object raises an error naming its line number."""
+    """Rows of a .jsonl file; a line that is not a JSON object raises an error naming its line number.
+
+    The package's one JSONL reader. It is not `datasets.load_dataset("json", ...)` on purpose: that costs the
+    `datasets` import and an Arrow cache on disk for a file read once, unifies the rows' columns (a key missing
+    from one row becomes None there) and cannot say which line is broken.
+    """
     rows = []
     with open(path, encoding="utf-8") as handle:
         for line_number, line in enumerate(handle, start=1):

@@ -14,7 +14,8 @@
 """Model cards (README.md) for IHA checkpoints, built from an ordered dict of sections.
 
 A card is YAML metadata (what the Hub reads: base model, tags, license, ...), a title, an optional intro and
-level-2 sections. The converter writes the first card; later steps (fine-tuning, evaluation, pushing) add or
+level-2 sections; huggingface_hub's `ModelCard` / `ModelCardData` write and read the metadata and render the card
+from `CARD_TEMPLATE`. The converter writes the first card; later steps (fine-tuning, evaluation, pushing) add or
 replace sections with `update_model_card(folder, sections={...})`, which keeps everything else as it was:
 
 ```python
@@ -46,27 +47,46 @@ class ModelCardContent:
     sections: dict[str, str] = field(default_factory=dict)
 
 
-def render_model_card(sections: dict[str, str], *, title: str, metadata: dict | None = None, intro: str = "") -> str:
-    """Render README.md text: YAML front matter (via huggingface_hub), `# title`, intro, then `## heading` sections."""
-    from huggingface_hub import ModelCardData
+# The layout of every card the package writes, rendered by huggingface_hub (`ModelCard.from_template`, Jinja) under
+# the YAML metadata block it writes from `ModelCardData`.
+CARD_TEMPLATE = """---
+{{ card_data }}
+---
 
-    parts = []
-    if metadata:
-        parts.append(f"---\n{ModelCardData(**metadata).to_yaml()}\n---\n")
-    parts.append(f"# {title}\n")
-    if intro.strip():
-        parts.append(intro.strip() + "\n")
-    for heading, body in sections.items():
+# {{ title }}
+{% if intro %}
+{{ intro }}
+{% endif %}{% for heading, body in sections.items() %}
+## {{ heading }}
+
+{{ body }}
+{% endfor %}"""
+
+
+def render_model_card(sections: dict[str, str], *, title: str, metadata: dict | None = None, intro: str = "") -> str:
+    """README.md text: YAML metadata, `# title`, intro, then `## heading` sections (huggingface_hub's `ModelCard`)."""
+    from huggingface_hub import ModelCard, ModelCardData
+
+    for heading in sections:
         if "\n" in heading or heading.startswith("#"):
             raise ValueError(f"A section heading must be one line of plain text, got {heading!r}.")
-        parts.append(f"## {heading}\n\n{body.strip()}\n")
-    return "\n".join(parts)
+    card = ModelCard.from_template(
+        ModelCardData(**(metadata or {})),
+        template_str=CARD_TEMPLATE,
+        title=title,
+        intro=intro.strip(),
+        sections={heading: body.strip() for heading, body in sections.items()},
+    )
+    # Without metadata, no YAML block at all (huggingface_hub would write an empty `{}` one).
+    return str(card) if metadata else card.text.lstrip("\n")
 
 
 def parse_model_card(text: str) -> ModelCardContent:
     """Split README.md text into metadata, title, intro and sections (the inverse of `render_model_card`).
 
-    Only `## ` lines outside code fences start a section, so code blocks with `## comments` stay whole.
+    huggingface_hub's `ModelCard` separates the metadata from the markdown; it has no notion of sections, so the
+    markdown is split here: only `## ` lines outside code fences start a section (code blocks with `## comments`
+    stay whole), and a card's own sections, written by a user or a trainer, are kept in their order.
     """
     from huggingface_hub import ModelCard
 

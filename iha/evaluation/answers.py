@@ -2,9 +2,13 @@
 
 The rules, in one place:
 
-* **Extraction** (`extract_answer`): the content of the *last* `\\boxed{...}` (or `\\fbox{...}`, braces balanced,
-  `\\boxed 5` accepted); if there is none, the text after the last `#### ` (GSM8K's own format); if there is none,
-  the last "answer is X" / "Answer: X" phrase. Otherwise there is no answer (`None`).
+* **Extraction** (`read_answer`): the *last* `\\boxed{...}` (or `\\fbox{...}`, `\\boxed 5`), found and read by
+  math-verify's `parse` (braces balanced; math-verify reads boxes close together as one answer set: fewer than 10
+  characters apart, or fewer than 70 with a comma, "and", "or" or ";" between them, as in `\\boxed{3}, \\boxed{5}`). If there is no box, or math-verify cannot read it (a box cut
+  off by the token limit), the text after the last `#### ` (GSM8K's own format); if there is none, the rest of the
+  line after the last "answer is" / "Answer:". Otherwise there is no answer (`None`): never "the last number in the
+  text", so a completion cut off mid-reasoning has no answer. A boxed answer is reported as math-verify read it (its
+  normalised LaTeX: `\\left(` is written `(`, `0.5` is written `\\frac{1}{2}`).
 * **Checking** (`is_equivalent`): both sides are parsed by math-verify as LaTeX (then as a plain expression) and
   compared symbolically, so `1/2`, `0.5`, `\\frac{1}{2}` and `\\dfrac12` are equal, `1,000` equals `1000` and
   `\\$18.00` equals `18`. An answer that math-verify cannot parse is wrong.
@@ -25,39 +29,25 @@ from typing import Any
 from math_verify import ExprExtractionConfig, LatexExtractionConfig, parse, verify
 
 
-_BOXED_COMMANDS = ("\\boxed", "\\fbox")
-_GSM8K_MARKER = re.compile(r"####\s*(.+)")
-_ANSWER_IS = re.compile(r"(?:final answer|answer)\s*(?:is|:)\s*:?\s*(.+)", re.IGNORECASE)
 # math-verify's own timeout uses signal.alarm, which only works on the main thread.
 _TIMEOUT_SECONDS = 5
+
+# Boxes only: math-verify's box rule first, then its LaTeX answer phrases, never any `$...$` or number in the text.
+_BOX_CONFIG = [LatexExtractionConfig(boxed_match_priority=0, try_extract_without_anchor=False)]
+
+# What math-verify's `parse` does not do for a completion, kept here on purpose:
+# - its box pattern looks for `\boxed{` only: `\fbox{5}` and the brace-less TeX form `\boxed 5` are rewritten first;
+# - GSM8K's answer line `#### 42` has no rule there (it would only be found as "some number in the text");
+# - its answer phrases read plain text after "Answer:" as a number, so `Answer: -2,1` gives -2.1 and
+#   `Answer: (5,\infty)` or `The answer is \$100.` give nothing; here the rest of the line is read as one LaTeX
+#   answer (which is what these phrases mean in the completions of a model asked for a final answer).
+_BOXED_WITHOUT_BRACES = re.compile(r"\\boxed\s+([^\s{}$]+?)\.?(?=\s|\$|$)")
+_GSM8K_MARKER = re.compile(r"####\s*(.+)")
+_ANSWER_IS = re.compile(r"(?:final answer|answer)\s*(?:is|:)\s*:?\s*(.+)", re.IGNORECASE)
 
 
 def _timeout() -> int | None:
     return _TIMEOUT_SECONDS if threading.current_thread() is threading.main_thread() else None
-
-
-def _last_boxed_content(text: str) -> str | None:
-    """Content of the last `\\boxed{...}` / `\\fbox{...}` with balanced braces, or None."""
-    start = max(text.rfind(command) for command in _BOXED_COMMANDS)
-    if start < 0:
-        return None
-    command = next(c for c in _BOXED_COMMANDS if text.startswith(c, start))
-    position = start + len(command)
-    if position < len(text) and text[position] == " ":
-        # `\boxed 5`: the argument is the next whitespace-delimited token.
-        argument = text[position + 1 :].split(maxsplit=1)
-        return argument[0].rstrip("$.") if argument else None
-    if position >= len(text) or text[position] != "{":
-        return None
-    depth = 0
-    for index in range(position, len(text)):
-        if text[index] == "{":
-            depth += 1
-        elif text[index] == "}":
-            depth -= 1
-            if depth == 0:
-                return text[position + 1 : index]
-    return None  # unbalanced: the generation was cut off inside the box
 
 
 def _clean_phrase(answer: str) -> str:
@@ -67,23 +57,36 @@ def _clean_phrase(answer: str) -> str:
     return answer.strip("$ ").strip()
 
 
-def extract_answer(text: str) -> str | None:
-    """The final answer written in `text` (see the module docstring for the order of rules), or None."""
-    if not text:
-        return None
-    boxed = _last_boxed_content(text)
-    if boxed is not None:
-        boxed = boxed.strip()
-        return boxed or None
-    markers = _GSM8K_MARKER.findall(text)
-    if markers:
-        answer = _clean_phrase(markers[-1])
-        return answer or None
-    phrases = _ANSWER_IS.findall(text)
-    if phrases:
-        answer = _clean_phrase(phrases[-1])
-        return answer or None
+def _last_line_answer(text: str) -> str | None:
+    """The answer after the last `#### ` or, without one, after the last "answer is" / "Answer:"; or None."""
+    for pattern in (_GSM8K_MARKER, _ANSWER_IS):
+        found = pattern.findall(text)
+        if found:
+            return _clean_phrase(found[-1]) or None
     return None
+
+
+def read_answer(text: str) -> tuple[str | None, list | None]:
+    """The final answer of a completion: (the answer string, math-verify's parse of it), or (None, None).
+
+    See the module docstring for the rules.
+    """
+    if not text:
+        return None, None
+    text = _BOXED_WITHOUT_BRACES.sub(r"\\boxed{\1}", text.replace("\\fbox", "\\boxed"))
+    if "\\boxed" in text:
+        parsed = parse(text, extraction_config=_BOX_CONFIG, parsing_timeout=_timeout())
+        # [value, string] when math-verify found and read an answer; [string] alone when it cannot read what it found.
+        if len(parsed) == 2:
+            return parsed[1], parsed
+    answer = _last_line_answer(text)
+    parsed = parse_answer(answer)
+    return (answer, parsed) if parsed else (None, None)
+
+
+def extract_answer(text: str) -> str | None:
+    """The final answer string of a completion (see `read_answer`), or None."""
+    return read_answer(text)[0]
 
 
 _EXTRACTION_CONFIG = [LatexExtractionConfig(boxed_match_priority=0), ExprExtractionConfig()]
@@ -169,4 +172,5 @@ __all__ = [
     "majority_vote",
     "parse_answer",
     "parsed_equivalent",
+    "read_answer",
 ]

@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from .answers import extract_answer, gsm8k_gold_answer, majority_vote, parse_answer, parsed_equivalent
+from .answers import gsm8k_gold_answer, majority_vote, parse_answer, parsed_equivalent, read_answer
 
 
 DEFAULT_INSTRUCTION = "Please reason step by step, and put your final answer within \\boxed{}."
@@ -316,8 +316,7 @@ def score_completions(problems: Sequence[Problem], completions: Sequence[Sequenc
         gold = parse_answer(problem.gold)
         if gold is None:
             raise ValueError(f"math-verify cannot parse the reference answer of problem {problem.id}: {problem.gold!r}")
-        answers = [extract_answer(text) for text in samples]
-        parsed = [parse_answer(answer) for answer in answers]
+        answers, parsed = zip(*(read_answer(text) for text in samples))
         correct = [parsed_equivalent(gold, prediction) for prediction in parsed]
         vote = majority_vote(answers, parsed=parsed)
         vote_correct = vote.sample_index is not None and correct[vote.sample_index]

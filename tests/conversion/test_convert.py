@@ -519,6 +519,21 @@ def test_model_card_sections_can_be_added_and_replaced(tmp_path):
     assert updated.title == card.title and updated.intro == card.intro
 
 
+def test_model_card_text_is_written_as_given(tmp_path):
+    # The card is rendered from a Jinja template: text that looks like Jinja stays text, and a card without metadata
+    # gets no YAML block (not an empty `{}` one).
+    sections = {"Prompt": "The chat template uses {{ messages }} and {% for m in messages %}.", "Empty": ""}
+    update_model_card(tmp_path, title="plain {{ title }}", intro="no metadata", sections=sections)
+    text = (tmp_path / "README.md").read_text()
+    assert text == (
+        "# plain {{ title }}\n\nno metadata\n\n## Prompt\n\n"
+        "The chat template uses {{ messages }} and {% for m in messages %}.\n\n## Empty\n\n\n"
+    )
+    update_model_card(tmp_path, metadata={"license": "apache-2.0"})
+    assert (tmp_path / "README.md").read_text() == "---\nlicense: apache-2.0\n---\n\n" + text
+    assert parse_model_card((tmp_path / "README.md").read_text()).sections == sections
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # The real SmolLM2-135M-Instruct
 # ---------------------------------------------------------------------------------------------------------------

@@ -2,16 +2,26 @@
 
 import pytest
 
-from iha.evaluation.answers import extract_answer, gsm8k_gold_answer, is_equivalent, majority_vote
+from iha.evaluation.answers import (
+    extract_answer,
+    gsm8k_gold_answer,
+    is_equivalent,
+    majority_vote,
+    parse_answer,
+    parsed_equivalent,
+    read_answer,
+)
 
 
 @pytest.mark.parametrize(
     "text, expected",
     [
         ("So the total is \\boxed{18}.", "18"),
-        ("First \\boxed{3}, but wait, it is \\boxed{4}.", "4"),  # the last box wins
+        # the last box wins (boxes this far apart are not read as one answer set: see test_adjacent_boxes...)
+        ("First \\boxed{3}.\nLet me check that again: 3 apples plus the one she was given.\nSo it is \\boxed{4}.", "4"),
         ("The answer is $\\boxed{\\frac{1}{2}}$.", "\\frac{1}{2}"),
-        ("\\boxed{\\frac{\\sqrt{3}}{\\left(2\\right)}}", "\\frac{\\sqrt{3}}{\\left(2\\right)}"),  # nested braces
+        # nested braces; the answer is reported as math-verify normalised it (\left( ... \right) becomes ( ... ))
+        ("\\boxed{\\frac{\\sqrt{3}}{\\left(2\\right)}}", "\\frac{\\sqrt{3}}{(2)}"),
         ("\\fbox{7}", "7"),
         ("so we get \\boxed 5", "5"),
         ("She makes 9 * 2 = $18.\n#### 18", "18"),
@@ -22,6 +32,13 @@ from iha.evaluation.answers import extract_answer, gsm8k_gold_answer, is_equival
         ("", None),
         ("\\boxed{}", None),
         ("cut off inside the box: \\boxed{\\frac{1}{", None),
+        ("Step 1: 3 + 4 = 7 apples, then 2 more", None),  # no box, no answer phrase: not "the last number"
+        ("\\boxed{12}\n\nI hope this helps! Ask me 2 or 3 more questions.", "12"),
+        # math-verify reads "Answer: -2,1" as the decimal -2.1 and finds nothing in "Answer: (5,\infty)" or
+        # "answer is \$100": the rest of the line is read as one LaTeX answer instead.
+        ("Enter all the integer roots.\nAnswer: -2,1", "-2,1"),
+        ("Answer: (5,\\infty)", "(5,\\infty)"),
+        ("The answer is \\$100.", "\\$100"),
     ],
 )
 def test_extract_answer(text, expected):
@@ -30,6 +47,29 @@ def test_extract_answer(text, expected):
 
 def test_boxed_takes_precedence_over_gsm8k_marker():
     assert extract_answer("#### 5\nActually \\boxed{6}") == "6"
+
+
+def test_an_unreadable_box_falls_back_to_the_answer_line():
+    assert extract_answer("#### 5\nand then \\boxed{\\frac{1}{") == "5"
+
+
+def test_adjacent_boxes_are_one_answer_set():
+    # math-verify's rule: boxes next to each other (joined by a comma, "and", "or") are read together, so a
+    # multi-answer problem boxed part by part is right ...
+    answer, parsed = read_answer("The integer roots are \\boxed{-2} and \\boxed{1}.")
+    assert parsed_equivalent(parse_answer("-2,1"), parsed)
+    assert not parsed_equivalent(parse_answer("1"), parsed)
+    # ... and a correction written in the same sentence is read as a set too (wrong for the gold 4); boxes further
+    # apart are not joined (see test_extract_answer: the last box wins).
+    _, parsed = read_answer("So \\boxed{3}, no wait, it is \\boxed{4}.")
+    assert not parsed_equivalent(parse_answer("4"), parsed)
+
+
+def test_read_answer_returns_the_parse_used_for_checking():
+    answer, parsed = read_answer("so $\\boxed{\\dfrac{28}{6}}$")
+    assert answer == "\\frac{28}{6}"
+    assert parsed_equivalent(parse_answer("\\frac{14}{3}"), parsed)
+    assert read_answer("no answer here") == (None, None)
 
 
 @pytest.mark.parametrize(

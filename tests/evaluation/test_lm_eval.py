@@ -18,8 +18,11 @@ import pytest
 from conftest import tiny_llama_for_tokenizer
 from transformers import AutoTokenizer
 
+from iha.atomic_files import write_jsonl_atomic
 from iha.builtin import smollm2_dir
 from iha.convert import llama_to_iha
+from iha.data import read_jsonl
+from iha.evaluation.answers import gsm8k_gold_answer
 
 
 TASK_NAME = "iha_local_gsm8k_mc"
@@ -51,15 +54,15 @@ def lm_eval_command() -> list[str]:
 
 
 def write_task(task_dir: Path, shared_data: Path, num_questions: int = 6) -> None:
-    rows = [json.loads(line) for line in (shared_data / "gsm8k" / "test.jsonl").read_text().splitlines()]
-    data_file = task_dir / "questions.jsonl"
-    with data_file.open("w") as handle:
-        for index, row in enumerate(rows[:num_questions]):
-            answer = int(row["answer"].split("####")[-1].strip().replace(",", ""))
-            choices = [str(answer), str(answer + 1), str(2 * answer + 3)]
-            label = index % 3  # the right answer is not always first
-            choices[0], choices[label] = choices[label], choices[0]
-            handle.write(json.dumps({"question": row["question"], "choices": choices, "label": label}) + "\n")
+    rows = read_jsonl(shared_data / "gsm8k" / "test.jsonl", limit=num_questions)
+    questions = []
+    for index, row in enumerate(rows):
+        answer = int(gsm8k_gold_answer(row["answer"]))
+        choices = [str(answer), str(answer + 1), str(2 * answer + 3)]
+        label = index % 3  # the right answer is not always first
+        choices[0], choices[label] = choices[label], choices[0]
+        questions.append({"question": row["question"], "choices": choices, "label": label})
+    data_file = write_jsonl_atomic(questions, task_dir / "questions.jsonl")
     (task_dir / f"{TASK_NAME}.yaml").write_text(TASK_YAML.format(name=TASK_NAME, data_file=data_file))
 
 
@@ -81,7 +84,7 @@ def run_lm_eval(model_dir: Path, task_dir: Path, output_dir: Path) -> tuple[dict
     (results_file,) = glob.glob(str(output_dir / "**" / "results_*.json"), recursive=True)
     (samples_file,) = glob.glob(str(output_dir / "**" / f"samples_{TASK_NAME}_*.jsonl"), recursive=True)
     results = json.loads(Path(results_file).read_text())
-    samples = [json.loads(line) for line in Path(samples_file).read_text().splitlines()]
+    samples = read_jsonl(samples_file)
     return results, samples
 
 

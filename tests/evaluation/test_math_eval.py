@@ -90,7 +90,9 @@ def test_score_completions_pass_at_1_and_majority():
     assert metrics["no_answer_rate"] == pytest.approx((1 / 4 + 1 / 4 + 0) / 3)
     first = scored["problems"][0]
     assert [sample["correct"] for sample in first["samples"]] == [True, False, True, False]
-    assert first["majority"] == {"answer": "0.5", "votes": 2, "correct": True}
+    # The class is reported by its first member, as math-verify read it from the box (0.5 normalised to a fraction).
+    assert first["majority"] == {"answer": "\\frac{1}{2}", "votes": 2, "correct": True}
+    assert [sample["answer"] for sample in first["samples"]] == ["\\frac{1}{2}", "3", "1/2", None]
     assert scored["problems"][2]["majority"]["answer"] == "5"
 
 
