@@ -187,11 +187,8 @@ def prepare_data(config: ABConfig, output_dir: Path) -> tuple[list[dict], list[d
 
 
 def load_test_problems(source: str, benchmark: str, limit: int | None):
-    from ..evaluation.math_eval import BENCHMARKS, load_problems
+    from ..evaluation.math_eval import load_problems
 
-    # `openai/gsm8k` needs its config name ("main"): the benchmark's short name carries it.
-    if source == BENCHMARKS[benchmark].hub_id:
-        source = benchmark
     return load_problems(source, benchmark=benchmark, limit=limit)
 
 

@@ -164,7 +164,8 @@ def load_problems(
     elif path.suffix in (".json", ".jsonl") or path.exists():
         raise FileNotFoundError(f"{source} is not a readable .json/.jsonl file.")
     elif source in BENCHMARKS or source.count("/") == 1:
-        spec = BENCHMARKS.get(source)
+        # A benchmark's short name or its Hub id: either way the Hub config it needs (`openai/gsm8k` has "main").
+        spec = BENCHMARKS.get(source) or next((spec for spec in BENCHMARKS.values() if spec.hub_id == source), None)
         hub_id = spec.hub_id if spec else source
         hub_config = spec.hub_config if spec else None
         benchmark = benchmark or (spec.name if spec else None)

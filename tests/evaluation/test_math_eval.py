@@ -49,6 +49,27 @@ def test_load_rejects_bad_sources(tmp_path):
         load_problems(str(broken), benchmark="mmlu")
 
 
+@pytest.mark.parametrize(
+    ("source", "expected"),
+    [
+        ("gsm8k", ("openai/gsm8k", "main", "test")),
+        ("openai/gsm8k", ("openai/gsm8k", "main", "test")),  # the Hub id alone needs the config name too
+        ("HuggingFaceH4/MATH-500", ("HuggingFaceH4/MATH-500", None, "test")),
+    ],
+)
+def test_hub_sources_load_with_their_config(monkeypatch, shared_data, source, expected):
+    import datasets
+
+    rows = [json.loads(line) for line in (shared_data / "gsm8k" / "test.jsonl").read_text().splitlines()[:2]]
+    if "MATH" in source:
+        rows = [json.loads(line) for line in (shared_data / "math500" / "test.jsonl").read_text().splitlines()[:2]]
+    calls = []
+    monkeypatch.setattr(datasets, "load_dataset", lambda *args, **kwargs: calls.append((*args, kwargs)) or rows)
+    problems = load_problems(source)
+    assert calls == [(expected[0], expected[1], {"split": expected[2]})]
+    assert [problem.question for problem in problems] == [row.get("question", row.get("problem")) for row in rows]
+
+
 def test_sampling_presets_and_validation():
     paper = PRESETS["paper"]
     assert (paper.temperature, paper.num_samples) == (0.6, 16)
