@@ -28,23 +28,13 @@ from torch._dynamo.utils import counters
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_common  # noqa: E402
-from bench_common import (  # noqa: E402
-    RESULTS_DIR,
-    SMOLLM2_135M_SHAPE,
-    alternate,
-    base_model,
-    converted_iha_model,
-    forward_step,
-    median,
-    train_step,
-)
 
 from iha.arguments import ArgumentParser  # noqa: E402
 from iha.atomic_files import write_text_atomic  # noqa: E402
 
 
-QUICK_SHAPE = dict(SMOLLM2_135M_SHAPE, vocab_size=512, hidden_size=64, intermediate_size=128, num_attention_heads=4,
-                   num_key_value_heads=2, head_dim=16)  # fmt: skip
+QUICK_SHAPE = dict(bench_common.SMOLLM2_135M_SHAPE, vocab_size=512, hidden_size=64, intermediate_size=128,
+                   num_attention_heads=4, num_key_value_heads=2, head_dim=16)  # fmt: skip
 
 
 def first_call_seconds(step) -> float:
@@ -58,8 +48,8 @@ def first_call_seconds(step) -> float:
 
 def measure(args, shape) -> dict:
     clock = "cpu" if bench_common.DEVICE.type == "cpu" else "wall"
-    base = base_model(shape, args.layers)
-    models = {"base": base, "iha": converted_iha_model(base, shape, args.pseudo_heads)}
+    base = bench_common.base_model(shape, args.layers)
+    models = {"base": base, "iha": bench_common.converted_iha_model(base, shape, args.pseudo_heads)}
     for model in models.values():
         model.train()
     generator = torch.Generator().manual_seed(0)
@@ -72,7 +62,7 @@ def measure(args, shape) -> dict:
     for name, model in models.items():
         counters.clear()
         compiled = torch.compile(model)
-        for kind, make_step in (("train", train_step), ("forward", forward_step)):
+        for kind, make_step in (("train", bench_common.train_step), ("forward", bench_common.forward_step)):
             steps[f"{name} {kind} eager"] = make_step(model, input_ids)
             steps[f"{name} {kind} compiled"] = make_step(compiled, input_ids)
             first_call_seconds(steps[f"{name} {kind} eager"])
@@ -80,9 +70,10 @@ def measure(args, shape) -> dict:
             print(f"compiled {name} {kind}: {results['compile_seconds'][f'{name} {kind}']:.0f} s", flush=True)
         results["graph_breaks"][name] = sum(counters["graph_break"].values())
 
-    alternate(steps, 1)  # warm-up round: any recompilation (say, for a changed grad mode) happens here, untimed
-    times = alternate(steps, args.repeats)
-    results["median_seconds"] = {name: median(value[clock]) for name, value in times.items()}
+    # A warm-up round: any recompilation (say, for a changed grad mode) happens here, untimed.
+    bench_common.alternate(steps, 1)
+    times = bench_common.alternate(steps, args.repeats)
+    results["median_seconds"] = {name: bench_common.median(value[clock]) for name, value in times.items()}
     results["all_seconds"] = {name: value[clock] for name, value in times.items()}
     return results
 
@@ -133,7 +124,7 @@ def parse_args(argv=None):
     parser.add_argument("--device", help="cpu or cuda (default: cuda where present)")
     parser.add_argument("--dtype", help="default: bfloat16 on CUDA, float32 on CPU")
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1, for steady CPU times)")
-    parser.add_argument("--output-dir", type=Path, default=RESULTS_DIR)
+    parser.add_argument("--output-dir", type=Path, default=bench_common.RESULTS_DIR)
     return parser.parse_args(argv)
 
 
@@ -142,7 +133,7 @@ def main(argv=None):
     device, dtype = bench_common.use_device(args.device, args.dtype)
     if device.type == "cpu":
         torch.set_num_threads(args.threads)
-    shape = SMOLLM2_135M_SHAPE
+    shape = bench_common.SMOLLM2_135M_SHAPE
     if args.quick:
         shape, args.layers, args.seq_len, args.repeats = QUICK_SHAPE, 2, 32, 2
     results = measure(args, shape)
