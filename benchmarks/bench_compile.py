@@ -4,13 +4,14 @@
     python benchmarks/bench_compile.py --quick    # tiny shapes, seconds after compiling: compile_quick.{md,json}
 
 Both models are shaped like SmolLM2-135M with fewer layers (`--layers`), the IHA model converted from the base
-model's weights with every layer IHA at P = `--pseudo-heads` (`bench_perf.converted_iha_model`). For each model the
-same training step (forward + backward with labels, as a trainer runs it) and inference forward run eager and under
+model's weights with every layer IHA at P = `--pseudo-heads` (`bench_common.converted_iha_model`). For each model the
+same training step (`bench_common.train_step`: forward + backward with labels, as a trainer runs it, no optimizer
+step) and inference forward (`bench_common.forward_step`, under `torch.inference_mode`) run eager and under
 `torch.compile` (inductor), alternating and repeated, with the median reported. The report gives compiled / eager
 per model, IHA / base eager and compiled, the compile time of each graph (first call), and the number of graph
 breaks counted by dynamo (zero is what the tests require with `fullgraph=True`).
 
-Device and dtype come from the machine (`bench_perf.choose_device`): on CPU float32 with one thread, timed in CPU
+Device and dtype come from the machine (`bench_common.choose_device`): on CPU float32 with one thread, timed in CPU
 time; on CUDA bfloat16, wall-clock after synchronizing. Nothing to edit for a GPU run.
 """
 
@@ -26,51 +27,34 @@ from torch._dynamo.utils import counters
 
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import bench_perf  # noqa: E402
-from bench_perf import SMOLLM2_135M_SHAPE, alternate, base_model, converted_iha_model, median  # noqa: E402
+import bench_common  # noqa: E402
 
 from iha.arguments import ArgumentParser  # noqa: E402
 from iha.atomic_files import write_text_atomic  # noqa: E402
 
 
-QUICK_SHAPE = dict(SMOLLM2_135M_SHAPE, vocab_size=512, hidden_size=64, intermediate_size=128, num_attention_heads=4,
-                   num_key_value_heads=2, head_dim=16)  # fmt: skip
-
-
-def training_step(model, input_ids):
-    def step():
-        model.zero_grad(set_to_none=True)
-        model(input_ids, labels=input_ids, use_cache=False).loss.backward()
-
-    return step
-
-
-def inference_step(model, input_ids):
-    def step():
-        with torch.no_grad():
-            model(input_ids, use_cache=False)
-
-    return step
+QUICK_SHAPE = dict(bench_common.SMOLLM2_135M_SHAPE, vocab_size=512, hidden_size=64, intermediate_size=128,
+                   num_attention_heads=4, num_key_value_heads=2, head_dim=16)  # fmt: skip
 
 
 def first_call_seconds(step) -> float:
     """Wall-clock seconds of the first call: for a compiled model, tracing and code generation."""
-    bench_perf.synchronize()
+    bench_common.synchronize()
     start = time.perf_counter()
     step()
-    bench_perf.synchronize()
+    bench_common.synchronize()
     return time.perf_counter() - start
 
 
 def measure(args, shape) -> dict:
-    clock = "cpu" if bench_perf.DEVICE.type == "cpu" else "wall"
-    base = base_model(shape, args.layers)
-    models = {"base": base, "iha": converted_iha_model(base, shape, args.pseudo_heads)}
+    clock = "cpu" if bench_common.DEVICE.type == "cpu" else "wall"
+    base = bench_common.base_model(shape, args.layers)
+    models = {"base": base, "iha": bench_common.converted_iha_model(base, shape, args.pseudo_heads)}
     for model in models.values():
         model.train()
     generator = torch.Generator().manual_seed(0)
     input_ids = torch.randint(0, shape["vocab_size"], (args.batch_size, args.seq_len), generator=generator)
-    input_ids = input_ids.to(bench_perf.DEVICE)
+    input_ids = input_ids.to(bench_common.DEVICE)
 
     results = {"clock": clock, "compile_seconds": {}, "graph_breaks": {}}
     steps = {}
@@ -78,7 +62,7 @@ def measure(args, shape) -> dict:
     for name, model in models.items():
         counters.clear()
         compiled = torch.compile(model)
-        for kind, make_step in (("train", training_step), ("forward", inference_step)):
+        for kind, make_step in (("train", bench_common.train_step), ("forward", bench_common.forward_step)):
             steps[f"{name} {kind} eager"] = make_step(model, input_ids)
             steps[f"{name} {kind} compiled"] = make_step(compiled, input_ids)
             first_call_seconds(steps[f"{name} {kind} eager"])
@@ -86,9 +70,10 @@ def measure(args, shape) -> dict:
             print(f"compiled {name} {kind}: {results['compile_seconds'][f'{name} {kind}']:.0f} s", flush=True)
         results["graph_breaks"][name] = sum(counters["graph_break"].values())
 
-    alternate(steps, 1)  # warm-up round: any recompilation (say, for a changed grad mode) happens here, untimed
-    times = alternate(steps, args.repeats)
-    results["median_seconds"] = {name: median(value[clock]) for name, value in times.items()}
+    # A warm-up round: any recompilation (say, for a changed grad mode) happens here, untimed.
+    bench_common.alternate(steps, 1)
+    times = bench_common.alternate(steps, args.repeats)
+    results["median_seconds"] = {name: bench_common.median(value[clock]) for name, value in times.items()}
     results["all_seconds"] = {name: value[clock] for name, value in times.items()}
     return results
 
@@ -139,16 +124,16 @@ def parse_args(argv=None):
     parser.add_argument("--device", help="cpu or cuda (default: cuda where present)")
     parser.add_argument("--dtype", help="default: bfloat16 on CUDA, float32 on CPU")
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1, for steady CPU times)")
-    parser.add_argument("--output-dir", type=Path, default=bench_perf.RESULTS_DIR)
+    parser.add_argument("--output-dir", type=Path, default=bench_common.RESULTS_DIR)
     return parser.parse_args(argv)
 
 
 def main(argv=None):
     args = parse_args(argv)
-    bench_perf.DEVICE, bench_perf.DTYPE = bench_perf.choose_device(args.device, args.dtype)
-    if bench_perf.DEVICE.type == "cpu":
+    device, dtype = bench_common.use_device(args.device, args.dtype)
+    if device.type == "cpu":
         torch.set_num_threads(args.threads)
-    shape = SMOLLM2_135M_SHAPE
+    shape = bench_common.SMOLLM2_135M_SHAPE
     if args.quick:
         shape, args.layers, args.seq_len, args.repeats = QUICK_SHAPE, 2, 32, 2
     results = measure(args, shape)
@@ -159,8 +144,8 @@ def main(argv=None):
         "machine": f"{platform.machine()}, {platform.system()}",
         "torch": torch.__version__,
         "transformers": transformers.__version__,
-        "device": str(bench_perf.DEVICE),
-        "dtype": str(bench_perf.DTYPE).removeprefix("torch."),
+        "device": str(device),
+        "dtype": str(dtype).removeprefix("torch."),
         "threads": torch.get_num_threads(),
         "command": "python benchmarks/bench_compile.py" + (" " + " ".join(argv or sys.argv[1:])).rstrip(),
         **{key: getattr(args, key) for key in ("layers", "seq_len", "batch_size", "pseudo_heads", "repeats")},

@@ -30,8 +30,30 @@ class HelpFormatter(argparse.RawDescriptionHelpFormatter):
         return f"{help_text} (default: %(default)s)"
 
 
-class ArgumentParser(argparse.ArgumentParser):
-    """`argparse.ArgumentParser` whose long options have one canonical spelling (`--snake_case`) and a dashed alias.
+class _SpelledOptions:
+    """Gives every long option added to an argparse container (parser, argument group, mutually exclusive group)
+    both spellings, and makes the groups it creates do the same."""
+
+    def add_argument(self, *name_or_flags, **kwargs):
+        return super().add_argument(*spell_options(name_or_flags), **kwargs)
+
+    def add_mutually_exclusive_group(self, **kwargs):
+        group = _MutuallyExclusiveGroup(self, **kwargs)
+        self._mutually_exclusive_groups.append(group)
+        return group
+
+
+class _ArgumentGroup(_SpelledOptions, argparse._ArgumentGroup):
+    pass
+
+
+class _MutuallyExclusiveGroup(_SpelledOptions, argparse._MutuallyExclusiveGroup):
+    pass
+
+
+class ArgumentParser(_SpelledOptions, argparse.ArgumentParser):
+    """`argparse.ArgumentParser` whose long options have one canonical spelling (`--snake_case`) and a dashed alias,
+    also in its argument groups and mutually exclusive groups.
 
     Subparsers (`add_subparsers().add_parser`) are of this class too, and use `HelpFormatter` unless told otherwise.
     """
@@ -39,17 +61,9 @@ class ArgumentParser(argparse.ArgumentParser):
     def __init__(self, *args, formatter_class=HelpFormatter, **kwargs):
         super().__init__(*args, formatter_class=formatter_class, **kwargs)
 
-    def add_argument(self, *name_or_flags, **kwargs):
-        return super().add_argument(*spell_options(name_or_flags), **kwargs)
-
     def add_argument_group(self, *args, **kwargs):
-        group = super().add_argument_group(*args, **kwargs)
-        _spell_group_options(group)
-        return group
-
-    def add_mutually_exclusive_group(self, **kwargs):
-        group = super().add_mutually_exclusive_group(**kwargs)
-        _spell_group_options(group)
+        group = _ArgumentGroup(self, *args, **kwargs)
+        self._action_groups.append(group)
         return group
 
 
@@ -58,12 +72,3 @@ def spell_options(name_or_flags) -> list[str]:
     for option in name_or_flags:
         spelled += [spelling for spelling in option_spellings(option) if spelling not in spelled]
     return spelled
-
-
-def _spell_group_options(group) -> None:
-    add_argument = group.add_argument
-
-    def add_spelled_argument(*name_or_flags, **kwargs):
-        return add_argument(*spell_options(name_or_flags), **kwargs)
-
-    group.add_argument = add_spelled_argument

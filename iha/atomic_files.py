@@ -73,3 +73,26 @@ def save_figure_atomic(figure, path: str | os.PathLike, dpi: int = 110) -> Path:
     with atomic_destination(path) as temporary:
         figure.savefig(temporary, dpi=dpi)
     return Path(path)
+
+
+@contextmanager
+def saved_figure(path: str | os.PathLike, dpi: int = 110, **subplots) -> Iterator[tuple]:
+    """A new matplotlib figure and its axes (`pyplot.subplots(**subplots)`) to draw on in the block; when the block
+    ends the figure is laid out (`tight_layout`) and saved to `path` with `save_figure_atomic`. The figure is closed
+    in any case: pyplot keeps every figure it made alive until then.
+
+    matplotlib is imported here, when a figure is drawn, on the Agg backend (files only, no display), so that the
+    modules that plot stay light to import.
+    """
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axes = plt.subplots(**subplots)
+    try:
+        yield figure, axes
+        figure.tight_layout()
+        save_figure_atomic(figure, path, dpi=dpi)
+    finally:
+        plt.close(figure)

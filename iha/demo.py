@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 
 from .arguments import ArgumentParser, HelpFormatter
-from .atomic_files import save_figure_atomic, write_json_atomic, write_text_atomic
+from .atomic_files import saved_figure, write_json_atomic, write_text_atomic
 from .atomic_folders import run_command, staged_folder
 from .convert import ConversionError
 
@@ -98,26 +98,17 @@ def evaluate(model_dir: Path, problems, max_new_tokens: int, batch_size: int, na
 
 
 def plot_loss_curve(log_history: list[dict], path: Path) -> Path | None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     points = [(entry["step"], entry["loss"]) for entry in log_history if "loss" in entry and "step" in entry]
     if not points:
         return None
     steps, losses = zip(*points)
-    figure, axis = plt.subplots(figsize=(6, 3.6))
-    axis.plot(steps, losses, marker="o", markersize=3)
-    axis.set_xlabel("optimizer step")
-    axis.set_ylabel("training loss (assistant tokens)")
-    axis.set_title("IHA fine-tuning loss")
-    axis.grid(alpha=0.3)
-    figure.tight_layout()
-    try:
-        return save_figure_atomic(figure, path, dpi=120)
-    finally:
-        plt.close(figure)
+    with saved_figure(path, dpi=120, figsize=(6, 3.6)) as (_, axis):
+        axis.plot(steps, losses, marker="o", markersize=3)
+        axis.set_xlabel("optimizer step")
+        axis.set_ylabel("training loss (assistant tokens)")
+        axis.set_title("IHA fine-tuning loss")
+        axis.grid(alpha=0.3)
+    return path
 
 
 def run_demo(

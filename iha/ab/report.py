@@ -20,7 +20,7 @@
 import statistics
 from pathlib import Path
 
-from ..atomic_files import save_figure_atomic
+from ..atomic_files import saved_figure
 from . import stats
 from .run import ARM_A, ARM_B
 
@@ -357,60 +357,42 @@ def render_markdown(report: dict) -> str:
 
 def plot_curves(report: dict, path: Path) -> Path:
     """The training loss of every run: arm A in blue, arm B in orange (the chosen mixing lr), other candidates grey."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     chosen = set(report["arms"]["b"]["runs"])
-    figure, axis = plt.subplots(figsize=(7, 4))
-    for run, points in report["curves"].items():
-        if not points:
-            continue
-        steps, losses = zip(*points)
-        if run in report["arms"]["a"]["runs"]:
-            style = {"color": "tab:blue", "label": f"A {run}"}
-        elif run in chosen:
-            style = {"color": "tab:orange", "label": f"B {run}"}
-        else:
-            style = {"color": "grey", "linestyle": "--", "alpha": 0.6, "label": f"B candidate {run}"}
-        axis.plot(steps, losses, linewidth=1.2, **style)
-    axis.set_xlabel("optimizer step")
-    axis.set_ylabel("training loss (assistant tokens)")
-    axis.set_title("SFT: source model (A) vs its IHA conversion (B)")
-    axis.grid(alpha=0.3)
-    axis.legend(fontsize=7)
-    figure.tight_layout()
-    try:
-        return save_figure_atomic(figure, path, dpi=120)
-    finally:
-        plt.close(figure)
+    with saved_figure(path, dpi=120, figsize=(7, 4)) as (_, axis):
+        for run, points in report["curves"].items():
+            if not points:
+                continue
+            steps, losses = zip(*points)
+            if run in report["arms"]["a"]["runs"]:
+                style = {"color": "tab:blue", "label": f"A {run}"}
+            elif run in chosen:
+                style = {"color": "tab:orange", "label": f"B {run}"}
+            else:
+                style = {"color": "grey", "linestyle": "--", "alpha": 0.6, "label": f"B candidate {run}"}
+            axis.plot(steps, losses, linewidth=1.2, **style)
+        axis.set_xlabel("optimizer step")
+        axis.set_ylabel("training loss (assistant tokens)")
+        axis.set_title("SFT: source model (A) vs its IHA conversion (B)")
+        axis.grid(alpha=0.3)
+        axis.legend(fontsize=7)
+    return Path(path)
 
 
 def plot_drift(report: dict, runs_b: list[dict], path: Path) -> Path:
     """Per layer, the Frobenius norm of each mixing parameter minus its identity init, one line per seed of B."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    figure, axes = plt.subplots(1, len(MIXING_NAMES), figsize=(12, 3.2), sharex=True)
-    for axis, name in zip(axes, MIXING_NAMES):
-        for run in runs_b:
-            layers = [entry["layer"] for entry in run["mixing_drift"]]
-            axis.plot(
-                layers, [entry[name] for entry in run["mixing_drift"]], marker="o", markersize=3, label=run["run"]
-            )
-        axis.set_title(name)
-        axis.set_xlabel("layer")
-        axis.grid(alpha=0.3)
-    axes[0].set_ylabel("||W - W_identity||_F")
-    axes[-1].legend(fontsize=7)
-    figure.tight_layout()
-    try:
-        return save_figure_atomic(figure, path, dpi=120)
-    finally:
-        plt.close(figure)
+    with saved_figure(path, dpi=120, ncols=len(MIXING_NAMES), figsize=(12, 3.2), sharex=True) as (_, axes):
+        for axis, name in zip(axes, MIXING_NAMES):
+            for run in runs_b:
+                layers = [entry["layer"] for entry in run["mixing_drift"]]
+                axis.plot(
+                    layers, [entry[name] for entry in run["mixing_drift"]], marker="o", markersize=3, label=run["run"]
+                )
+            axis.set_title(name)
+            axis.set_xlabel("layer")
+            axis.grid(alpha=0.3)
+        axes[0].set_ylabel("||W - W_identity||_F")
+        axes[-1].legend(fontsize=7)
+    return Path(path)
 
 
 __all__ = ["plot_curves", "plot_drift", "render_markdown", "summarize"]

@@ -107,7 +107,7 @@ def print_report(report, write: Callable[[str], None]) -> None:
     if report.verification is not None:
         write(f"  verification: {report.verification.message}")
     else:
-        write("  verification: skipped (--no-verify)")
+        write("  verification: skipped (--no_verify)")
 
 
 def run_conversion(args: argparse.Namespace) -> int:

@@ -17,7 +17,7 @@
   `llama_to_iha`, `plan_conversion`, `convert_checkpoint` and `iha-sft --iha_options` take it.
 - `CheckpointOptions`: how `convert_checkpoint` reads the source and writes and checks the IHA folder.
 
-The `iha-convert` flags are generated from these fields (`--num-pseudo-heads` from `num_pseudo_heads`, ...), so a
+The `iha-convert` flags are generated from these fields (`--num_pseudo_heads` from `num_pseudo_heads`, ...), so a
 setting added here is a flag there too. The field metadata holds what the command line shows (`help`, `choices`,
 `aliases`, `group`) and, for the settings that become an `IHAConfig` field of another name, that name
 (`config_field`: `mask_mode` is the config's `iha_mask_mode`).
@@ -196,10 +196,10 @@ def parse_size(size: int | str) -> int:
         return size
     match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B|B)?\s*", size, flags=re.IGNORECASE)
     if not match:
-        raise ConversionError(f"--max-shard-size must look like 5GB, 500MB or a number of bytes, got {size!r}.")
+        raise ConversionError(f"--max_shard_size must look like 5GB, 500MB or a number of bytes, got {size!r}.")
     number, unit = float(match.group(1)), (match.group(2) or "B").upper()
     if number <= 0:
-        raise ConversionError(f"--max-shard-size must be positive, got {size!r}.")
+        raise ConversionError(f"--max_shard_size must be positive, got {size!r}.")
     factors = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12}
     factors.update({"KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40})
     return int(number * factors[unit])

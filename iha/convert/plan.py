@@ -201,7 +201,7 @@ def plan_conversion(source_config, options: IHAConversionOptions | Mapping | Non
         training_length = options.training_length
         if training_length is None:
             training_length = source_config.max_position_embeddings
-            logger.info(f"--layers hybrid: window from --training-length {training_length} (max_position_embeddings).")
+            logger.info(f"--layers hybrid: window from --training_length {training_length} (max_position_embeddings).")
         layout = paper_hybrid_layout(num_layers, options.num_pseudo_heads, training_length)
         attention_types, sliding_window = layout["attention_types"], layout["sliding_window"]
     else:
@@ -252,13 +252,13 @@ def plan_conversion(source_config, options: IHAConversionOptions | Mapping | Non
         if options.position_mode == "virtual":
             changes.append(
                 "virtual positions: pseudo-token (n, p) sits at RoPE position n*P+p, which stretches every relative "
-                "distance by P (--position-mode shared keeps the source's positions)"
+                "distance by P (--position_mode shared keeps the source's positions)"
             )
         if options.mask_mode == "flat_causal" and options.collapse_init != "last":
             changes.append(
                 f"collapse init {options.collapse_init!r} with the flat causal mask: pseudo-heads before the last do "
                 "not see their own token's later pseudo-keys, so the current token is under-weighted "
-                "(--collapse-init last, or --mask-mode token_causal, keep the function)"
+                "(--collapse_init last, or --mask_mode token_causal, keep the function)"
             )
     return ConversionPlan(
         config=config, architecture=architecture, source_windows=source_windows, function_changes=changes

@@ -154,13 +154,13 @@ def find_weight_files(folder: Path, allow_pickle: bool) -> tuple[str, list[Path]
         if kind == "pickle" and not allow_pickle:
             raise ConversionError(
                 f"{folder} has only pickle weights ({files[0].name}). Loading a pickle can run arbitrary code, so "
-                "iha refuses it by default. If you trust this checkpoint, pass --allow-pickle (allow_pickle=True): "
+                "iha refuses it by default. If you trust this checkpoint, pass --allow_pickle (allow_pickle=True): "
                 "it is then read with torch.load(weights_only=True), which loads tensors only."
             )
         return kind, files
     raise ConversionError(
         f"No weights found in {folder}: expected model.safetensors, model.safetensors.index.json (sharded), or, "
-        "with --allow-pickle, pytorch_model.bin."
+        "with --allow_pickle, pytorch_model.bin."
     )
 
 
@@ -244,7 +244,7 @@ def resolve_source(
     if not has_safetensors and not allow_pickle:
         raise ConversionError(
             f"The Hub repository {source} has no safetensors weights. If it has pickle (.bin) weights and you trust "
-            "it, pass --allow-pickle (allow_pickle=True): they are then read with torch.load(weights_only=True)."
+            "it, pass --allow_pickle (allow_pickle=True): they are then read with torch.load(weights_only=True)."
         )
     return folder, source
 

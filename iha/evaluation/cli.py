@@ -145,9 +145,7 @@ def _run_math(args) -> int:
     for spec in args.dataset:
         benchmark, _, source = spec.partition("=")
         if benchmark not in BENCHMARKS:
-            raise SystemExit(
-                f"iha-eval: unknown benchmark {benchmark!r} in --dataset; choose from {sorted(BENCHMARKS)}"
-            )
+            raise ValueError(f"unknown benchmark {benchmark!r} in --dataset; choose from {sorted(BENCHMARKS)}")
         problems = load_problems(source or benchmark, benchmark=benchmark, split=args.split, limit=args.limit)
         datasets.append((benchmark, source or BENCHMARKS[benchmark].hub_id, problems))
     output_dir = Path(args.output_dir)
@@ -224,11 +222,11 @@ def _run_compare(args) -> int:
         try:
             data = json.loads(Path(path).read_text(encoding="utf-8"))
         except (OSError, json.JSONDecodeError) as error:
-            raise SystemExit(f"iha-eval compare: cannot read {path}: {error}") from None
+            raise ValueError(f"cannot read {path}: {error}") from None
         items = data if isinstance(data, list) else [data]
         for item in items:
             if not {"model", "benchmark", "metrics"} <= set(item):
-                raise SystemExit(f"iha-eval compare: {path} is not a result file of `iha-eval math`.")
+                raise ValueError(f"{path} is not a result file of `iha-eval math`.")
         results.extend(items)
     report = math_report(results, title=args.title)
     if args.output:

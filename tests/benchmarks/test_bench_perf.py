@@ -1,6 +1,7 @@
-"""The benchmark's analytic FLOP counter, against brute-force mask counts and a hand count on a tiny config."""
+"""The speed benchmark's parts: its analytic FLOP counter (against brute-force mask counts and a hand count on a tiny
+config), its memory probe, its packed-row summary and report, and its choice of device."""
 
-import importlib.util
+import sys
 
 import pytest
 import torch
@@ -9,9 +10,10 @@ from conftest import REPO_ROOT
 from iha.naive_iha import reference_mask
 
 
-spec = importlib.util.spec_from_file_location("bench_perf", REPO_ROOT / "benchmarks" / "bench_perf.py")
-bench_perf = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(bench_perf)
+sys.path.insert(0, str(REPO_ROOT / "benchmarks"))
+from bench_common import choose_device, peak_memory_of  # noqa: E402
+from flops import attention_pairs, model_flops  # noqa: E402
+from perf_report import markdown_report, summarize  # noqa: E402
 
 
 @pytest.mark.parametrize("num_pseudo", [1, 2, 3])
@@ -20,10 +22,10 @@ spec.loader.exec_module(bench_perf)
 def test_attention_pairs_equal_the_reference_mask_count(num_pseudo, mask_mode, window):
     seq_len = 11
     allowed = reference_mask(seq_len, num_pseudo, mask_mode, window, padding_mask=None)[0]
-    assert bench_perf.attention_pairs(seq_len, num_pseudo, mask_mode, window) == allowed.sum().item()
+    assert attention_pairs(seq_len, num_pseudo, mask_mode, window) == allowed.sum().item()
     # Decoding the last 3 tokens after 8 cached ones scores the last 3 * P rows of the same mask.
     decode_rows = allowed[(seq_len - 3) * num_pseudo :]
-    assert bench_perf.attention_pairs(3, num_pseudo, mask_mode, window, past_tokens=8) == decode_rows.sum().item()
+    assert attention_pairs(3, num_pseudo, mask_mode, window, past_tokens=8) == decode_rows.sum().item()
 
 
 TINY_SHAPE = dict(
@@ -33,7 +35,7 @@ TINY_SHAPE = dict(
 
 def test_model_flops_of_a_tiny_llama_by_hand():
     # 1 layer, N = 3 tokens, hidden 8, 2 heads and 1 KV head of dim 4, MLP 16, vocabulary 10.
-    flops = bench_perf.model_flops(TINY_SHAPE, ["full_attention"], num_tokens=3)
+    flops = model_flops(TINY_SHAPE, ["full_attention"], num_tokens=3)
     assert flops["projections"] == 2 * 3 * (8 * 8 + 8 * 4 + 8 * 4 + 8 * 8)  # q, k, v, o
     assert flops["mlp"] == 2 * 3 * (8 * 16 * 3)  # gate, up, down
     assert flops["attention"] == 2 * 2 * 2 * 4 * (1 + 2 + 3)  # (q.k + w.v) x 2 heads x d 4 x causal pairs
@@ -44,15 +46,15 @@ def test_model_flops_of_a_tiny_llama_by_hand():
 
 def test_model_flops_of_a_tiny_iha_layer_by_hand():
     # The same layer as IHA with P = 2, flat causal: 6 virtual tokens, 6 * 7 / 2 = 21 causal pairs per head.
-    flops = bench_perf.model_flops(TINY_SHAPE, ["iha_full_attention"], num_tokens=3, num_pseudo_heads=2)
+    flops = model_flops(TINY_SHAPE, ["iha_full_attention"], num_tokens=3, num_pseudo_heads=2)
     assert flops["attention"] == 2 * 2 * 2 * 4 * 21
     mix_queries = 2 * 3 * 2 * 2 * 4 * 2  # N x P x H outputs of dim d, each a sum over H source heads
     mix_keys_values = 2 * 2 * 3 * 2 * 1 * 4 * 1  # keys and values: N x P x H_kv outputs, sums over H_kv
     collapse = 2 * 3 * 2 * 2 * 4  # per head: N x H outputs of dim d, each a sum over P
     assert flops["mixing"] == mix_queries + mix_keys_values + collapse
     # A decoding step after 5 tokens: the token cache re-mixes all 6 tokens' keys and values, the pseudo cache 1.
-    token_step = bench_perf.model_flops(TINY_SHAPE, ["iha_full_attention"], 1, past_tokens=5, num_pseudo_heads=2)
-    pseudo_step = bench_perf.model_flops(
+    token_step = model_flops(TINY_SHAPE, ["iha_full_attention"], 1, past_tokens=5, num_pseudo_heads=2)
+    pseudo_step = model_flops(
         TINY_SHAPE, ["iha_full_attention"], 1, past_tokens=5, num_pseudo_heads=2, cache_mode="pseudo"
     )
     assert token_step["mixing"] - pseudo_step["mixing"] == 2 * 2 * 5 * 2 * 1 * 4 * 1
@@ -61,7 +63,7 @@ def test_model_flops_of_a_tiny_iha_layer_by_hand():
 
 def test_peak_memory_sees_an_allocation():
     allocated = 64 * 2**20
-    peak = bench_perf.peak_memory_of(lambda: torch.ones(allocated // 4).sum())
+    peak = peak_memory_of(lambda: torch.ones(allocated // 4).sum())
     if peak is None:
         pytest.skip("no /proc/self/clear_refs on this system")
     assert allocated * 0.9 <= peak <= allocated * 2
@@ -74,25 +76,25 @@ def packed_row(base_cpu, iha_cpu, base_wall, iha_wall):
 
 def test_packed_rows_give_the_ratio_of_every_round_its_median_and_range_and_the_target():
     row = packed_row([1.0, 2.0, 1.0], [1.05, 2.4, 1.0], [3.0, 3.0, 3.0], [6.0, 6.0, 6.0])
-    targets = bench_perf.summarize([], [], 1, [row], clock="cpu")
+    targets = summarize([], [], 1, [row], clock="cpu")
     cpu = row["summary"]["cpu"]
     assert cpu["ratio_by_round"] == pytest.approx([1.05, 1.2, 1.0])
     assert (cpu["ratio_median"], cpu["ratio_min"], cpu["ratio_max"]) == pytest.approx((1.05, 1.0, 1.2))
     assert targets["packed"]["met"] and "1.05 x base" in targets["packed"]["measured"]
     # On a GPU the wall clock is the measure: 2.0 x base misses the 1.1 x target.
-    assert not bench_perf.summarize([], [], 1, [row], clock="wall")["packed"]["met"]
+    assert not summarize([], [], 1, [row], clock="wall")["packed"]["met"]
     meta = {**dict.fromkeys(["command", "date", "machine", "torch", "transformers", "threads", "layers"], "-")}
     meta.update(dict.fromkeys(["shape_name", "shape_note", "position_mode", "global_layers_note", "repeats"], "-"))
     meta.update(machine_note="", lm_head_share="-", lm_head_share_at="-", decode_tokens=1, decode_context=1)
-    report = bench_perf.markdown_report(meta, [], [], targets, [row])
+    report = markdown_report(meta, [], [], targets, [row])
     assert (
         "| global IHA | 2 | 4 x 512 | 1000 / 1050 | **1.050** | 1.000 - 1.200 | 1.050, 1.200, 1.000 | 2.000 |" in report
     )
 
 
 def test_device_and_dtype_follow_the_machine_unless_given():
-    assert bench_perf.choose_device("cpu", None) == (torch.device("cpu"), torch.float32)
-    assert bench_perf.choose_device("cuda", None) == (torch.device("cuda"), torch.bfloat16)
-    assert bench_perf.choose_device("cpu", "bfloat16") == (torch.device("cpu"), torch.bfloat16)
+    assert choose_device("cpu", None) == (torch.device("cpu"), torch.float32)
+    assert choose_device("cuda", None) == (torch.device("cuda"), torch.bfloat16)
+    assert choose_device("cpu", "bfloat16") == (torch.device("cpu"), torch.bfloat16)
     expected = "cuda" if torch.cuda.is_available() else "cpu"
-    assert bench_perf.choose_device(None, None)[0].type == expected
+    assert choose_device(None, None)[0].type == expected

@@ -33,3 +33,12 @@ def test_push_refuses_a_folder_that_is_not_iha(tmp_path, capsys):
     (tmp_path / "config.json").write_text('{"model_type": "llama"}')
     assert cli.main(["push", str(tmp_path), "someone/model"]) != 0
     assert "not an IHA checkpoint folder" in capsys.readouterr().err
+
+
+def test_eval_compare_names_a_bad_result_file_in_one_line(tmp_path, capsys):
+    (tmp_path / "notes.json").write_text('{"model": "base"}')
+    (tmp_path / "broken.json").write_text("{")
+    for name, problem in (("notes.json", "is not a result file of `iha-eval math`"), ("broken.json", "cannot read")):
+        assert cli.main(["eval", "compare", str(tmp_path / name)]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("iha-eval compare: error: ") and problem in err and len(err.splitlines()) == 1

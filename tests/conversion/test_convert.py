@@ -288,7 +288,7 @@ def save_as_pickle(source: Path) -> Path:
 def test_cli_refuses_pickle_unless_allowed(tmp_path, capsys):
     source = save_as_pickle(make_source("qwen2_sliding", tmp_path / "source"))
     assert convert.main([str(source), str(tmp_path / "out")]) == 2
-    assert "--allow-pickle" in capsys.readouterr().err
+    assert "--allow_pickle" in capsys.readouterr().err
     assert not (tmp_path / "out").exists()
 
     assert convert.main([str(source), str(tmp_path / "out"), "--allow-pickle", "--quiet"]) == 0

@@ -91,7 +91,7 @@ def test_bad_iha_settings_are_named(settings, message):
     [
         ({"dtype": "int8"}, r"--dtype must be 'auto' or one of \['float32', 'bfloat16', 'float16'\], got 'int8'"),
         ({"tolerance": 0.0}, r"--tolerance must be a positive number of logits, got 0.0"),
-        ({"max_shard_size": "big"}, r"--max-shard-size must look like 5GB, 500MB or a number of bytes, got 'big'"),
+        ({"max_shard_size": "big"}, r"--max_shard_size must look like 5GB, 500MB or a number of bytes, got 'big'"),
     ],
 )
 def test_bad_checkpoint_settings_are_named(settings, message):

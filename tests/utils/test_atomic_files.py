@@ -13,6 +13,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 from iha.atomic_files import (  # noqa: E402
     atomic_destination,
     save_figure_atomic,
+    saved_figure,
     write_json_atomic,
     write_jsonl_atomic,
     write_text_atomic,
@@ -84,3 +85,19 @@ def test_save_figure_atomic_writes_the_format_of_the_destination_suffix(tmp_path
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert b"<svg" in svg.read_bytes()[:2000]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["curve.png", "curve.svg"]
+
+
+def test_saved_figure_saves_and_closes_the_figure_and_writes_nothing_when_drawing_fails(tmp_path):
+    open_before = set(plt.get_fignums())
+    with saved_figure(tmp_path / "curve.png", dpi=50, ncols=2) as (figure, axes):
+        axes[1].plot([0, 1], [1, 0])
+    assert (tmp_path / "curve.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert figure.number not in plt.get_fignums()
+
+    (tmp_path / "old.png").write_bytes(b"old figure")
+    with pytest.raises(ZeroDivisionError):
+        with saved_figure(tmp_path / "old.png") as (_, axis):
+            axis.plot([0, 1], [1, 1 / 0])
+    assert (tmp_path / "old.png").read_bytes() == b"old figure"
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["curve.png", "old.png"]
+    assert set(plt.get_fignums()) == open_before

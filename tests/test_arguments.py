@@ -1,0 +1,43 @@
+"""Every long option of an `iha` parser parses as --snake_case and as --kebab-case, wherever it was declared."""
+
+import pytest
+
+from iha.arguments import ArgumentParser
+
+
+def make_parser() -> ArgumentParser:
+    parser = ArgumentParser(prog="tool")
+    parser.add_argument("--num-pseudo-heads", type=int)
+    group = parser.add_argument_group("group")
+    group.add_argument("--max_shard_size")
+    exclusive = parser.add_mutually_exclusive_group()
+    exclusive.add_argument("--fast-path", action="store_true")
+    exclusive.add_argument("--slow_path", action="store_true")
+    group.add_mutually_exclusive_group().add_argument("--in-group", action="store_true")
+    parser.add_subparsers(dest="command").add_parser("run").add_argument("--sub-option")
+    return parser
+
+
+@pytest.mark.parametrize("style", ["snake", "kebab"])
+def test_both_spellings_parse_in_the_parser_its_groups_and_its_subparsers(style):
+    def flag(name):
+        return "--" + (name if style == "snake" else name.replace("_", "-"))
+
+    argv = [flag("num_pseudo_heads"), "2", flag("max_shard_size"), "5GB", flag("fast_path"), flag("in_group")]
+    args = make_parser().parse_args([*argv, "run", flag("sub_option"), "x"])
+    assert (args.num_pseudo_heads, args.max_shard_size, args.fast_path, args.slow_path) == (2, "5GB", True, False)
+    assert (args.in_group, args.command, args.sub_option) == (True, "run", "x")
+
+
+def test_help_shows_the_snake_case_spelling_first_and_exclusion_names_both(capsys):
+    parser = make_parser()
+    help_text = parser.format_help()
+    assert "--num_pseudo_heads NUM_PSEUDO_HEADS, --num-pseudo-heads NUM_PSEUDO_HEADS" in help_text
+    assert "--max_shard_size MAX_SHARD_SIZE, --max-shard-size MAX_SHARD_SIZE" in help_text
+    assert "--in_group, --in-group" in help_text
+    with pytest.raises(SystemExit) as exit_info:
+        parser.parse_args(["--fast-path", "--slow_path"])
+    assert exit_info.value.code == 2
+    assert (
+        "argument --slow_path/--slow-path: not allowed with argument --fast_path/--fast-path" in capsys.readouterr().err
+    )
