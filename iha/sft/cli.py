@@ -241,6 +241,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     Bad input prints one line (exit 2); Ctrl-C / SIGTERM exit 130 / 143, keeping the checkpoints already saved in
     OUTPUT_DIR (`--resume_from_checkpoint true` continues from the last one).
     """
+    make_parser().parse_args(argv)  # `--help` shows the package's flags here too, before TRL is imported
 
     def sft() -> int:
         run_cli(argv)
