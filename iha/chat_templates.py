@@ -114,7 +114,7 @@ def write_chat_template(chat_template: str, path: str | os.PathLike) -> Path:
     return write_text_atomic(chat_template, path)
 
 
-def main(argv=None):
+def make_parser() -> ArgumentParser:
     parser = ArgumentParser(
         prog="iha chat-template",
         description="Write a chat template with {% generation %} markers (for assistant_only_loss) as a .jinja file.",
@@ -123,6 +123,12 @@ def main(argv=None):
     parser.add_argument(
         "--tokenizer", help="model or tokenizer folder whose template to patch (default: SmolLM2's ChatML template)"
     )
+    return parser
+
+
+def main(argv=None):
+    """`iha chat-template OUTPUT [--tokenizer FOLDER]` / `python -m iha.chat_templates`."""
+    parser = make_parser()
     args = parser.parse_args(argv)
     if args.tokenizer is None:
         template = SMOLLM2_TRAINING_CHAT_TEMPLATE

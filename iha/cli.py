@@ -17,35 +17,49 @@ Every command takes its flags as `--snake_case` (transformers' and TRL's style),
 
 import importlib
 import sys
+from collections.abc import Sequence
+
+from . import register_auto_classes
 
 
-# name -> (module whose main() runs it, arguments put in front, one-line summary)
+# name -> (module with `make_parser()` and `main(argv)`, one-line summary). The modules build their parsers without
+# torch or transformers, so `--help` answers at once; a command imports what its work needs when it runs.
 COMMANDS = {
-    "demo": ("iha.demo", [], "convert, verify, fine-tune, evaluate and save SmolLM2-135M-Instruct as IHA (offline)"),
-    "convert": ("iha.convert", [], "convert a Llama / Mistral / Qwen2 checkpoint to IHA"),
-    "sft": ("iha.sft.cli", [], "supervised fine-tuning (OpenThoughts-style reasoning) with TRL"),
-    "eval": ("iha.evaluation.cli", [], "math (GSM8K, MATH-500) and long-context retrieval evaluation"),
-    "ab": ("iha.ab.cli", [], "A/B: SFT of a Llama-style model as it is vs of its IHA conversion (paired tests)"),
-    "synthetic": (
-        "iha.synthetic.cli",
-        [],
-        "the paper's synthetic relation-composition comparison: MHA, 2-simplicial, IHA",
-    ),
-    "card": ("iha.model_card", [], "write the IHA model card of a folder `trl sft` trained (base, how to load)"),
-    "push": ("iha.hub", [], "upload an IHA folder (converted or fine-tuned) to the Hugging Face Hub"),
-    "data": ("iha.data", [], "SFT data: GSM8K rows to OpenThoughts format, any row schema to `messages` rows"),
-    "chat-template": ("iha.chat_templates", [], "write a chat template with {% generation %} markers (.jinja)"),
+    "demo": ("iha.demo", "convert, verify, fine-tune, evaluate and save SmolLM2-135M-Instruct as IHA (offline)"),
+    "convert": ("iha.convert.cli", "convert a Llama / Mistral / Qwen2 checkpoint to IHA"),
+    "sft": ("iha.sft.cli", "supervised fine-tuning (OpenThoughts-style reasoning) with TRL"),
+    "eval": ("iha.evaluation.cli", "math (GSM8K, MATH-500) and long-context retrieval evaluation"),
+    "ab": ("iha.ab.cli", "A/B: SFT of a Llama-style model as it is vs of its IHA conversion (paired tests)"),
+    "synthetic": ("iha.synthetic.cli", "the paper's synthetic relation-composition comparison: MHA, 2-simplicial, IHA"),
+    "card": ("iha.model_card", "write the IHA model card of a folder `trl sft` trained (base, how to load)"),
+    "push": ("iha.hub", "upload an IHA folder (converted or fine-tuned) to the Hugging Face Hub"),
+    "data": ("iha.data", "SFT data: GSM8K rows to OpenThoughts format, any row schema to `messages` rows"),
+    "chat-template": ("iha.chat_templates", "write a chat template with {% generation %} markers (.jinja)"),
 }
 
 
 def usage() -> str:
     lines = ["usage: iha COMMAND [options]   (iha COMMAND --help for a command's options)", "", "commands:"]
-    lines += [f"  {name:<14} {summary}" for name, (_, _, summary) in COMMANDS.items()]
+    lines += [f"  {name:<14} {summary}" for name, (_, summary) in COMMANDS.items()]
     lines += ["", "Flags are written --snake_case; --kebab-case works too."]
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> int:
+def run(command: str, argv: Sequence[str]) -> int:
+    """Run one command: its flags are checked first (`--help` and bad flags end here, before torch is imported),
+    then the IHA classes are registered with the Auto classes (see `iha_cli`), then the command runs."""
+    argv, prog = list(argv), {}
+    if command == "convert" and argv[:1] == ["push"]:  # `iha-convert push` is `iha push`, with the other Hub code
+        command, argv, prog = "push", argv[1:], {"prog": "iha-convert push"}
+    module = importlib.import_module(COMMANDS[command][0])
+    module.make_parser(**prog).parse_args(argv)
+    register_auto_classes()
+    result = module.main(argv, **prog)
+    # Commands return an exit status; a few return the object they built (a trainer) on success.
+    return result if isinstance(result, int) else 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help"):
         print(usage())
@@ -54,10 +68,7 @@ def main(argv: list[str] | None = None) -> int:
     if command not in COMMANDS:
         print(f"iha: unknown command {command!r}\n\n{usage()}", file=sys.stderr)
         return 2
-    module_name, prefix, _ = COMMANDS[command]
-    result = importlib.import_module(module_name).main(prefix + rest)
-    # Commands return an exit status; a few return the object they built (a trainer) on success.
-    return result if isinstance(result, int) else 0
+    return run(command, rest)
 
 
 if __name__ == "__main__":

@@ -30,6 +30,8 @@ what is wrong with it.
 format, so the whole pipeline can be exercised offline on real data.
 """
 
+from __future__ import annotations
+
 import json
 import logging
 import os
@@ -37,12 +39,14 @@ import re
 import sys
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
-from typing import Any
-
-from datasets import Dataset, load_dataset
+from typing import TYPE_CHECKING, Any
 
 from .arguments import ArgumentParser
 from .atomic_files import write_jsonl_atomic
+
+
+if TYPE_CHECKING:
+    from datasets import Dataset
 
 
 logger = logging.getLogger(__name__)
@@ -227,6 +231,8 @@ def to_messages_dataset(
     num_proc: int | None = None,
 ) -> Dataset:
     """Convert a dataset (or a list of row dicts) of any supported schema to a dataset with one `messages` column."""
+    from datasets import Dataset
+
     if not isinstance(dataset, Dataset):
         rows = list(dataset)
         for index, row in enumerate(rows):
@@ -291,6 +297,8 @@ def load_sft_dataset(
     >>> train = load_sft_dataset("gsm8k_openthoughts.jsonl")
     ```
     """
+    from datasets import Dataset, load_dataset
+
     if isinstance(source, Dataset) or (isinstance(source, Sequence) and not isinstance(source, str)):
         dataset = source
     else:
@@ -443,6 +451,8 @@ def read_gsm8k_rows(source: str | os.PathLike, split: str = "train", limit: int 
         return read_jsonl(source, limit)
     if Path(source).suffix in (".json", ".jsonl") or Path(source).exists():
         raise DataFormatError(f"{source} is not a readable GSM8K .jsonl file.")
+    from datasets import load_dataset
+
     # openai/gsm8k has two configs with the same rows ("main" and "socratic"); "main" is the usual one.
     config_name = "main" if str(source) == "openai/gsm8k" else None
     try:
@@ -466,11 +476,10 @@ def write_jsonl(rows: Iterable[dict], path: str | os.PathLike) -> Path:
     return write_jsonl_atomic(rows, path)
 
 
-def main(argv=None):
-    """`python -m iha.data`: write GSM8K rows as OpenThoughts rows, or any supported schema as `messages` rows
-    (the form in which TRL's own `trl sft` keeps the system prompt)."""
-
-    parser = ArgumentParser(prog="iha data", description=main.__doc__)
+def make_parser() -> ArgumentParser:
+    """`iha data` / `python -m iha.data`: write GSM8K rows as OpenThoughts rows, or any supported schema as
+    `messages` rows (the form in which TRL's own `trl sft` keeps the system prompt)."""
+    parser = ArgumentParser(prog="iha data", description=make_parser.__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
     gsm8k = commands.add_parser("gsm8k-to-openthoughts", help="GSM8K (Hub id or .jsonl) -> OpenThoughts-114k .jsonl")
     gsm8k.add_argument("source", help="a Hub dataset id (openai/gsm8k) or your own GSM8K .jsonl file")
@@ -486,7 +495,12 @@ def main(argv=None):
     messages.add_argument(
         "--default_system_prompt", help="system prompt for rows without one; 'openthoughts' = the OpenThoughts one"
     )
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv=None):
+    """`iha data` / `python -m iha.data` (see `make_parser`)."""
+    args = make_parser().parse_args(argv)
     if args.command == "gsm8k-to-openthoughts":
         try:
             rows = gsm8k_file_to_openthoughts(args.source, limit=args.limit, split=args.split)
@@ -517,6 +531,8 @@ __all__ = [
     "gsm8k_final_answer",
     "gsm8k_to_openthoughts",
     "load_sft_dataset",
+    "main",
+    "make_parser",
     "read_gsm8k_rows",
     "read_jsonl",
     "row_to_messages",

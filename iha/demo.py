@@ -265,7 +265,7 @@ def format_summary(summary: dict) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> int:
+def make_parser() -> ArgumentParser:
     # The command line's defaults are run_demo's, so the two never drift apart.
     defaults = {name: parameter.default for name, parameter in inspect.signature(run_demo).parameters.items()}
     parser = ArgumentParser(prog="iha demo", description=__doc__, formatter_class=HelpFormatter)
@@ -286,7 +286,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-new-tokens", type=int, default=defaults["max_new_tokens"])
     parser.add_argument("--num-pseudo-heads", type=int, default=defaults["num_pseudo_heads"])
     parser.add_argument("--seed", type=int, default=defaults["seed"])
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = make_parser().parse_args(argv)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     settings = {key.replace("-", "_"): value for key, value in vars(args).items()}
 

@@ -115,7 +115,7 @@ def push_to_hub(
     return str(getattr(commit, "commit_url", None) or f"https://huggingface.co/{repo_id}")
 
 
-def build_parser(prog: str = "iha push") -> argparse.ArgumentParser:
+def make_parser(prog: str = "iha push") -> argparse.ArgumentParser:
     parser = ArgumentParser(
         prog=prog,
         description="Upload an IHA folder (converted or fine-tuned) to the Hugging Face Hub in one commit. The "
@@ -131,7 +131,7 @@ def build_parser(prog: str = "iha push") -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None, prog: str = "iha push") -> int:
     """`iha push` (also `iha-convert push`)."""
-    args = build_parser(prog).parse_args(list(sys.argv[1:] if argv is None else argv))
+    args = make_parser(prog).parse_args(list(sys.argv[1:] if argv is None else argv))
 
     def upload() -> int:
         url = push_to_hub(
@@ -153,4 +153,4 @@ if __name__ == "__main__":
     sys.exit(main())
 
 
-__all__ = ["HubUploadError", "build_parser", "card_for_repo", "main", "push_to_hub", "upload_operations"]
+__all__ = ["HubUploadError", "card_for_repo", "main", "make_parser", "push_to_hub", "upload_operations"]

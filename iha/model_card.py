@@ -30,7 +30,6 @@ from pathlib import Path
 
 from .arguments import ArgumentParser
 from .atomic_files import write_text_atomic
-from .compat_iha import supported_range_text
 
 
 MODEL_CARD_NAME = "README.md"
@@ -160,6 +159,8 @@ def update_model_card(
 
 def how_to_load_section(model_id: str) -> str:
     """The "How to load" section: with the `iha` package, and through remote code without it."""
+    from .compat_iha import supported_range_text  # imports transformers (and torch)
+
     return f"""With the `iha` package installed (`pip install iha-transformers`):
 
 ```python
@@ -374,10 +375,8 @@ def rewrite_trainer_card(folder: str | os.PathLike, base: str) -> Path:
     return write_model_card(folder, card)
 
 
-def main(argv: list[str] | None = None) -> int:
-    """`iha card FOLDER --base-model BASE`: the IHA card for a folder `trl sft` (or another trainer) wrote."""
-    import sys
-
+def make_parser() -> ArgumentParser:
+    """`iha card FOLDER --base-model BASE`."""
     parser = ArgumentParser(
         prog="iha card",
         description="Rewrite the model card a trainer wrote into FOLDER (e.g. `trl sft`, whose card names no local "
@@ -385,7 +384,14 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("folder", help="the training output folder (its README.md is rewritten in place)")
     parser.add_argument("--base-model", required=True, help="the IHA model it was trained from: folder or Hub id")
-    args = parser.parse_args(sys.argv[1:] if argv is None else argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`iha card FOLDER --base-model BASE`: the IHA card for a folder `trl sft` (or another trainer) wrote."""
+    import sys
+
+    args = make_parser().parse_args(sys.argv[1:] if argv is None else argv)
     if not (Path(args.folder) / "config.json").is_file() and not (Path(args.folder) / "adapter_config.json").is_file():
         print(
             f"iha card: error: {args.folder} holds no model (no config.json or adapter_config.json).", file=sys.stderr
@@ -402,6 +408,7 @@ __all__ = [
     "how_to_load_adapter_section",
     "how_to_load_section",
     "hub_base_model",
+    "make_parser",
     "parse_model_card",
     "read_model_card",
     "render_model_card",

@@ -41,7 +41,7 @@ One job per module:
 The model card of a converted folder is written by `iha.model_card.write_conversion_card`.
 """
 
-import importlib
+from ..lazy_imports import lazy_attributes
 
 
 # Public name -> the module that defines it, imported on first use: importing one module of the package (the command
@@ -71,16 +71,7 @@ _EXPORTS = {
 }
 
 
-def __getattr__(name: str):
-    if name not in _EXPORTS:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(f"{__name__}.{_EXPORTS[name]}"), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_EXPORTS))
+__getattr__, __dir__ = lazy_attributes(__name__, _EXPORTS)
 
 
 __all__ = sorted(_EXPORTS)

@@ -1,50 +1,45 @@
 """Evaluation: math benchmarks (GSM8K, MATH-500) with pass@1 and majority vote, and a multi-key needle task.
 
-Importing this package needs `math-verify` (the `eval` extra: `pip install iha-transformers[eval]`).
+Its scoring needs `math-verify` (the `eval` extra: `pip install iha-transformers[eval]`).
 """
 
-from .answers import Vote, extract_answer, gsm8k_gold_answer, is_equivalent, majority_vote, parse_answer
-from .math_eval import (
-    PRESETS,
-    MathEvalResult,
-    Problem,
-    SamplingConfig,
-    build_prompt,
-    evaluate_math,
-    generate_completions,
-    load_model_and_tokenizer,
-    load_problems,
-    sampling_preset,
-    score_completions,
-)
-from .needle import NeedleConfig, evaluate_needle, evaluate_needle_examples, make_needle_examples, score_needle_answer
-from .report import comparison_table, math_report, needle_report
+from ..lazy_imports import lazy_attributes
 
 
-__all__ = [
-    "PRESETS",
-    "MathEvalResult",
-    "NeedleConfig",
-    "Problem",
-    "SamplingConfig",
-    "Vote",
-    "build_prompt",
-    "comparison_table",
-    "evaluate_math",
-    "evaluate_needle",
-    "evaluate_needle_examples",
-    "extract_answer",
-    "generate_completions",
-    "gsm8k_gold_answer",
-    "is_equivalent",
-    "load_model_and_tokenizer",
-    "load_problems",
-    "majority_vote",
-    "make_needle_examples",
-    "math_report",
-    "needle_report",
-    "parse_answer",
-    "sampling_preset",
-    "score_completions",
-    "score_needle_answer",
-]
+# Public name -> the module that defines it, imported on first use: the command line's parser (`iha eval --help`)
+# imports neither torch nor math-verify.
+_EXPORTS = {
+    "Vote": "answers",
+    "extract_answer": "answers",
+    "gsm8k_gold_answer": "answers",
+    "is_equivalent": "answers",
+    "majority_vote": "answers",
+    "parse_answer": "answers",
+    "BENCHMARKS": "settings",
+    "PRESETS": "settings",
+    "BenchmarkSpec": "settings",
+    "SamplingConfig": "settings",
+    "sampling_preset": "settings",
+    "MathEvalResult": "math_eval",
+    "Problem": "math_eval",
+    "build_prompt": "math_eval",
+    "evaluate_math": "math_eval",
+    "generate_completions": "math_eval",
+    "load_model_and_tokenizer": "math_eval",
+    "load_problems": "math_eval",
+    "score_completions": "math_eval",
+    "NeedleConfig": "needle",
+    "evaluate_needle": "needle",
+    "evaluate_needle_examples": "needle",
+    "make_needle_examples": "needle",
+    "score_needle_answer": "needle",
+    "comparison_table": "report",
+    "math_report": "report",
+    "needle_report": "report",
+}
+
+
+__getattr__, __dir__ = lazy_attributes(__name__, _EXPORTS)
+
+
+__all__ = sorted(_EXPORTS)

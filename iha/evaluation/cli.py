@@ -21,9 +21,8 @@ from pathlib import Path
 from ..arguments import ArgumentParser, HelpFormatter
 from ..atomic_files import write_json_atomic, write_text_atomic
 from ..atomic_folders import run_command
-from .math_eval import BENCHMARKS, PRESETS, evaluate_math, load_model_and_tokenizer, load_problems, sampling_preset
-from .needle import evaluate_needle
 from .report import math_report, needle_report
+from .settings import BENCHMARKS, PRESETS, sampling_preset
 
 
 def _named(value: str, what: str) -> tuple[str, str]:
@@ -62,7 +61,7 @@ def _add_model_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-chat-template", action="store_true", help="plain 'Question: ... Answer:' prompts")
 
 
-def _build_parser() -> argparse.ArgumentParser:
+def make_parser() -> argparse.ArgumentParser:
     parser = ArgumentParser(prog="iha-eval", description=__doc__, formatter_class=HelpFormatter)
     commands = parser.add_subparsers(dest="command", required=True)
 
@@ -133,6 +132,8 @@ def _build_parser() -> argparse.ArgumentParser:
 
 
 def _run_math(args) -> int:
+    from .math_eval import evaluate_math, load_model_and_tokenizer, load_problems
+
     sampling = sampling_preset(
         args.preset,
         temperature=args.temperature,
@@ -182,6 +183,9 @@ def _run_math(args) -> int:
 
 
 def _run_needle(args) -> int:
+    from .math_eval import load_model_and_tokenizer
+    from .needle import evaluate_needle
+
     output_dir = Path(args.output_dir)
     print(
         f"needle: {args.num_examples} examples at each of {len(args.lengths)} context lengths "
@@ -238,7 +242,7 @@ def _run_compare(args) -> int:
 def main(argv: list[str] | None = None) -> int:
     """Bad input prints one line (exit 2); Ctrl-C / SIGTERM exit 130 / 143. Result files are written whole (to a
     temporary name, then renamed), so an interrupted run leaves only complete ones."""
-    args = _build_parser().parse_args(argv)
+    args = make_parser().parse_args(argv)
     run = {"math": _run_math, "needle": _run_needle, "compare": _run_compare}[args.command]
     return run_command(
         f"iha-eval {args.command}",

@@ -23,7 +23,7 @@ Python:
 >>> trainer = train_sft("my-iha-model", "data.jsonl", args, peft_config=iha_lora_config(r=16))   # LoRA
 ```
 
-Command line (the flags of TRL's `SFTConfig`, plus `ModelArguments` and `DataArguments` of `iha.sft.config`):
+Command line (the flags of TRL's `SFTConfig`, plus `ModelArguments` and `DataArguments` of `iha.sft.arguments`):
 
 ```bash
 iha-sft --model_name_or_path my-iha-model --dataset_name open-thoughts/OpenThoughts-114k \
@@ -32,69 +32,50 @@ accelerate launch --config_file examples/accelerate/fsdp.yaml -m iha.sft ...   #
 ```
 """
 
-from .cli import IHA_TRAINING_FLAGS, main, make_parser, parse_args, run_cli
-from .config import (
-    BASE_RECORD_NAME,
-    DEFAULT_LORA_TARGET_MODULES,
-    MIXING_MODULE_NAME,
-    MIXING_PARAMETER_PATTERN,
-    DataArguments,
-    IHASFTConfig,
-    ModelArguments,
-    bf16_supported_here,
-    is_mixing_parameter,
-)
-from .model import (
-    has_iha_layers,
-    iha_lora_config,
-    is_iha_model,
-    load_model_for_sft,
-    prepare_tokenizer,
-    resolve_model_source,
-)
-from .outputs import (
-    load_adapter_base,
-    load_sft_output,
-    merge_lora,
-    training_card_section,
-    write_merged_card,
-    write_training_card,
-)
-from .train import save_final_model, train_sft
-from .trainer import IHASFTTrainer, enable_fsdp_on_cpu, iha_parameter_groups, own_class_while_saving
+from ..lazy_imports import lazy_attributes
 
 
-__all__ = [
-    "BASE_RECORD_NAME",
-    "DEFAULT_LORA_TARGET_MODULES",
-    "IHA_TRAINING_FLAGS",
-    "MIXING_MODULE_NAME",
-    "MIXING_PARAMETER_PATTERN",
-    "bf16_supported_here",
-    "enable_fsdp_on_cpu",
-    "has_iha_layers",
-    "iha_lora_config",
-    "iha_parameter_groups",
-    "is_iha_model",
-    "is_mixing_parameter",
-    "load_adapter_base",
-    "load_model_for_sft",
-    "load_sft_output",
-    "main",
-    "make_parser",
-    "merge_lora",
-    "own_class_while_saving",
-    "parse_args",
-    "prepare_tokenizer",
-    "resolve_model_source",
-    "run_cli",
-    "save_final_model",
-    "train_sft",
-    "training_card_section",
-    "write_merged_card",
-    "write_training_card",
-    "DataArguments",
-    "IHASFTConfig",
-    "IHASFTTrainer",
-    "ModelArguments",
-]
+# Public name -> the module that defines it, imported on first use: the command line's parser (`iha sft --help`)
+# imports neither torch nor TRL.
+_EXPORTS = {
+    "IHA_TRAINING_FLAGS": "cli",
+    "main": "cli",
+    "make_parser": "cli",
+    "make_trl_parser": "cli",
+    "parse_args": "cli",
+    "run_cli": "cli",
+    "DEFAULT_LORA_TARGET_MODULES": "arguments",
+    "DataArguments": "arguments",
+    "IHATrainingArguments": "arguments",
+    "ModelArguments": "arguments",
+    "BASE_RECORD_NAME": "config",
+    "MIXING_MODULE_NAME": "config",
+    "MIXING_PARAMETER_PATTERN": "config",
+    "IHASFTConfig": "config",
+    "bf16_supported_here": "config",
+    "is_mixing_parameter": "config",
+    "has_iha_layers": "model",
+    "iha_lora_config": "model",
+    "is_iha_model": "model",
+    "load_model_for_sft": "model",
+    "prepare_tokenizer": "model",
+    "resolve_model_source": "model",
+    "load_adapter_base": "outputs",
+    "load_sft_output": "outputs",
+    "merge_lora": "outputs",
+    "training_card_section": "outputs",
+    "write_merged_card": "outputs",
+    "write_training_card": "outputs",
+    "save_final_model": "train",
+    "train_sft": "train",
+    "IHASFTTrainer": "trainer",
+    "enable_fsdp_on_cpu": "trainer",
+    "iha_parameter_groups": "trainer",
+    "own_class_while_saving": "trainer",
+}
+
+
+__getattr__, __dir__ = lazy_attributes(__name__, _EXPORTS)
+
+
+__all__ = sorted(_EXPORTS)

@@ -11,25 +11,32 @@
 # WITHOUT WARRANTIES OR CONDITIONS OF ANY KIND, either express or implied.
 # See the License for the specific language governing permissions and
 # limitations under the License.
-"""`iha-sft` / `iha sft`: the command line over `train_sft`."""
+"""`iha-sft` / `iha sft`: the command line over `train_sft`.
 
+Two parsers of the same dataclasses. `make_parser()` holds the flags of `iha.sft.arguments` (model, data, IHA
+training), declared as transformers' `HfArgumentParser` declares them, and is built without torch or TRL: `--help`
+answers at once. `make_trl_parser()` is the `HfArgumentParser` over them and TRL's `SFTConfig` (~200 flags more:
+`--learning_rate`, `--max_length`, `--packing`, ...); a run parses its command line with it, and `--help_trl` prints
+its help.
+"""
+
+import argparse
 import logging
 import sys
+import types
+import typing
 from collections.abc import Sequence
-from dataclasses import asdict, fields
-from pathlib import Path
+from dataclasses import MISSING, asdict, fields
 
-from transformers import AutoTokenizer, HfArgumentParser
-
-import iha  # noqa: F401  (registers IHAConfig / IHAForCausalLM with the Auto classes)
-
+from ..arguments import ArgumentParser
 from ..atomic_folders import run_command
 from ..convert import ConversionError, IHAConversionOptions
-from .config import DataArguments, IHASFTConfig, ModelArguments
-from .model import iha_lora_config
-from .outputs import merge_lora
-from .train import train_sft
-from .trainer import IHASFTTrainer
+from .arguments import DataArguments, IHATrainingArguments, ModelArguments
+
+
+if typing.TYPE_CHECKING:
+    from .config import IHASFTConfig
+    from .trainer import IHASFTTrainer
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -38,53 +45,145 @@ from .trainer import IHASFTTrainer
 
 
 # The flags `IHASFTConfig` adds to or changes in TRL's `SFTConfig`, shown in their own group before TRL's.
-IHA_TRAINING_FLAGS = ("mixing_learning_rate", "mixing_weight_decay", "assistant_only_loss", "bf16")
+IHA_TRAINING_FLAGS = tuple(setting.name for setting in fields(IHATrainingArguments))
+ARGUMENT_GROUPS = {"model (iha)": ModelArguments, "data (iha)": DataArguments, "IHA training": IHATrainingArguments}
+USAGE = "%(prog)s --model_name_or_path MODEL --dataset_name DATA [flags below]   or   %(prog)s CONFIG.yaml"
+DESCRIPTION = (
+    "Reasoning SFT with TRL of an IHA model, or of a Llama-style one converted on the fly: full fine-tuning or LoRA."
+)
+TRL_FLAGS = """Every flag of TRL's SFTConfig is accepted too, transformers' TrainingArguments among them (--output_dir,
+--learning_rate, --num_train_epochs, --per_device_train_batch_size, --max_length, --packing, --use_cpu, ...):
+`iha-sft --help_trl` lists them all (it loads TRL, which takes a few seconds)."""
 
 
-def make_parser() -> HfArgumentParser:
-    """`iha-sft`'s flags. `--help` lists the package's own first (model, data, IHA training), then TRL's ~200."""
-    parser = HfArgumentParser(
-        (ModelArguments, DataArguments, IHASFTConfig),
-        prog="iha-sft",
-        usage="%(prog)s --model_name_or_path MODEL --dataset_name DATA [flags below]   or   %(prog)s CONFIG.yaml",
+def string_to_bool(value: str | bool) -> bool:
+    """What `--flag VALUE` of a bool field means, as transformers' `HfArgumentParser` reads it."""
+    if isinstance(value, bool):
+        return value
+    if value.lower() in ("yes", "true", "t", "y", "1"):
+        return True
+    if value.lower() in ("no", "false", "f", "n", "0"):
+        return False
+    raise argparse.ArgumentTypeError(
+        f"Truthy value expected: got {value} but expected one of yes/no, true/false, t/f, y/n, 1/0 (case insensitive)."
     )
+
+
+def add_dataclass_flags(group, dataclass_type) -> None:
+    """One flag per field of `dataclass_type`, declared as `HfArgumentParser` declares it (the field types these
+    dataclasses use: str, int, float, bool, each optionally `| None`, and `list[str] | None`); tests/test_fast_help.py
+    compares the two parsers."""
+    for setting in fields(dataclass_type):
+        kwargs = dict(setting.metadata)
+        kind = setting.type
+        if kind != bool | None and typing.get_origin(kind) in (typing.Union, types.UnionType):  # X | None -> X
+            kind = next(arg for arg in typing.get_args(kind) if arg is not type(None))
+        if kind is bool or kind == bool | None:
+            kwargs["type"] = string_to_bool
+            if kind is bool or setting.default is not None:
+                kwargs.update(default=False if setting.default is MISSING else setting.default, nargs="?", const=True)
+        elif typing.get_origin(kind) is list:
+            kwargs.update(type=typing.get_args(kind)[0], nargs="+")
+            if setting.default is MISSING and setting.default_factory is MISSING:
+                kwargs["required"] = True
+        else:
+            kwargs["type"] = kind
+            if setting.default is not MISSING:
+                kwargs["default"] = setting.default
+            else:
+                kwargs["required"] = True
+        group.add_argument(f"--{setting.name}", **kwargs)
+        if setting.default is True:
+            group.add_argument(
+                f"--no_{setting.name}",
+                action="store_false",
+                dest=setting.name,
+                **{**setting.metadata, "default": False},
+            )
+
+
+def is_config_file(argv: Sequence[str]) -> bool:
+    """`iha-sft CONFIG.yaml` (or .json): every flag is read from the file."""
+    return len(argv) == 1 and argv[0].endswith((".yaml", ".yml", ".json"))
+
+
+class SFTArgumentParser(ArgumentParser):
+    """`make_parser()`: checks the flags it declares and leaves the others (TRL's) to the run's `HfArgumentParser`."""
+
+    def parse_args(self, args=None, namespace=None):
+        args = list(sys.argv[1:] if args is None else args)
+        if is_config_file(args):
+            return argparse.Namespace(config_file=args[0])
+        return self.parse_known_args(args, namespace)[0]
+
+
+class PrintTRLHelp(argparse.Action):
+    def __init__(self, option_strings, dest=argparse.SUPPRESS, default=argparse.SUPPRESS, help=None):
+        super().__init__(option_strings, dest=dest, default=default, nargs=0, help=help)
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        make_trl_parser().print_help()
+        parser.exit()
+
+
+def make_parser() -> SFTArgumentParser:
+    """`iha-sft`'s own flags (model, data, IHA training), built without torch or TRL: what `--help` shows."""
+    # TRL's flags are not declared here: an abbreviation must not be taken for one of the flags that are.
+    parser = SFTArgumentParser(
+        prog="iha-sft", usage=USAGE, description=DESCRIPTION, epilog=TRL_FLAGS, allow_abbrev=False
+    )
+    parser.add_argument("--help_trl", action=PrintTRLHelp, help="show every flag, TRL's SFTConfig ones included")
+    for title, dataclass_type in ARGUMENT_GROUPS.items():
+        add_dataclass_flags(parser.add_argument_group(title), dataclass_type)
+    return parser
+
+
+def make_trl_parser():
+    """Every flag of a run: `HfArgumentParser` over `ModelArguments`, `DataArguments` and `IHASFTConfig` (TRL's
+    `SFTConfig` + the IHA training flags). `--help` lists the package's own first, then TRL's ~200."""
+    from transformers import HfArgumentParser
+
+    from .config import IHASFTConfig
+
+    parser = HfArgumentParser((ModelArguments, DataArguments, IHASFTConfig), prog="iha-sft", usage=USAGE)
     # HfArgumentParser puts every field into the parser's one "options" group, in dataclass order: the few IHA
     # flags would come after ~800 lines of TRL's. Regroup them (argparse prints groups in list order).
-    groups = {
-        "model (iha)": [f.name for f in fields(ModelArguments)],
-        "data (iha)": [f.name for f in fields(DataArguments)],
-        "IHA training": list(IHA_TRAINING_FLAGS),
-    }
     options = parser._optionals
     options.title = "training (TRL's SFTConfig and transformers' TrainingArguments)"
     groups = [parser.add_argument_group("help")]
     groups[0]._group_actions = [action for action in options._group_actions if action.dest == "help"]
-    for title, names in (("model (iha)", fields(ModelArguments)), ("data (iha)", fields(DataArguments))):
+    for title, dataclass_type in ARGUMENT_GROUPS.items():
+        names = {setting.name for setting in fields(dataclass_type)}
         groups.append(parser.add_argument_group(title))
-        groups[-1]._group_actions = [
-            action for action in options._group_actions if action.dest in {f.name for f in names}
-        ]
-    groups.append(parser.add_argument_group("IHA training"))
-    groups[-1]._group_actions = [action for action in options._group_actions if action.dest in IHA_TRAINING_FLAGS]
+        groups[-1]._group_actions = [action for action in options._group_actions if action.dest in names]
     moved = {id(action) for group in groups for action in group._group_actions}
     options._group_actions = [action for action in options._group_actions if id(action) not in moved]
     parser._action_groups = [parser._positionals, *groups, options]
     return parser
 
 
-def parse_args(argv: Sequence[str] | None = None) -> tuple[ModelArguments, DataArguments, IHASFTConfig]:
-    parser = make_parser()
+def parse_args(argv: Sequence[str] | None = None) -> "tuple[ModelArguments, DataArguments, IHASFTConfig]":
+    """The command line of a run (every flag, TRL's included), or the one .yaml / .json file holding its flags."""
+    parser = make_trl_parser()
     argv = list(sys.argv[1:] if argv is None else argv)
-    if len(argv) == 1 and argv[0].endswith((".yaml", ".yml")):
+    if is_config_file(argv) and argv[0].endswith((".yaml", ".yml")):
         return parser.parse_yaml_file(argv[0])
-    if len(argv) == 1 and argv[0].endswith(".json"):
+    if is_config_file(argv):
         return parser.parse_json_file(argv[0])
     return parser.parse_args_into_dataclasses(args=argv)
 
 
-def run_cli(argv: Sequence[str] | None = None) -> IHASFTTrainer:
+def run_cli(argv: Sequence[str] | None = None) -> "IHASFTTrainer":
     """What `iha-sft` runs, returning the trainer: the flags of `IHASFTConfig` (TRL's `SFTConfig` + mixing lr / wd),
     `ModelArguments` and `DataArguments`, or one .yaml / .json file holding them."""
+    from pathlib import Path
+
+    from transformers import AutoTokenizer
+
+    from .model import iha_lora_config
+    from .outputs import merge_lora
+    from .train import train_sft
+
     model_args, data_args, training_args = parse_args(argv)
     iha_options = asdict(IHAConversionOptions.from_json(model_args.iha_options)) if model_args.iha_options else None
     logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s", level=logging.INFO)
@@ -137,11 +236,12 @@ def run_cli(argv: Sequence[str] | None = None) -> IHASFTTrainer:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """`iha-sft` / `iha sft` / `python -m iha.sft` (run `--help` for every flag).
+    """`iha-sft` / `iha sft` / `python -m iha.sft` (`--help` for the package's flags, `--help_trl` for every flag).
 
     Bad input prints one line (exit 2); Ctrl-C / SIGTERM exit 130 / 143, keeping the checkpoints already saved in
     OUTPUT_DIR (`--resume_from_checkpoint true` continues from the last one).
     """
+    make_parser().parse_args(argv)  # `--help` shows the package's flags here too, before TRL is imported
 
     def sft() -> int:
         run_cli(argv)

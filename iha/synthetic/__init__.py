@@ -28,40 +28,41 @@ default), the best validation checkpoint is tested. Metrics: per-position accura
 exact match, overall and per m. Runs on CUDA when there is one.
 """
 
-from .config import CPU, FIXED, PAPER, PRESET_SEEDS, PRESETS, TINY, SyntheticConfig
-from .models import ATTENTIONS, BidirectionalAttention, CompositionModel, build_model, count_parameters
-from .report import results_table, seed_summary, write_outputs, write_seed_summary
-from .simplicial_attention import TwoSimplicialAttention, two_simplicial_attention
-from .task import TASKS, CompositionData, compose_relation, make_composition_data, valid_positions
-from .train import evaluate, masked_loss, run_comparison, train_one
+from ..lazy_imports import lazy_attributes
 
 
-__all__ = [
-    "ATTENTIONS",
-    "CPU",
-    "FIXED",
-    "PAPER",
-    "PRESETS",
-    "PRESET_SEEDS",
-    "TASKS",
-    "TINY",
-    "BidirectionalAttention",
-    "CompositionData",
-    "CompositionModel",
-    "SyntheticConfig",
-    "TwoSimplicialAttention",
-    "build_model",
-    "compose_relation",
-    "count_parameters",
-    "evaluate",
-    "make_composition_data",
-    "masked_loss",
-    "results_table",
-    "run_comparison",
-    "seed_summary",
-    "train_one",
-    "two_simplicial_attention",
-    "valid_positions",
-    "write_outputs",
-    "write_seed_summary",
-]
+# Public name -> the module that defines it, imported on first use: the command line's parser
+# (`iha synthetic --help`) does not import torch.
+_EXPORTS = {
+    "CPU": "config",
+    "FIXED": "config",
+    "PAPER": "config",
+    "PRESET_SEEDS": "config",
+    "PRESETS": "config",
+    "TASKS": "config",
+    "TINY": "config",
+    "SyntheticConfig": "config",
+    "ATTENTIONS": "models",
+    "BidirectionalAttention": "models",
+    "CompositionModel": "models",
+    "build_model": "models",
+    "count_parameters": "models",
+    "results_table": "report",
+    "seed_summary": "report",
+    "write_outputs": "report",
+    "write_seed_summary": "report",
+    "TwoSimplicialAttention": "simplicial_attention",
+    "two_simplicial_attention": "simplicial_attention",
+    "CompositionData": "task",
+    "compose_relation": "task",
+    "make_composition_data": "task",
+    "valid_positions": "task",
+    "evaluate": "train",
+    "masked_loss": "train",
+    "run_comparison": "train",
+    "train_one": "train",
+}
+
+__getattr__, __dir__ = lazy_attributes(__name__, _EXPORTS)
+
+__all__ = sorted(_EXPORTS)

@@ -9,14 +9,9 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-import torch
-
 from ..arguments import ArgumentParser
 from ..atomic_folders import run_command
-from .config import PRESET_SEEDS, PRESETS, SyntheticConfig
-from .report import results_table, write_outputs, write_seed_summary
-from .task import TASKS
-from .train import config_as_saved, model_variants, run_comparison
+from .config import PRESET_SEEDS, PRESETS, TASKS, SyntheticConfig
 
 
 def _parse_m(values: list[str] | None) -> dict[str, list[int]] | None:
@@ -34,7 +29,7 @@ def _parse_m(values: list[str] | None) -> dict[str, list[int]] | None:
     return sizes
 
 
-def main(argv: list[str] | None = None) -> int:
+def make_parser() -> argparse.ArgumentParser:
     parser = ArgumentParser(
         prog="iha synthetic",
         description="Relation composition (paper appendix): MHA, 2-simplicial attention and IHA, one bidirectional "
@@ -98,7 +93,11 @@ def main(argv: list[str] | None = None) -> int:
         help="run everything again: ignore (and replace) the finished runs of an earlier call in OUTPUT_DIR "
         "(results.partial.json of an interrupted call, results.json of a finished one)",
     )
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = make_parser().parse_args(argv)
     return run_command(
         "iha synthetic",
         lambda: _run(args),
@@ -118,6 +117,8 @@ def _read_results(path: str) -> dict:
 
 
 def _run(args: argparse.Namespace) -> int:
+    from .report import write_seed_summary
+
     if args.summarize:
         results_per_seed = [_read_results(path) for path in args.summarize]
         paths = write_seed_summary(results_per_seed, args.output_dir)
@@ -145,6 +146,8 @@ def _run(args: argparse.Namespace) -> int:
         overrides["m"] = {**preset.m, **overrides["m"]}
     config = replace(preset, **{key: value for key, value in overrides.items() if value is not None})
     if args.threads is not None:
+        import torch
+
         torch.set_num_threads(args.threads)
     seeds = args.seeds or ([args.seed] if args.seed is not None else PRESET_SEEDS[args.preset])
     if len(set(seeds)) != len(seeds):
@@ -168,6 +171,8 @@ def _train_cheap_models_first(config: SyntheticConfig, seeds: list[int], output_
     """Several seeds: train every seed's MHA and IHA P = 2 first, then the costly models (IHA with P > 2 attends
     P m^2 pseudo-tokens, 2-simplicial m^4 pairs of keys), the cheaper task first, so that an interrupted call has
     whole models over all seeds. Runs go to each seed's checkpoint; the outputs are written afterwards."""
+    from .train import config_as_saved, model_variants, run_comparison
+
     cheap = {"MHA", "IHA P=1", "IHA P=2"}
     tasks_by_cost = sorted(config.tasks, key=lambda task: config.m[task][1])  # the largest m costs the most
     passes = [{(task, name) for task in config.tasks for name, _, _ in model_variants(config) if name in cheap}]
@@ -193,6 +198,9 @@ def _run_and_write(config: SyntheticConfig, output_dir: Path, fresh: bool, devic
     `--seeds` picks up where an interrupted call stopped); one of another configuration is never overwritten
     unless `fresh`.
     """
+    from .report import results_table, write_outputs
+    from .train import config_as_saved, run_comparison
+
     checkpoint = output_dir / "results.partial.json"
     finished = output_dir / "results.json"
     if fresh:

@@ -1,10 +1,16 @@
-"""Settings of a comparison (`SyntheticConfig`) and the presets: paper, cpu, fixed, tiny."""
+"""The tasks (`TASKS`, the paper's sizes and densities), the settings of a comparison (`SyntheticConfig`) and the
+presets: paper, cpu, fixed, tiny."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
-from .task import TASKS
+
+# Paper, appendix: binary composition with m in 6..10 at density 0.325, ternary with m in 5..8 at density 0.264.
+TASKS = {
+    "binary": {"order": 2, "density": 0.325, "m": [6, 10]},
+    "ternary": {"order": 3, "density": 0.264, "m": [5, 8]},
+}
 
 
 @dataclass

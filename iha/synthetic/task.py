@@ -7,12 +7,7 @@ from typing import NamedTuple
 
 import torch
 
-
-# Paper, appendix: binary composition with m in 6..10 at density 0.325, ternary with m in 5..8 at density 0.264.
-TASKS = {
-    "binary": {"order": 2, "density": 0.325, "m": [6, 10]},
-    "ternary": {"order": 3, "density": 0.264, "m": [5, 8]},
-}
+from .config import TASKS
 
 
 class CompositionData(NamedTuple):

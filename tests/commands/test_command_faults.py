@@ -122,7 +122,7 @@ def test_interrupted_eval_writes_no_result(paused_command, tiny_llama_dir, probl
     output = tmp_path / "new" / "eval"
     argv = ["eval", "math", "--model", f"tiny={tiny_llama_dir}", "--dataset", f"gsm8k={problems_file}"]
     argv += ["--output-dir", str(output), "--limit", "2", "--max-new-tokens", "2", "--device", "cpu"]
-    process = paused_command(tmp_path / "ready", "iha.evaluation.cli:evaluate_math", 1, argv)
+    process = paused_command(tmp_path / "ready", "iha.evaluation.math_eval:evaluate_math", 1, argv)
     process.send_signal(signal.SIGTERM)
     out, err = finish(process)
     assert_one_line_interruption(process, "iha-eval math", signal.SIGTERM, out, err)

@@ -1,0 +1,25 @@
+"""Package attributes imported on first use (PEP 562 module `__getattr__`).
+
+`iha` and its subpackages name their public classes and functions in one table each; a name's module is imported
+when the name is first used. Importing a light module of a package (a command line's parser, the settings) then
+imports neither torch nor transformers, and `iha COMMAND --help` answers at once.
+"""
+
+import importlib
+import sys
+
+
+def lazy_attributes(package: str, exports: dict[str, str]):
+    """`__getattr__` and `__dir__` for `package`: `exports` maps each public name to the submodule defining it."""
+
+    def __getattr__(name: str):
+        if name not in exports:
+            raise AttributeError(f"module {package!r} has no attribute {name!r}")
+        value = getattr(importlib.import_module(f"{package}.{exports[name]}"), name)
+        setattr(sys.modules[package], name, value)  # found as a plain attribute from now on
+        return value
+
+    def __dir__() -> list[str]:
+        return sorted(set(vars(sys.modules[package])) | set(exports))
+
+    return __getattr__, __dir__

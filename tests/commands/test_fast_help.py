@@ -1,0 +1,180 @@
+"""Every console script answers `--help` without importing torch, transformers or TRL, and the IHA classes are still
+registered with the Auto classes: by `import iha`, and by the `iha` dispatcher before a command runs."""
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+from conftest import REPO_ROOT
+
+from iha import cli, configuration_iha
+from iha.convert import options
+from iha.sft import cli as sft_cli
+
+
+# Runs a console script of iha_cli (argv: FUNCTION PROG ARGS...) and prints its exit status and the heavy modules it
+# imported as the last line of stderr.
+RUN_SCRIPT = """
+import json, sys
+import iha_cli
+
+function = getattr(iha_cli, sys.argv[1])
+sys.argv = sys.argv[2:]
+try:
+    status = function()
+except SystemExit as exit:
+    status = exit.code
+heavy = [name for name in ("torch", "transformers", "trl", "datasets", "peft", "math_verify") if name in sys.modules]
+print(json.dumps({"status": status, "heavy": heavy}), file=sys.stderr)
+"""
+ENV = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+
+
+def run_script(function: str, prog: str, *args: str, cwd=None) -> tuple[dict, str, str]:
+    result = subprocess.run(
+        [sys.executable, "-c", RUN_SCRIPT, function, prog, *args],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=cwd or REPO_ROOT,
+        env=ENV,
+    )
+    *errors, outcome = result.stderr.strip().splitlines() or [""]
+    return json.loads(outcome), result.stdout, "\n".join(errors)
+
+
+# (console script function, its words before --help, the command's own flags in the order its help shows them)
+HELP_PAGES = [
+    ("main", ["iha"], []),
+    ("main", ["iha", "demo"], ["--output_dir", "--model", "--num_pseudo_heads"]),
+    ("main", ["iha", "convert"], ["source", "output_dir", "--num_pseudo_heads", "--layers", "--dtype", "--no_verify"]),
+    ("main", ["iha", "convert", "push"], ["folder", "repo_id", "--private"]),
+    ("main", ["iha", "sft"], ["--help_trl", "--model_name_or_path", "--dataset_name", "--mixing_learning_rate"]),
+    ("main", ["iha", "eval"], ["math", "needle", "compare"]),
+    ("main", ["iha", "eval", "math"], ["--model", "--dataset", "--preset", "--temperature"]),
+    ("main", ["iha", "ab"], ["--preset", "--output_dir", "--model"]),
+    ("main", ["iha", "synthetic"], ["--preset", "--output_dir", "--tasks", "--pseudo_heads"]),
+    ("main", ["iha", "card"], ["folder", "--base_model"]),
+    ("main", ["iha", "push"], ["folder", "repo_id", "--private", "--token"]),
+    ("main", ["iha", "data"], ["gsm8k-to-openthoughts", "to-messages"]),
+    ("main", ["iha", "data", "to-messages"], ["source", "output", "--max_rows"]),
+    ("main", ["iha", "chat-template"], ["output", "--tokenizer"]),
+    ("convert", ["iha-convert"], ["source", "output_dir", "--num_pseudo_heads", "--layers"]),
+    ("convert", ["iha-convert", "push"], ["folder", "repo_id"]),
+    ("sft", ["iha-sft"], ["--help_trl", "--model_name_or_path", "--use_peft", "--dataset_name", "--bf16"]),
+    ("evaluate", ["iha-eval"], ["math", "needle", "compare"]),
+]
+
+
+@pytest.mark.parametrize("function, words, flags", HELP_PAGES, ids=[" ".join(words) for _, words, _ in HELP_PAGES])
+def test_help_imports_no_heavy_library(function, words, flags):
+    outcome, out, err = run_script(function, *words, "--help")
+    assert outcome == {"status": 0, "heavy": []}, err[-2000:]
+    assert out.lower().startswith("usage")
+    body = out[out.index("\n\n") :]  # after the usage lines: each flag where it is described, at a line's start
+    positions = [re.search(rf"\n +{re.escape(flag)}\b", body).start() for flag in flags]
+    assert positions == sorted(positions), f"the flags are not listed in this order: {flags}"
+    if not flags:  # `iha --help`: every command with its one-line summary
+        for name, (_, summary) in cli.COMMANDS.items():
+            assert f"  {name:<14} {summary}" in out
+
+
+def test_sft_help_lists_its_own_flags_and_says_how_to_list_trl_flags():
+    out = sft_cli.make_parser().format_help()
+    assert "--learning_rate LEARNING_RATE" not in out and "--help_trl" in out and "--max_length" in out
+
+
+def test_help_trl_lists_every_flag_the_packages_own_first():
+    outcome, out, err = run_script("sft", "iha-sft", "--help_trl")
+    assert outcome["status"] == 0, err[-2000:]
+    for flag in ("--model_name_or_path", "--mixing_learning_rate", "--learning_rate", "--packing", "--max_length"):
+        assert f"  {flag} " in out, flag
+    assert out.index("--model_name_or_path") < out.index("--mixing_learning_rate") < out.index("--learning_rate")
+
+
+def hf_declaration(action: argparse.Action) -> dict:
+    """What a flag accepts, as `argparse` declares it (the bool converter compared by what it reads)."""
+    converts = action.type
+    if converts is not None and converts.__name__ == "string_to_bool":
+        converts = tuple(converts(word) for word in ("yes", "TRUE", "t", "y", "1", "no", "False", "f", "n", "0"))
+    declared = ("nargs", "const", "default", "required", "choices", "help", "dest")
+    return {"options": action.option_strings, "type": converts, **{key: getattr(action, key) for key in declared}}
+
+
+def test_sft_parser_declares_its_flags_as_the_run_parser_does():
+    light = {action.dest for action in sft_cli.make_parser()._actions} - {"help", "help_trl"}
+    full = [hf_declaration(action) for action in sft_cli.make_trl_parser()._actions if action.dest in light]
+    own = [hf_declaration(action) for action in sft_cli.make_parser()._actions if action.dest in light]
+    by_flag = lambda declarations: sorted(declarations, key=lambda declaration: declaration["options"])  # noqa: E731
+    assert by_flag(own) == by_flag(full) and len(own) > 20
+
+
+def test_sft_command_line_accepts_trl_flags_and_checks_its_own(tmp_path, capsys):
+    argv = ["--model_name_or_path", "m", "--dataset_name", "d", "--learning_rate", "1e-3", "--packing"]
+    argv += ["--lora_target_modules", "q_proj", "k_proj", "--max_length", "64", "--use_peft", "--output_dir", "o"]
+    args = sft_cli.make_parser().parse_args(argv)
+    assert args.use_peft is True and args.lora_target_modules == ["q_proj", "k_proj"]
+    model_args, _, training_args = sft_cli.parse_args(argv)
+    assert training_args.learning_rate == 1e-3 and training_args.packing is True and training_args.max_length == 64
+    assert model_args.lora_target_modules == ["q_proj", "k_proj"]
+    assert sft_cli.make_parser().parse_args([str(tmp_path / "run.yaml")]).config_file == str(tmp_path / "run.yaml")
+    with pytest.raises(SystemExit) as exit:
+        sft_cli.make_parser().parse_args(["--model_name_or_path", "m", "--dataset_name", "d", "--lora_r", "many"])
+    assert exit.value.code == 2 and "--lora_r" in capsys.readouterr().err
+
+
+def test_conversion_choices_are_the_configs():
+    for name in ("MASK_MODES", "POSITION_MODES", "COLLAPSE_MODES", "COLLAPSE_INITS"):
+        assert getattr(options, name) == getattr(configuration_iha, name), name
+
+
+IMPORT_REGISTERS = """
+import iha_cli  # imported, not run: `import iha` registers as usual
+import iha
+from transformers import AutoConfig, AutoModelForCausalLM
+from iha import IHAConfig, IHAForCausalLM, IHAHeadMixing, paper_hybrid_layout
+
+config = AutoConfig.for_model("iha", vocab_size=97, hidden_size=48, intermediate_size=96, num_hidden_layers=1,
+                              num_attention_heads=4, num_key_value_heads=4)
+model = AutoModelForCausalLM.from_config(config)
+print(type(config).__name__, type(model).__name__, IHAConfig.__name__, type(model)._auto_class)
+"""
+
+
+def test_import_iha_registers_the_auto_classes():
+    result = subprocess.run(
+        [sys.executable, "-c", IMPORT_REGISTERS],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=REPO_ROOT,
+        env=ENV,
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.split() == ["IHAConfig", "IHAForCausalLM", "IHAConfig", "AutoModelForCausalLM"]
+
+
+def test_a_command_run_from_the_console_script_has_the_classes_registered(tmp_path):
+    # `iha eval` loads the model with AutoModelForCausalLM and without trust_remote_code: it works on an IHA folder
+    # only if the dispatcher registered the IHA classes before the command ran.
+    from conftest import tiny_llama_for_tokenizer
+    from transformers import AutoTokenizer
+
+    from iha.builtin import smollm2_dir
+    from iha.convert import llama_to_iha
+
+    tokenizer = AutoTokenizer.from_pretrained(smollm2_dir())
+    llama_to_iha(tiny_llama_for_tokenizer(tokenizer)).save_pretrained(tmp_path / "tiny")
+    tokenizer.save_pretrained(tmp_path / "tiny")
+    problems = tmp_path / "problems.jsonl"
+    problems.write_text(json.dumps({"question": "What is 1 + 1?", "answer": "1 + 1 = 2\n#### 2"}) + "\n")
+    argv = ["math", "--model", f"tiny={tmp_path / 'tiny'}", "--dataset", f"gsm8k={problems}", "--max-new-tokens", "2"]
+    argv += ["--device", "cpu", "--output-dir", str(tmp_path / "eval")]
+    outcome, out, err = run_script("evaluate", "iha-eval", *argv)
+    assert outcome["status"] == 0, err[-2000:]
+    result = json.loads((tmp_path / "eval" / "tiny_gsm8k.json").read_text())
+    assert result["model"] == "tiny" and len(result["problems"]) == 1
