@@ -18,9 +18,15 @@ registration_deferred = False
 def _run(command: str | None) -> int:
     global registration_deferred
     registration_deferred = True
-    from iha import cli
+    try:
+        from iha import cli
 
-    return cli.main() if command is None else cli.run(command, sys.argv[1:])
+        return cli.main() if command is None else cli.run(command, sys.argv[1:])
+    finally:
+        # Called in-process (a notebook, a test), a later `import iha` elsewhere must not see a deferral; if the
+        # script stopped before registering (`--help`, a bad flag), `iha`'s first IHA class registers (or call
+        # `iha.register_auto_classes()`).
+        registration_deferred = False
 
 
 def main() -> int:

@@ -2,7 +2,7 @@
 
 `model_flops` counts the matmul work of a forward pass (projections, attention over the (query, key) pairs the mask
 allows, IHA head mixing and collapse, MLP, LM head); `attention_pairs` counts those pairs for one head.
-tests/test_bench_perf.py checks both against brute-force mask counts and a count by hand.
+tests/benchmarks/test_bench_perf.py checks both against brute-force mask counts and a count by hand.
 """
 
 from iha.configuration_iha import is_iha_layer, is_sliding_layer

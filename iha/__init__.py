@@ -36,6 +36,8 @@ def register_auto_classes() -> None:
     from .configuration_iha import IHAConfig
     from .modeling_iha import IHAForCausalLM, IHAModel
 
+    global _registration_pending
+    _registration_pending = False
     AutoConfig.register("iha", IHAConfig, exist_ok=True)
     AutoModel.register(IHAConfig, IHAModel, exist_ok=True)
     AutoModelForCausalLM.register(IHAConfig, IHAForCausalLM, exist_ok=True)
@@ -45,11 +47,20 @@ def register_auto_classes() -> None:
     IHAForCausalLM.register_for_auto_class("AutoModelForCausalLM")
 
 
-__getattr__, __dir__ = lazy_attributes(__name__, _EXPORTS)
+_lazy_getattr, __dir__ = lazy_attributes(__name__, _EXPORTS)
+
+
+def __getattr__(name: str):
+    # A console script called in-process (a notebook, a test) may stop before registering (`--help`, a bad flag):
+    # the first use of an IHA class registers then.
+    if _registration_pending and name in _EXPORTS:
+        register_auto_classes()
+    return _lazy_getattr(name)
 
 
 # A console script of `iha_cli` marks its own module (never the environment: `accelerate launch` and every other
 # child process imports this package afresh and registers here).
+_registration_pending = True
 if not getattr(sys.modules.get("iha_cli"), "registration_deferred", False):
     register_auto_classes()
 

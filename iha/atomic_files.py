@@ -77,22 +77,17 @@ def save_figure_atomic(figure, path: str | os.PathLike, dpi: int = 110) -> Path:
 
 @contextmanager
 def saved_figure(path: str | os.PathLike, dpi: int = 110, **subplots) -> Iterator[tuple]:
-    """A new matplotlib figure and its axes (`pyplot.subplots(**subplots)`) to draw on in the block; when the block
-    ends the figure is laid out (`tight_layout`) and saved to `path` with `save_figure_atomic`. The figure is closed
-    in any case: pyplot keeps every figure it made alive until then.
+    """A new matplotlib figure and its axes (`figsize` and the rest of `Figure.subplots`' arguments) to draw on in the block; when the block
+    ends the figure is laid out (`tight_layout`) and saved to `path` with `save_figure_atomic`.
 
-    matplotlib is imported here, when a figure is drawn, on the Agg backend (files only, no display), so that the
-    modules that plot stay light to import.
+    The figure is made without pyplot: no backend is chosen or switched (a notebook keeps its own), no display is
+    needed, and nothing keeps the figure alive afterwards. matplotlib is imported here, when a figure is drawn, so
+    that the modules that plot stay light to import.
     """
-    import matplotlib
+    from matplotlib.figure import Figure
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    figure, axes = plt.subplots(**subplots)
-    try:
-        yield figure, axes
-        figure.tight_layout()
-        save_figure_atomic(figure, path, dpi=dpi)
-    finally:
-        plt.close(figure)
+    figure = Figure(figsize=subplots.pop("figsize", None))
+    axes = figure.subplots(**subplots)
+    yield figure, axes
+    figure.tight_layout()
+    save_figure_atomic(figure, path, dpi=dpi)

@@ -41,7 +41,7 @@ from .errors import ConversionError
 
 # The values of the `IHAConfig` fields these settings fill. They are `iha.configuration_iha`'s constants, written out
 # here because that module imports torch and transformers, which the command line's parser (and `--help`) should not
-# wait for; tests/test_fast_help.py checks that the two stay equal.
+# wait for; tests/commands/test_fast_help.py checks that the two stay equal.
 MASK_MODES = ("flat_causal", "token_causal")
 POSITION_MODES = ("virtual", "shared")
 COLLAPSE_MODES = ("per_head", "global")

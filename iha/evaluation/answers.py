@@ -36,12 +36,14 @@ _TIMEOUT_SECONDS = 5
 _BOX_CONFIG = [LatexExtractionConfig(boxed_match_priority=0, try_extract_without_anchor=False)]
 
 # What math-verify's `parse` does not do for a completion, kept here on purpose:
-# - its box pattern looks for `\boxed{` only: `\fbox{5}` and the brace-less TeX form `\boxed 5` are rewritten first;
+# - its box pattern looks for `\boxed{` only: `\fbox{5}`, `\boxed {5}` and the brace-less TeX form `\boxed 5` are
+#   rewritten first;
 # - GSM8K's answer line `#### 42` has no rule there (it would only be found as "some number in the text");
 # - its answer phrases read plain text after "Answer:" as a number, so `Answer: -2,1` gives -2.1 and
 #   `Answer: (5,\infty)` or `The answer is \$100.` give nothing; here the rest of the line is read as one LaTeX
 #   answer (which is what these phrases mean in the completions of a model asked for a final answer).
 _BOXED_WITHOUT_BRACES = re.compile(r"\\boxed\s+([^\s{}$]+?)\.?(?=\s|\$|$)")
+_BOXED_SPACE_BRACE = re.compile(r"\\boxed\s+\{")
 _GSM8K_MARKER = re.compile(r"####\s*(.+)")
 _ANSWER_IS = re.compile(r"(?:final answer|answer)\s*(?:is|:)\s*:?\s*(.+)", re.IGNORECASE)
 
@@ -73,7 +75,8 @@ def read_answer(text: str) -> tuple[str | None, list | None]:
     """
     if not text:
         return None, None
-    text = _BOXED_WITHOUT_BRACES.sub(r"\\boxed{\1}", text.replace("\\fbox", "\\boxed"))
+    text = _BOXED_SPACE_BRACE.sub(r"\\boxed{", text.replace("\\fbox", "\\boxed"))
+    text = _BOXED_WITHOUT_BRACES.sub(r"\\boxed{\1}", text)
     if "\\boxed" in text:
         parsed = parse(text, extraction_config=_BOX_CONFIG, parsing_timeout=_timeout())
         # [value, string] when math-verify found and read an answer; [string] alone when it cannot read what it found.

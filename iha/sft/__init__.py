@@ -38,7 +38,6 @@ from ..lazy_imports import lazy_attributes
 # Public name -> the module that defines it, imported on first use: the command line's parser (`iha sft --help`)
 # imports neither torch nor TRL.
 _EXPORTS = {
-    "IHA_TRAINING_FLAGS": "cli",
     "main": "cli",
     "make_parser": "cli",
     "make_trl_parser": "cli",

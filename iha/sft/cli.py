@@ -45,7 +45,6 @@ if typing.TYPE_CHECKING:
 
 
 # The flags `IHASFTConfig` adds to or changes in TRL's `SFTConfig`, shown in their own group before TRL's.
-IHA_TRAINING_FLAGS = tuple(setting.name for setting in fields(IHATrainingArguments))
 ARGUMENT_GROUPS = {"model (iha)": ModelArguments, "data (iha)": DataArguments, "IHA training": IHATrainingArguments}
 USAGE = "%(prog)s --model_name_or_path MODEL --dataset_name DATA [flags below]   or   %(prog)s CONFIG.yaml"
 DESCRIPTION = (
@@ -71,8 +70,8 @@ def string_to_bool(value: str | bool) -> bool:
 
 def add_dataclass_flags(group, dataclass_type) -> None:
     """One flag per field of `dataclass_type`, declared as `HfArgumentParser` declares it (the field types these
-    dataclasses use: str, int, float, bool, each optionally `| None`, and `list[str] | None`); tests/test_fast_help.py
-    compares the two parsers."""
+    dataclasses use: str, int, float, bool, each optionally `| None`, and `list[str] | None`);
+    tests/commands/test_fast_help.py compares the two parsers."""
     for setting in fields(dataclass_type):
         kwargs = dict(setting.metadata)
         kind = setting.type

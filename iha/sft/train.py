@@ -13,13 +13,11 @@
 # limitations under the License.
 """`train_sft`: data, model, trainer and the final save, the one function the command line and the A/B harness call."""
 
-import contextlib
 import logging
 import os
 from collections.abc import Sequence
 from pathlib import Path
 
-from accelerate.utils import broadcast_object_list
 from datasets import Dataset
 from transformers import AutoTokenizer, PreTrainedModel
 from trl import SFTConfig
@@ -189,22 +187,18 @@ def train_sft(
 def save_final_model(trainer, output_dir: str | os.PathLike) -> None:
     """Save the trained model into `output_dir` so that a run stopped while saving leaves no half-written model.
 
-    The model is saved into a staging folder next to `output_dir`, whose files are then renamed into it (the
-    checkpoints there stay); a run killed while saving leaves the checkpoints and no partial model files. With several
-    processes the main one creates the staging folder and tells the others its name: they all take part in the save
-    (sharded states gather on the main one, which writes), and the main one renames once every process is done.
-    Under FSDP the final model is saved whole whatever the checkpoints' state dict type: with SHARDED_STATE_DICT
-    `Trainer.save_model` writes no weights at all.
+    The process that writes (the main one; with `save_on_each_node` each node's) saves into a staging folder next to
+    `output_dir`, whose files are then renamed into it (the checkpoints there stay); a run killed while saving leaves
+    the checkpoints and no partial model files. The other processes take part in the save (sharded states gather on
+    the writer) without writing, and every process waits until the model is in place. Under FSDP the final model is
+    saved whole whatever the checkpoints' state dict type: with SHARDED_STATE_DICT `Trainer.save_model` writes no
+    weights at all.
     """
     if trainer.is_fsdp_enabled:
         trainer.accelerator.state.fsdp_plugin.set_state_dict_type("FULL_STATE_DICT")
-    accelerator = trainer.accelerator
-    with contextlib.ExitStack() as stack:
-        staging = [None]
-        if accelerator.is_main_process:
-            staging[0] = str(stack.enter_context(staged_folder(output_dir, "iha-sft", merge=True)))
-        if accelerator.num_processes > 1:
-            broadcast_object_list(staging)
-        trainer.save_model(staging[0])
-        # Renaming (when the main process leaves the block) waits until every process has finished saving.
-        accelerator.wait_for_everyone()
+    if trainer.args.should_save:
+        with staged_folder(output_dir, "iha-sft", merge=True) as staging:
+            trainer.save_model(str(staging))
+    else:
+        trainer.save_model(str(output_dir))  # gathers with the writer; `Trainer.save_model` writes nothing here
+    trainer.accelerator.wait_for_everyone()

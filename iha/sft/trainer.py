@@ -123,9 +123,9 @@ def without_tied_copies(model, state_dict: dict) -> dict:
     FSDP's gathered state dict holds separate tensors, so `save_pretrained` cannot see that `lm_head.weight` is the
     embedding matrix (it recognises shared storage) and would write it twice. Only exact copies are dropped.
     """
-    tied = getattr(model, "all_tied_weights_keys", None) or getattr(model, "_tied_weights_keys", None) or {}
-    if not isinstance(tied, dict):  # older releases list the tied targets without their sources
-        return state_dict
+    # The ties in effect for this model (empty when its config unties the embeddings); the class attribute
+    # `_tied_weights_keys` lists the ties the architecture allows, whatever the config says.
+    tied = getattr(model, "all_tied_weights_keys", None) or {}
     copies = {
         target
         for target, source in tied.items()

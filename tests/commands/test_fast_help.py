@@ -178,3 +178,30 @@ def test_a_command_run_from_the_console_script_has_the_classes_registered(tmp_pa
     assert outcome["status"] == 0, err[-2000:]
     result = json.loads((tmp_path / "eval" / "tiny_gsm8k.json").read_text())
     assert result["model"] == "tiny" and len(result["problems"]) == 1
+
+
+# A console script called in-process that stops at --help: torch stays unloaded, the deferral ends with the script,
+# and the first IHA class used afterwards registers the Auto classes.
+IN_PROCESS_HELP = """
+import sys
+import iha_cli
+
+sys.argv = ["iha-convert", "--help"]
+try:
+    iha_cli.convert()
+except SystemExit:
+    pass
+print("torch" in sys.modules, iha_cli.registration_deferred)
+import iha
+from transformers import AutoConfig
+iha.IHAForCausalLM
+print(type(AutoConfig.for_model("iha")).__name__)
+"""
+
+
+def test_a_script_stopped_at_help_in_process_leaves_registration_to_the_first_class_used():
+    result = subprocess.run(
+        [sys.executable, "-c", IN_PROCESS_HELP], capture_output=True, text=True, timeout=600, cwd=REPO_ROOT, env=ENV
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.splitlines()[-2:] == ["False False", "IHAConfig"]

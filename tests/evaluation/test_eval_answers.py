@@ -24,6 +24,7 @@ from iha.evaluation.answers import (
         ("\\boxed{\\frac{\\sqrt{3}}{\\left(2\\right)}}", "\\frac{\\sqrt{3}}{(2)}"),
         ("\\fbox{7}", "7"),
         ("so we get \\boxed 5", "5"),
+        ("so we get \\boxed {18}.", "18"),
         ("She makes 9 * 2 = $18.\n#### 18", "18"),
         ("#### 1,000", "1,000"),
         ("Adding up, the final answer is 42.", "42"),

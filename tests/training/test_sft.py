@@ -314,3 +314,24 @@ def test_command_line_help_lists_the_iha_flags():
     text = make_parser().format_help()  # argparse fails on a stray "%" in any help string
     for flag in ("--mixing_learning_rate", "--mixing_weight_decay", "--convert_to_iha", "--iha_options", "--use_peft"):
         assert flag in text
+
+
+def test_only_tied_copies_leave_a_gathered_state_dict():
+    # FSDP gathers separate tensors: the copy of a tied lm_head is dropped; an untied lm_head stays even when its
+    # values happen to equal the embeddings (the class lists the tie the architecture allows, not the config's).
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from iha.sft.trainer import without_tied_copies
+
+    for tie in (True, False):
+        config = LlamaConfig(
+            vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+            tie_word_embeddings=tie,
+        )  # fmt: skip
+        model = LlamaForCausalLM(config)
+        with torch.no_grad():
+            model.lm_head.weight.copy_(model.model.embed_tokens.weight)
+        gathered = {name: tensor.clone() for name, tensor in model.state_dict().items()}
+        kept = without_tied_copies(model, gathered)
+        assert ("lm_head.weight" in kept) == (not tie)
+        assert set(gathered) - set(kept) == ({"lm_head.weight"} if tie else set())

@@ -87,12 +87,12 @@ def test_save_figure_atomic_writes_the_format_of_the_destination_suffix(tmp_path
     assert sorted(p.name for p in tmp_path.iterdir()) == ["curve.png", "curve.svg"]
 
 
-def test_saved_figure_saves_and_closes_the_figure_and_writes_nothing_when_drawing_fails(tmp_path):
-    open_before = set(plt.get_fignums())
-    with saved_figure(tmp_path / "curve.png", dpi=50, ncols=2) as (figure, axes):
+def test_saved_figure_saves_without_pyplot_and_writes_nothing_when_drawing_fails(tmp_path):
+    backend, open_before = matplotlib.get_backend(), set(plt.get_fignums())
+    with saved_figure(tmp_path / "curve.png", dpi=50, ncols=2, figsize=(4, 2)) as (figure, axes):
         axes[1].plot([0, 1], [1, 0])
     assert (tmp_path / "curve.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    assert figure.number not in plt.get_fignums()
+    assert list(figure.get_size_inches()) == [4, 2]
 
     (tmp_path / "old.png").write_bytes(b"old figure")
     with pytest.raises(ZeroDivisionError):
@@ -100,4 +100,5 @@ def test_saved_figure_saves_and_closes_the_figure_and_writes_nothing_when_drawin
             axis.plot([0, 1], [1, 1 / 0])
     assert (tmp_path / "old.png").read_bytes() == b"old figure"
     assert sorted(path.name for path in tmp_path.iterdir()) == ["curve.png", "old.png"]
-    assert set(plt.get_fignums()) == open_before
+    # pyplot never saw these figures, and the backend a user chose is left alone.
+    assert set(plt.get_fignums()) == open_before and matplotlib.get_backend() == backend
