@@ -306,7 +306,7 @@ def test_converts_a_llama_checkpoint_on_the_fly(tokenizer, rows, tmp_path):
 
 def test_launch_without_use_cpu_is_refused(tokenizer, rows, tmp_path, monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "2")
-    with pytest.raises(RuntimeError, match="pass `--use_cpu true`"):
+    with pytest.raises(ValueError, match="pass `--use_cpu true`"):
         train_sft(tiny_iha_model(tokenizer), rows[:4], sft_config(tmp_path), processing_class=tokenizer)
 
 
