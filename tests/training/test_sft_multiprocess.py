@@ -37,6 +37,11 @@ DRIVER = textwrap.dedent(
 )
 
 
+def launch(command: list[str], folder: Path) -> subprocess.CompletedProcess:
+    environment = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    return subprocess.run(command, cwd=folder, env=environment, capture_output=True, text=True, timeout=300)
+
+
 def test_two_process_cpu_run_agrees_on_final_weights(tmp_path):
     tokenizer = build_tiny_tokenizer()
     model_dir = tmp_path / "model"
@@ -71,8 +76,7 @@ def test_two_process_cpu_run_agrees_on_final_weights(tmp_path):
         "--disable_tqdm", "true",
         "--seed", "0",
     ]  # fmt: skip
-    environment = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
-    result = subprocess.run(command, cwd=tmp_path, env=environment, capture_output=True, text=True, timeout=300)
+    result = launch(command, tmp_path)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
 
     reports = [torch.load(output_dir / f"rank{rank}.pt") for rank in (0, 1)]
@@ -114,8 +118,7 @@ def test_processes_launched_apart_are_refused_with_the_fix(tmp_path):
         "--bf16", "false",
         "--report_to", "none",
     ]  # fmt: skip
-    environment = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
-    result = subprocess.run(command, cwd=tmp_path, env=environment, capture_output=True, text=True, timeout=300)
+    result = launch(command, tmp_path)
     assert result.returncode != 0
     output = result.stdout + result.stderr
     refusal = (
