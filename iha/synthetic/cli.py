@@ -39,8 +39,8 @@ def make_parser() -> argparse.ArgumentParser:
         "--preset",
         choices=sorted(PRESETS),
         default="cpu",
-        help="cpu: the full comparison shrunk for 2 CPU cores (~30 min a seed on a quiet machine; default); paper: the paper's scale "
-        "(for a GPU); fixed: every example at m = 6 / 5, MHA and IHA only; tiny: seconds",
+        help="cpu: the full comparison shrunk for 2 CPU cores (75-107 min of one thread a seed; default); "
+        "paper: the paper's scale (for a GPU); fixed: every example at m = 6 / 5, MHA and IHA only; tiny: seconds",
     )
     parser.add_argument(
         "--output-dir", default="runs/synthetic", help="writes results.json/.md and accuracy.png (default: %(default)s)"

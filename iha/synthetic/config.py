@@ -67,10 +67,10 @@ PAPER = SyntheticConfig()
 # pairs of keys per query) take almost all of the time. What had to give, in order: lr 1e-3 only (the rate validation
 # picked for every model in the fixed-m runs; lr 1e-4 needs many more epochs), width 32 (head dim 4), 320 / 160 /
 # 1,000 examples. Batch 8 (40 steps an epoch) so that runs end by patience rather than by the budget: with batch 32
-# and at most 60 epochs every run hit the budget; with batch 8 all 18 runs measured so far stopped by patience, after
-# 44-118 epochs (MHA and IHA P = 2: 0.5-4 minutes a run; ternary 2-simplicial and IHA P = 8: 9-12 minutes; binary
-# 2-simplicial and IHA P = 8 at m up to 10: 40-50 minutes each on a core shared with other jobs). Several seeds
-# train every seed's MHA and IHA P = 2 first, then the costly models (ternary before binary). With busy cores pass
+# and at most 60 epochs every run hit the budget; with batch 8 all 24 runs stopped by patience, after 43-118 epochs
+# (one thread on cores shared with other jobs: MHA and IHA P = 2 0.5-4 minutes a run; ternary 2-simplicial and
+# IHA P = 8 9-12 minutes; binary 2-simplicial 23-59 and binary IHA P = 8 16-24 minutes; 75-107 minutes a seed).
+# Several seeds train every seed's MHA and IHA P = 2 first, then the costly models (ternary before binary). With busy cores pass
 # `--threads 1`: small ops ran 3-5x faster on one thread than on two, the costly ones as fast.
 CPU = replace(
     PAPER,
