@@ -165,11 +165,13 @@ def parse_args(argv: Sequence[str] | None = None) -> "tuple[ModelArguments, Data
     """The command line of a run (every flag, TRL's included), or the one .yaml / .json file holding its flags."""
     parser = make_trl_parser()
     argv = list(sys.argv[1:] if argv is None else argv)
-    if is_config_file(argv) and argv[0].endswith((".yaml", ".yml")):
-        return parser.parse_yaml_file(argv[0])
-    if is_config_file(argv):
-        return parser.parse_json_file(argv[0])
-    return parser.parse_args_into_dataclasses(args=argv)
+    if not is_config_file(argv):
+        return parser.parse_args_into_dataclasses(args=argv)
+    read = parser.parse_yaml_file if argv[0].endswith((".yaml", ".yml")) else parser.parse_json_file
+    try:
+        return read(argv[0])
+    except TypeError as error:  # the dataclasses' own message: "... missing 1 required positional argument: 'x'"
+        raise ValueError(f"{argv[0]}: {error}; add the missing setting to the file.") from None
 
 
 def run_cli(argv: Sequence[str] | None = None) -> "IHASFTTrainer":

@@ -127,6 +127,19 @@ def test_sft_command_line_accepts_trl_flags_and_checks_its_own(tmp_path, capsys)
     assert exit.value.code == 2 and "--lora_r" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("suffix", [".yaml", ".json"])
+def test_sft_config_file_missing_a_required_setting_is_one_line(tmp_path, capsys, suffix):
+    config = tmp_path / f"run{suffix}"
+    config.write_text(json.dumps({"dataset_name": "d.jsonl", "output_dir": str(tmp_path / "out")}))  # JSON is YAML
+    assert sft_cli.main([str(config)]) == 2
+    error = capsys.readouterr().err.strip()
+    assert error == (
+        f"iha-sft: error: {config}: ModelArguments.__init__() missing 1 required positional argument: "
+        "'model_name_or_path'; add the missing setting to the file."
+    )
+    assert not (tmp_path / "out").exists()
+
+
 def test_conversion_choices_are_the_configs():
     for name in ("MASK_MODES", "POSITION_MODES", "COLLAPSE_MODES", "COLLAPSE_INITS"):
         assert getattr(options, name) == getattr(configuration_iha, name), name
