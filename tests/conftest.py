@@ -91,6 +91,20 @@ def generation_position_ids(attention_mask):
     return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
 
 
+@pytest.fixture(scope="module")
+def tiny_llama_dir(tmp_path_factory):
+    """A folder with a tiny random Llama, the real SmolLM2 tokenizer and its chat template."""
+    from transformers import AutoTokenizer
+
+    from iha.builtin import smollm2_dir
+
+    tokenizer = AutoTokenizer.from_pretrained(smollm2_dir())
+    folder = tmp_path_factory.mktemp("tiny-llama")
+    tiny_llama_for_tokenizer(tokenizer, hidden_size=64, intermediate_size=128).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
 @pytest.fixture
 def shared_data() -> Path:
     if not SHARED_DATA.is_dir():

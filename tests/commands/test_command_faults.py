@@ -5,11 +5,8 @@ import json
 import signal
 
 import pytest
-from conftest import tiny_llama_for_tokenizer
 from fault_utils import finish
-from transformers import AutoTokenizer
 
-from iha.builtin import smollm2_dir
 from iha.cli import main as iha_main
 from iha.demo import build_training_rows
 from iha.demo_data import arithmetic_word_problems
@@ -25,16 +22,6 @@ def assert_one_line_interruption(process, prog: str, signum: int, out: str, err:
     last = err.strip().splitlines()[-1]
     assert last.startswith(f"{prog}: interrupted ({signal.Signals(signum).name})"), err
     return last
-
-
-@pytest.fixture(scope="module")
-def tiny_llama_dir(tmp_path_factory):
-    """A tiny random Llama with the real SmolLM2 tokenizer and chat template."""
-    tokenizer = AutoTokenizer.from_pretrained(smollm2_dir())
-    folder = tmp_path_factory.mktemp("tiny-llama")
-    tiny_llama_for_tokenizer(tokenizer, hidden_size=64, intermediate_size=128).save_pretrained(folder)
-    tokenizer.save_pretrained(folder)
-    return folder
 
 
 @pytest.fixture(scope="module")

@@ -5,22 +5,9 @@ import re
 from pathlib import Path
 
 import pytest
-from conftest import REPO_ROOT, tiny_llama_for_tokenizer
-from transformers import AutoTokenizer
+from conftest import REPO_ROOT
 
 from iha.demo import build_eval_problems, build_training_rows, question_set, run_demo
-
-
-@pytest.fixture(scope="module")
-def tiny_llama_dir(tmp_path_factory):
-    """A tiny random Llama with the real SmolLM2 tokenizer and chat template."""
-    from iha.builtin import smollm2_dir
-
-    tokenizer = AutoTokenizer.from_pretrained(smollm2_dir())
-    folder = tmp_path_factory.mktemp("tiny-llama")
-    tiny_llama_for_tokenizer(tokenizer, hidden_size=64, intermediate_size=128).save_pretrained(folder)
-    tokenizer.save_pretrained(folder)
-    return folder
 
 
 def test_demo_runs_every_step_on_a_tiny_model(tiny_llama_dir, tmp_path):
