@@ -33,6 +33,17 @@ def gsm8k_openthoughts_rows(limit: int = 64) -> list[dict]:
     return gsm8k_file_to_openthoughts(GSM8K_TRAIN, limit=limit)
 
 
+def gsm8k_message_rows(limit: int = 16) -> list[dict]:
+    """GSM8K question -> worked solution as `messages` rows: a few hundred tokens each, no system prompt, for the
+    shortest runs."""
+    from iha.data import read_gsm8k_rows
+
+    return [
+        {"messages": [{"role": "user", "content": row["question"]}, {"role": "assistant", "content": row["answer"]}]}
+        for row in read_gsm8k_rows(GSM8K_TRAIN, limit=limit)
+    ]
+
+
 def build_tiny_tokenizer(save_dir: str | Path | None = None, vocab_size: int = 1024) -> PreTrainedTokenizerFast:
     """Byte-level BPE trained on 300 GSM8K rows in OpenThoughts format, SmolLM2's ChatML template and specials."""
     rows = gsm8k_openthoughts_rows(300)

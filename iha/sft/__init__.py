@@ -67,9 +67,12 @@ _EXPORTS = {
     "write_training_card": "outputs",
     "save_final_model": "train",
     "train_sft": "train",
+    "IHAMixingMixin": "parameter_groups",
+    "iha_parameter_groups": "parameter_groups",
+    "keep_mixing_in_fp32": "parameter_groups",
+    "with_iha_mixing": "parameter_groups",
     "IHASFTTrainer": "trainer",
     "enable_fsdp_on_cpu": "trainer",
-    "iha_parameter_groups": "trainer",
     "own_class_while_saving": "trainer",
 }
 
