@@ -126,3 +126,48 @@ def test_identity_in_bf16_is_unchanged_against_the_bf16_source(tmp_path):
             logits = model(input_ids, attention_mask=attention_mask).logits
             assert torch.equal(logits, unchanged)
             assert (logits - expected)[real].abs().max() <= max(tolerance.item(), 1e-2)
+
+
+def test_iha_sft_in_bf16_trains_the_identity_entries_with_packing_checkpointing_and_tied_embeddings(tmp_path):
+    from conftest import tiny_llama_for_tokenizer
+    from sft_utils import build_tiny_tokenizer, gsm8k_message_rows
+
+    from iha.data import write_jsonl
+    from iha.model_card import read_model_card
+    from iha.sft import run_cli
+
+    llama_dir = tmp_path / "llama"
+    tokenizer = build_tiny_tokenizer(llama_dir)
+    tiny_llama_for_tokenizer(tokenizer, seed=3).save_pretrained(llama_dir)  # tied embeddings
+    write_jsonl(gsm8k_message_rows(16), tmp_path / "train.jsonl")
+    output_dir = tmp_path / "bf16"
+    trainer = run_cli(
+        [
+            "--model_name_or_path", str(llama_dir),
+            "--iha_options", '{"num_pseudo_heads": 2}',
+            "--dtype", "bfloat16",
+            "--dataset_name", str(tmp_path / "train.jsonl"),
+            "--output_dir", str(output_dir),
+            "--max_steps", "3",
+            "--per_device_train_batch_size", "2",
+            "--learning_rate", "1e-3",
+            "--max_length", "256",
+            "--packing",
+            "--gradient_checkpointing", "true",
+            "--logging_steps", "1",
+            "--report_to", "none",
+            "--save_strategy", "no",
+            "--disable_tqdm", "true",
+        ]
+    )  # fmt: skip
+    model = trainer.model  # converted on the fly from the bf16 Llama
+    assert isinstance(model, iha.IHAForCausalLM) and model.is_gradient_checkpointing and trainer.args.packing
+    assert mixing_dtypes(model) == {torch.float32} and other_dtypes(model) == {torch.bfloat16}
+    assert unmoved_identity_entries(model)[0] == 0
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    assert "| trained weights | bfloat16; mixing float32 |" in read_model_card(output_dir).sections["Training"]
+    reloaded = AutoModelForCausalLM.from_pretrained(output_dir, dtype=torch.bfloat16)
+    assert reloaded.lm_head.weight is reloaded.model.embed_tokens.weight
+    trained = dict(model.named_parameters())
+    for name, value in reloaded.named_parameters():
+        assert torch.equal(value, trained[name]), name
