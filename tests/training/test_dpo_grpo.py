@@ -163,3 +163,4 @@ def test_grpo_trainer_raises_the_boxed_answer_reward_of_an_iha_model(tokenizer, 
     assert after > before + 0.2, (before, after)
     assert mixing_group_learning_rate(trainer) == 5e-3
     assert_mixing_left_identity(model)
+    assert model.lm_head.weight is model.model.embed_tokens.weight
