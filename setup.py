@@ -11,10 +11,11 @@ DEVELOPMENT_TRANSFORMERS = "transformers==5.23.0"
 
 # The training stack, as ranges too: installing the package keeps a user's trl / peft / accelerate / datasets. The
 # lower end of each range is the release `scripts/trl_oldest.py` runs the training tests on (CI: `make trl-oldest`),
-# the upper end excludes the next release line after the newest tested one. Development and `make test` use
+# the upper end excludes the next release line after the newest tested one. trl 1.7 is the first whose trainers
+# load a remote-code checkpoint by path and whose configs hold `trust_remote_code`. Development and `make test` use
 # DEVELOPMENT_TRAINING_STACK (the dev extra pins it).
 TRAINING_STACK = {
-    "trl": "trl>=1.0.0,<1.17",
+    "trl": "trl>=1.7.0,<1.17",
     "peft": "peft>=0.20.0,<0.22",
     "accelerate": "accelerate>=1.4.0,<1.16",
     "datasets": "datasets>=4.7.0,<5.3",

@@ -6,6 +6,7 @@ import pytest
 import torch
 from datasets import Dataset
 from sft_utils import GSM8K_TRAIN, build_tiny_tokenizer, identity_mixing, mixing_parameters, tiny_iha_model
+from transformers import AutoModelForCausalLM
 
 from iha.sft import IHAMixingMixin, boxed_answer_reward, math_prompt_rows, with_iha_mixing
 
@@ -76,9 +77,12 @@ def test_dpo_trainer_trains_an_iha_model_with_the_mixing_group(tokenizer, tmp_pa
         lr_scheduler_type="constant", gradient_checkpointing=True, logging_steps=1, bf16=False, use_cpu=True,
         report_to="none", save_strategy="no", seed=0, disable_tqdm=True,
     )  # fmt: skip
+    # The policy and its reference as models: TRL below 1.7 cannot load a custom architecture from a path.
+    policy = AutoModelForCausalLM.from_pretrained(model_dir)
+    reference = AutoModelForCausalLM.from_pretrained(model_dir)
     trainer = with_iha_mixing(DPOTrainer)(
-        model=str(model_dir), args=args, train_dataset=Dataset.from_list(pairs), processing_class=tokenizer,
-        mixing_learning_rate=1e-2,
+        model=policy, ref_model=reference, args=args, train_dataset=Dataset.from_list(pairs),
+        processing_class=tokenizer, mixing_learning_rate=1e-2,
     )  # fmt: skip
     trainer.train()
 
