@@ -20,6 +20,8 @@ from iha.data import gsm8k_file_to_openthoughts
 REPO_ROOT = Path(__file__).resolve().parent.parent
 GSM8K_TRAIN = REPO_ROOT.parent / "shared" / "data" / "gsm8k" / "train.jsonl"
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+# `iha-sft` flags of a short test run: a loss every step, no trackers, checkpoints or progress bars.
+QUIET_RUN_FLAGS = ["--logging_steps", "1", "--report_to", "none", "--save_strategy", "no", "--disable_tqdm", "true"]
 
 
 def free_port() -> int:

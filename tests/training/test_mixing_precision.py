@@ -130,7 +130,7 @@ def test_identity_in_bf16_is_unchanged_against_the_bf16_source(tmp_path):
 
 def test_iha_sft_in_bf16_trains_the_identity_entries_with_packing_checkpointing_and_tied_embeddings(tmp_path):
     from conftest import tiny_llama_for_tokenizer
-    from sft_utils import build_tiny_tokenizer, gsm8k_message_rows
+    from sft_utils import QUIET_RUN_FLAGS, build_tiny_tokenizer, gsm8k_message_rows
 
     from iha.data import write_jsonl
     from iha.model_card import read_model_card
@@ -154,10 +154,7 @@ def test_iha_sft_in_bf16_trains_the_identity_entries_with_packing_checkpointing_
             "--max_length", "256",
             "--packing",
             "--gradient_checkpointing", "true",
-            "--logging_steps", "1",
-            "--report_to", "none",
-            "--save_strategy", "no",
-            "--disable_tqdm", "true",
+            *QUIET_RUN_FLAGS,
         ]
     )  # fmt: skip
     model = trainer.model  # converted on the fly from the bf16 Llama

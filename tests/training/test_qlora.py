@@ -8,7 +8,14 @@ import pytest
 import torch
 from conftest import tiny_llama_for_tokenizer
 from safetensors.torch import load_file
-from sft_utils import build_tiny_tokenizer, gsm8k_message_rows, identity_mixing, mixing_parameters, tiny_iha_model
+from sft_utils import (
+    QUIET_RUN_FLAGS,
+    build_tiny_tokenizer,
+    gsm8k_message_rows,
+    identity_mixing,
+    mixing_parameters,
+    tiny_iha_model,
+)
 from transformers import AutoModelForCausalLM
 
 import iha
@@ -74,10 +81,7 @@ def test_qlora_4bit_on_a_llama_converted_on_the_fly_saves_reloads_and_merges(tmp
             "--max_length", str(MAX_LENGTH),
             "--packing",
             "--gradient_checkpointing", "true",
-            "--logging_steps", "1",
-            "--report_to", "none",
-            "--save_strategy", "no",
-            "--disable_tqdm", "true",
+            *QUIET_RUN_FLAGS,
             "--merge_adapter",
         ]
     )  # fmt: skip
