@@ -68,6 +68,23 @@ def keep_mixing_in_fp32(model: torch.nn.Module) -> int:
     return cast
 
 
+def refuse_mixed_dtypes_under_fsdp(model: torch.nn.Module) -> None:
+    """FSDP gathers each `IHADecoderLayer` as one unit and needs one dtype in it: 16-bit weights beside the fp32
+    mixing cannot be sharded. Refuses with the fix (fp32 weights, 16-bit mixed precision) instead of failing later
+    inside torch's all-gather."""
+    weights, mixing = set(), set()
+    for name, parameter in model.named_parameters():
+        if parameter.is_floating_point():
+            (mixing if is_mixing_parameter(name) else weights).add(parameter.dtype)
+    if mixing and weights and weights != mixing:
+        names = ", ".join(sorted(str(dtype).removeprefix("torch.") for dtype in weights))
+        raise ValueError(
+            f"FSDP shards each IHA layer as one unit of one dtype, but the weights are {names} and the IHA mixing "
+            "float32 (kept so that its identity entries can learn). Load the weights in float32 (iha-sft's default "
+            "--dtype float32) and train in bf16 mixed precision (--bf16 true, or accelerate's mixed_precision bf16)."
+        )
+
+
 class IHAMixingMixin:
     """Put before a `transformers.Trainer` subclass: the mixing gets its own optimizer group and stays in fp32.
 
@@ -87,6 +104,8 @@ class IHAMixingMixin:
         self.mixing_learning_rate = mixing_learning_rate
         self.mixing_weight_decay = mixing_weight_decay
         keep_mixing_in_fp32(self.model)
+        if getattr(self, "is_fsdp_enabled", False):
+            refuse_mixed_dtypes_under_fsdp(self.model)
 
     def create_optimizer(self, model=None):
         if self.optimizer is not None:

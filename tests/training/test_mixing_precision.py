@@ -168,3 +168,12 @@ def test_iha_sft_in_bf16_trains_the_identity_entries_with_packing_checkpointing_
     trained = dict(model.named_parameters())
     for name, value in reloaded.named_parameters():
         assert torch.equal(value, trained[name]), name
+
+
+def test_fsdp_refuses_16_bit_weights_beside_the_fp32_mixing(identity_folder):
+    from iha.sft import refuse_mixed_dtypes_under_fsdp
+
+    # torch's fully_shard asserts one dtype per unit; the trainers of iha.sft say so first, with the fix.
+    with pytest.raises(ValueError, match=r"weights are bfloat16 and the IHA mixing float32 .* --dtype float32"):
+        refuse_mixed_dtypes_under_fsdp(AutoModelForCausalLM.from_pretrained(identity_folder, dtype=torch.bfloat16))
+    refuse_mixed_dtypes_under_fsdp(AutoModelForCausalLM.from_pretrained(identity_folder))  # fp32: one dtype
