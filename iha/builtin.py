@@ -107,9 +107,17 @@ def require_gguf_reader() -> None:
         )
 
 
-def build_from_gguf(target: Path, gguf_path: Path, model_class_name: str, stamp: dict, needs_chat_template: bool):
+def build_from_gguf(
+    target: Path,
+    gguf_path: Path,
+    model_class_name: str,
+    stamp: dict,
+    needs_chat_template: bool,
+    extra_files: dict[str, str] | None = None,
+):
     """Dequantize `gguf_path` into the Hugging Face folder `target` (model in fp32 as safetensors, tokenizer,
-    generation config), built in a temporary sibling and renamed into place, stamped last with `stamp`."""
+    generation config, `extra_files` by name), built in a temporary sibling and renamed into place, stamped last with
+    `stamp`."""
     import torch
     import transformers
     from transformers import AutoTokenizer, GgufConfig
@@ -132,6 +140,8 @@ def build_from_gguf(target: Path, gguf_path: Path, model_class_name: str, stamp:
                 delattr(model.config, "_model_name_or_path")
             model.save_pretrained(staging, safe_serialization=True)
             tokenizer.save_pretrained(staging)
+            for name, text in (extra_files or {}).items():
+                (staging / name).write_text(text, encoding="utf-8")
             (staging / STAMP_NAME).write_text(json.dumps(stamp, indent=2) + "\n", encoding="utf-8")
             del model
     except FileExistsError:
@@ -196,7 +206,15 @@ def gemma3_dir(cache_dir: str | os.PathLike | None = None) -> Path:
             "license": "gemma",
             "note": "Dequantized from the Q4_K_M GGUF; weights are the Q4_K_M values in fp32. " + GEMMA3_LICENSE_NOTE,
         }
-        return build_from_gguf(target, gguf_path, "Gemma3ForCausalLM", stamp, needs_chat_template=False)
+        # The notice travels on: `iha-convert` copies NOTICE files, and its model card takes the license from this one.
+        extra_files = {
+            "NOTICE": GEMMA3_LICENSE_NOTE + "\n",
+            "README.md": "---\nlicense: gemma\nbase_model: google/gemma-3-270m\n---\n\n# Gemma 3 270M (dequantized "
+            "Q4_K_M)\n\n" + GEMMA3_LICENSE_NOTE + "\n",
+        }
+        return build_from_gguf(
+            target, gguf_path, "Gemma3ForCausalLM", stamp, needs_chat_template=False, extra_files=extra_files
+        )
 
 
 __all__ = ["builtin_base_model", "default_cache_dir", "gemma3_dir", "smollm2_dir", "smollm2_gguf_path"]
