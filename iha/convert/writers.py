@@ -37,7 +37,15 @@ from .safetensors_file import encode_header, write_all
 logger = logging.getLogger(__name__)
 
 # The code files that travel with the weights (from the `iha` package folder), so the folder loads without `iha`.
-CODE_FILES = ("configuration_iha.py", "modeling_iha.py", "masking_iha.py", "attention_iha.py", "compat_iha.py")
+CODE_FILES = (
+    "configuration_iha.py",
+    "modeling_iha.py",
+    "masking_iha.py",
+    "attention_iha.py",
+    "blocked_local_iha.py",
+    "packed_documents_iha.py",
+    "compat_iha.py",
+)
 # The further files and the `auto_map` of each IHA model type: Gemma 3's block imports the Llama-family files.
 GEMMA3_CODE_FILES = ("configuration_iha_gemma3.py", "modeling_iha_gemma3.py")
 AUTO_MAPS = {
