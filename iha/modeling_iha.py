@@ -48,6 +48,10 @@ from transformers.utils.generic import merge_with_config_defaults
 from transformers.utils.output_capturing import capture_outputs
 
 from .attention_iha import IHA_ATTENTION_PATHS, choose_attention_path, virtual_flash_kwargs
+
+# transformers 5.4 - 5.9 copy into their remote-code cache only the files the loaded module imports itself, not the
+# files those import: the module `auto_map` names imports every sibling it needs, directly.
+from .blocked_local_iha import BlockedLocalMask  # noqa: F401
 from .compat_iha import (
     CACHE_ARGUMENT_NAMES,
     cache_keyword,
@@ -57,6 +61,7 @@ from .compat_iha import (
 )
 from .configuration_iha import IHAConfig, is_iha_layer, is_sliding_layer
 from .masking_iha import create_iha_masks
+from .packed_documents_iha import PackedDocumentsMask  # noqa: F401
 
 
 logger = logging.get_logger(__name__)

@@ -37,9 +37,16 @@ from transformers.models.gemma3.modeling_gemma3 import (
 from transformers.processing_utils import Unpack
 from transformers.utils import TransformersKwargs
 
+# transformers 5.4 - 5.9 copy into their remote-code cache only the files the loaded module imports itself, not the
+# files those import: this module, which `auto_map` names, imports every sibling that `modeling_iha` needs, directly.
+from .attention_iha import choose_attention_path  # noqa: F401
+from .blocked_local_iha import BlockedLocalMask  # noqa: F401
 from .compat_iha import take_cache_argument
+from .configuration_iha import IHAConfig  # noqa: F401
 from .configuration_iha_gemma3 import IHAGemma3Config
+from .masking_iha import create_iha_masks  # noqa: F401
 from .modeling_iha import IHAAttention, IHAForCausalLM, IHAModel, IHAPreTrainedModel, rotary_inputs
+from .packed_documents_iha import PackedDocumentsMask  # noqa: F401
 
 
 class IHAGemma3RMSNorm(Gemma3RMSNorm):
