@@ -1,8 +1,10 @@
 """Interleaved Head Attention (arXiv 2602.21371) for Llama-family models in Hugging Face transformers.
 
-Importing this package registers `IHAConfig`, `IHAModel` and `IHAForCausalLM` with the Auto classes, and marks
-them so that `save_pretrained` writes `auto_map` and copies the three code files next to the weights (a folder
-then loads with `trust_remote_code=True` in a process that never imports `iha`).
+Importing this package registers the IHA model types with the Auto classes: `iha` (`IHAConfig`, `IHAModel`,
+`IHAForCausalLM`: Llama-family blocks, also Qwen2/3, Mistral and SmolLM3) and `iha_gemma3` (`IHAGemma3Config`,
+`IHAGemma3TextModel`, `IHAGemma3ForCausalLM`: Gemma 3's block). It marks them so that `save_pretrained` writes
+`auto_map` and copies the code files next to the weights (a folder then loads with `trust_remote_code=True` in a
+process that never imports `iha`).
 
 The one exception is a console script (`iha`, `iha-convert`, `iha-sft`, `iha-eval`, all in `iha_cli.py`): the
 registration imports torch and transformers, seconds that `--help` should not wait for, so the script defers it
@@ -17,6 +19,9 @@ from .lazy_imports import lazy_attributes
 
 __version__ = "0.1.0"
 
+# The model_type of every IHA config class, each registered by `register_auto_classes`.
+IHA_MODEL_TYPES = ("iha", "iha_gemma3")
+
 # Public name -> the module that defines it, imported on first use.
 _EXPORTS = {
     "IHAConfig": "configuration_iha",
@@ -25,26 +30,34 @@ _EXPORTS = {
     "IHAHeadMixing": "modeling_iha",
     "IHAModel": "modeling_iha",
     "IHAPreTrainedModel": "modeling_iha",
+    "IHAGemma3Config": "configuration_iha_gemma3",
+    "IHAGemma3ForCausalLM": "modeling_iha_gemma3",
+    "IHAGemma3TextModel": "modeling_iha_gemma3",
 }
 
 
 def register_auto_classes() -> None:
-    """Register the IHA classes with `AutoConfig`, `AutoModel` and `AutoModelForCausalLM` (model type "iha"), and
-    mark them so that `save_pretrained` writes `auto_map` and the code files. Safe to call again."""
+    """Register the IHA classes with `AutoConfig`, `AutoModel` and `AutoModelForCausalLM` (model types "iha" and
+    "iha_gemma3"), and mark them so that `save_pretrained` writes `auto_map` and the code files. Safe to call again."""
     from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
 
     from .configuration_iha import IHAConfig
+    from .configuration_iha_gemma3 import IHAGemma3Config
     from .modeling_iha import IHAForCausalLM, IHAModel
+    from .modeling_iha_gemma3 import IHAGemma3ForCausalLM, IHAGemma3TextModel
 
     global _registration_pending
     _registration_pending = False
-    AutoConfig.register("iha", IHAConfig, exist_ok=True)
-    AutoModel.register(IHAConfig, IHAModel, exist_ok=True)
-    AutoModelForCausalLM.register(IHAConfig, IHAForCausalLM, exist_ok=True)
-
-    IHAConfig.register_for_auto_class()
-    IHAModel.register_for_auto_class("AutoModel")
-    IHAForCausalLM.register_for_auto_class("AutoModelForCausalLM")
+    for config_class, model_class, causal_lm_class in (
+        (IHAConfig, IHAModel, IHAForCausalLM),
+        (IHAGemma3Config, IHAGemma3TextModel, IHAGemma3ForCausalLM),
+    ):
+        AutoConfig.register(config_class.model_type, config_class, exist_ok=True)
+        AutoModel.register(config_class, model_class, exist_ok=True)
+        AutoModelForCausalLM.register(config_class, causal_lm_class, exist_ok=True)
+        config_class.register_for_auto_class()
+        model_class.register_for_auto_class("AutoModel")
+        causal_lm_class.register_for_auto_class("AutoModelForCausalLM")
 
 
 _lazy_getattr, __dir__ = lazy_attributes(__name__, _EXPORTS)
@@ -66,8 +79,12 @@ if not getattr(sys.modules.get("iha_cli"), "registration_deferred", False):
 
 
 __all__ = [
+    "IHA_MODEL_TYPES",
     "IHAConfig",
     "IHAForCausalLM",
+    "IHAGemma3Config",
+    "IHAGemma3ForCausalLM",
+    "IHAGemma3TextModel",
     "IHAHeadMixing",
     "IHAModel",
     "IHAPreTrainedModel",

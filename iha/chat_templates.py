@@ -63,9 +63,31 @@ CHATML_TRAINING_CHAT_TEMPLATE = (
     "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )
 
+# Gemma 3's turn format for models that ship without a chat template (the base checkpoints, such as Gemma 3 270M):
+# `<bos>`, then `<start_of_turn>user` / `<start_of_turn>model` turns closed by `<end_of_turn>`; Gemma has no system
+# role, so a system prompt opens the first turn. The training copy marks each reply with its `<end_of_turn>`.
+GEMMA3_CHAT_TEMPLATE = (
+    "{{ bos_token }}{% set system = messages[0]['content'] if messages[0]['role'] == 'system' else '' %}"
+    "{% for message in messages if message['role'] != 'system' %}"
+    "{{ '<start_of_turn>' + ('model' if message['role'] == 'assistant' else message['role']) + '\n' }}"
+    "{% if loop.first and system %}{{ system + '\n\n' }}{% endif %}"
+    "{{ message['content'] + '<end_of_turn>\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<start_of_turn>model\n' }}{% endif %}"
+)
+GEMMA3_TRAINING_CHAT_TEMPLATE = (
+    "{{ bos_token }}{% set system = messages[0]['content'] if messages[0]['role'] == 'system' else '' %}"
+    "{% for message in messages if message['role'] != 'system' %}"
+    "{{ '<start_of_turn>' + ('model' if message['role'] == 'assistant' else message['role']) + '\n' }}"
+    "{% if loop.first and system %}{{ system + '\n\n' }}{% endif %}"
+    "{% if message['role'] == 'assistant' %}{% generation %}{{ message['content'] + '<end_of_turn>' }}"
+    "{% endgeneration %}{{ '\n' }}{% else %}{{ message['content'] + '<end_of_turn>\n' }}{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<start_of_turn>model\n' }}{% endif %}"
+)
+
 TRAINING_CHAT_TEMPLATES = {
     SMOLLM2_CHAT_TEMPLATE: SMOLLM2_TRAINING_CHAT_TEMPLATE,
     CHATML_CHAT_TEMPLATE: CHATML_TRAINING_CHAT_TEMPLATE,
+    GEMMA3_CHAT_TEMPLATE: GEMMA3_TRAINING_CHAT_TEMPLATE,
 }
 
 

@@ -1,7 +1,7 @@
 """`iha` command line: one entry point for every job of the package.
 
 iha demo        convert SmolLM2-135M-Instruct, verify, fine-tune briefly, evaluate, save (offline)
-iha convert     convert a Llama-style checkpoint to IHA                 (same as `iha-convert`)
+iha convert     convert a Llama / Qwen / SmolLM / Mistral / Gemma 3 checkpoint to IHA   (same as `iha-convert`)
 iha sft         reasoning SFT with TRL, full or LoRA                     (same as `iha-sft`)
 iha eval        GSM8K / MATH-500 / needle-in-a-haystack evaluation       (same as `iha-eval`)
 iha ab          A/B: SFT of a model as it is vs of its IHA conversion, with paired tests
@@ -20,13 +20,14 @@ import sys
 from collections.abc import Sequence
 
 from . import register_auto_classes
+from .convert.architectures import SUPPORTED_FAMILIES
 
 
 # name -> (module with `make_parser()` and `main(argv)`, one-line summary). The modules build their parsers without
 # torch or transformers, so `--help` answers at once; a command imports what its work needs when it runs.
 COMMANDS = {
     "demo": ("iha.demo", "convert, verify, fine-tune, evaluate and save SmolLM2-135M-Instruct as IHA (offline)"),
-    "convert": ("iha.convert.cli", "convert a Llama / Mistral / Qwen2 checkpoint to IHA"),
+    "convert": ("iha.convert.cli", f"convert a {SUPPORTED_FAMILIES} checkpoint to IHA"),
     "sft": ("iha.sft.cli", "supervised fine-tuning (OpenThoughts-style reasoning) with TRL"),
     "eval": ("iha.evaluation.cli", "math (GSM8K, MATH-500) and long-context retrieval evaluation"),
     "ab": ("iha.ab.cli", "A/B: SFT of a Llama-style model as it is vs of its IHA conversion (paired tests)"),

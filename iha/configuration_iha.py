@@ -21,6 +21,8 @@ its siblings (`compat_iha.py`, `modeling_iha.py`, ...): never the `iha` package 
 # before the imports below fail with unrelated ones (releases before 5.4 cannot even define this class).
 from .compat_iha import MINIMUM_TRANSFORMERS  # noqa: F401  # isort: skip
 
+from dataclasses import dataclass
+
 from huggingface_hub.dataclasses import strict
 from transformers import LlamaConfig
 
@@ -76,13 +78,94 @@ def paper_hybrid_layout(
     return {"attention_types": attention_types, "sliding_window": window}
 
 
+@dataclass
+class IHAAttentionFields:
+    """The IHA fields of every IHA config, one name and one type each: `IHAConfig` (Llama-family blocks) and
+    `IHAGemma3Config` (Gemma 3's block) both carry them, and the attention, masks and caches read them alike.
+
+    A config class that carries them calls `set_up_attention_types(default_types)` in its `__post_init__`, before its
+    base class's: it fills `attention_types`, checks the IHA fields and derives `layer_types` (what transformers'
+    caches and mask helpers read) from `attention_types`.
+    """
+
+    num_pseudo_heads: int = 2
+    attention_types: list[str] | None = None
+    iha_mask_mode: str = "flat_causal"
+    iha_position_mode: str = "virtual"
+    iha_collapse_mode: str = "per_head"
+    iha_collapse_init: str = "last"
+    iha_cache_mode: str = "token"
+
+    def set_up_attention_types(self, default_types: list[str]) -> None:
+        if self.attention_types is None:
+            self.attention_types = list(default_types)
+        else:
+            self.attention_types = list(self.attention_types)
+        self._validate_iha_fields()
+        # Caches (DynamicCache, StaticCache) and transformers' mask helpers read `layer_types`: they only need
+        # to know which layers are windowed, in token units.
+        derived_layer_types = [
+            STANDARD_SLIDING if is_sliding_layer(attention_type) else STANDARD_FULL
+            for attention_type in self.attention_types
+        ]
+        if self.layer_types is not None and list(self.layer_types) != derived_layer_types:
+            raise ValueError(
+                f"`layer_types` {list(self.layer_types)} disagrees with `attention_types` {self.attention_types}. "
+                "Set only `attention_types`; `layer_types` is derived from it."
+            )
+        self.layer_types = derived_layer_types
+
+    def _validate_iha_fields(self):
+        choices = {
+            "iha_mask_mode": MASK_MODES,
+            "iha_position_mode": POSITION_MODES,
+            "iha_collapse_mode": COLLAPSE_MODES,
+            "iha_collapse_init": COLLAPSE_INITS,
+            "iha_cache_mode": CACHE_MODES,
+        }
+        for field_name, allowed in choices.items():
+            value = getattr(self, field_name)
+            if value not in allowed:
+                raise ValueError(f"`{field_name}` must be one of {list(allowed)}, got {value!r}.")
+        if not isinstance(self.num_pseudo_heads, int) or self.num_pseudo_heads < 1:
+            raise ValueError(f"`num_pseudo_heads` must be an integer >= 1, got {self.num_pseudo_heads!r}.")
+        check_per_layer("attention_types", self.attention_types, self.num_hidden_layers)
+        unknown = sorted({t for t in self.attention_types if t not in ATTENTION_TYPES})
+        if unknown:
+            raise ValueError(f"`attention_types` entries must be in {list(ATTENTION_TYPES)}, got {unknown}.")
+        has_sliding = any(is_sliding_layer(t) for t in self.attention_types)
+        if has_sliding and (self.sliding_window is None or self.sliding_window < MINIMUM_SLIDING_WINDOW):
+            raise ValueError(
+                f"`attention_types` has sliding layers but `sliding_window` is {self.sliding_window!r}: "
+                f"set `sliding_window` to the window in tokens (an integer >= {MINIMUM_SLIDING_WINDOW}; "
+                "transformers' sliding caches cannot decode with a 1-token window)."
+            )
+        if self.num_key_value_heads is not None and self.num_attention_heads % self.num_key_value_heads != 0:
+            raise ValueError(
+                f"`num_attention_heads` ({self.num_attention_heads}) must be a multiple of `num_key_value_heads` "
+                f"({self.num_key_value_heads})."
+            )
+
+    @property
+    def iha_layer_indices(self) -> list[int]:
+        return [i for i, attention_type in enumerate(self.attention_types) if is_iha_layer(attention_type)]
+
+
+def check_per_layer(field_name: str, values: list, num_hidden_layers: int) -> None:
+    if len(values) != num_hidden_layers:
+        raise ValueError(
+            f"`{field_name}` has {len(values)} entries but `num_hidden_layers` is {num_hidden_layers}: give exactly "
+            "one entry per layer."
+        )
+
+
 @strict
-class IHAConfig(LlamaConfig):
+class IHAConfig(IHAAttentionFields, LlamaConfig):
     r"""
     Configuration of a Llama-family decoder whose attention layers are Interleaved Head Attention (IHA) layers.
 
-    Every `LlamaConfig` field keeps its meaning (GQA through `num_key_value_heads`, `rope_parameters` including
-    llama3 scaling, `tie_word_embeddings`, ...). The IHA fields:
+    Every `LlamaConfig` field keeps its meaning (GQA through `num_key_value_heads`, `head_dim`, `rope_parameters`
+    with every rope type transformers offers, `tie_word_embeddings`, ...). The IHA fields:
 
     num_pseudo_heads (`int`, defaults to 2):
         P, the number of pseudo-heads each head builds. Attention runs over N * P virtual tokens.
@@ -114,6 +197,12 @@ class IHAConfig(LlamaConfig):
         Bias on the q/k/v projections (Qwen2 style). Defaults to `attention_bias`.
     o_proj_bias (`bool`, *optional*):
         Bias on the output projection. Defaults to `attention_bias`.
+    use_qk_norm (`bool`, defaults to `False`):
+        Qwen3's per-head RMSNorm of queries and keys (`q_norm`, `k_norm`, over `head_dim`), applied to the
+        projections of every layer before RoPE and before the head mixing.
+    no_rope_layers (`list[int]`, *optional*):
+        SmolLM3's per-layer switch, one entry per layer: 1 rotates queries and keys with RoPE, 0 gives the layer no
+        positional encoding (NoPE). Defaults to RoPE in every layer.
 
     ```python
     >>> from iha import IHAConfig, IHAForCausalLM
@@ -128,81 +217,29 @@ class IHAConfig(LlamaConfig):
     # "no plan"; an empty dict would read as a plan that covers no parameter.
     base_model_tp_plan = None
 
-    num_pseudo_heads: int = 2
-    attention_types: list[str] | None = None
     layer_types: list[str] | None = None
     sliding_window: int | None = None
-    iha_mask_mode: str = "flat_causal"
-    iha_position_mode: str = "virtual"
-    iha_collapse_mode: str = "per_head"
-    iha_collapse_init: str = "last"
-    iha_cache_mode: str = "token"
     qkv_bias: bool | None = None
     o_proj_bias: bool | None = None
+    use_qk_norm: bool = False
+    no_rope_layers: list[int] | None = None
 
     def __post_init__(self, **kwargs):
         if self.qkv_bias is None:
             self.qkv_bias = self.attention_bias
         if self.o_proj_bias is None:
             self.o_proj_bias = self.attention_bias
-        if self.attention_types is None:
-            default_type = IHA_FULL if self.sliding_window is None else IHA_SLIDING
-            self.attention_types = [default_type] * self.num_hidden_layers
-        else:
-            self.attention_types = list(self.attention_types)
-        self._validate_iha_fields()
-        # Caches (DynamicCache, StaticCache) and transformers' mask helpers read `layer_types`: they only need
-        # to know which layers are windowed, in token units.
-        derived_layer_types = [
-            STANDARD_SLIDING if is_sliding_layer(attention_type) else STANDARD_FULL
-            for attention_type in self.attention_types
-        ]
-        if self.layer_types is not None and list(self.layer_types) != derived_layer_types:
+        default_type = IHA_FULL if self.sliding_window is None else IHA_SLIDING
+        self.set_up_attention_types([default_type] * self.num_hidden_layers)
+        if self.no_rope_layers is None:
+            self.no_rope_layers = [1] * self.num_hidden_layers
+        check_per_layer("no_rope_layers", self.no_rope_layers, self.num_hidden_layers)
+        if any(flag not in (0, 1) for flag in self.no_rope_layers):
             raise ValueError(
-                f"`layer_types` {list(self.layer_types)} disagrees with `attention_types` {self.attention_types}. "
-                "Set only `attention_types`; `layer_types` is derived from it."
+                f"`no_rope_layers` entries must be 1 (RoPE) or 0 (no positional encoding), got {self.no_rope_layers}."
             )
-        self.layer_types = derived_layer_types
+        self.no_rope_layers = [int(flag) for flag in self.no_rope_layers]
         super().__post_init__(**kwargs)
-
-    def _validate_iha_fields(self):
-        choices = {
-            "iha_mask_mode": MASK_MODES,
-            "iha_position_mode": POSITION_MODES,
-            "iha_collapse_mode": COLLAPSE_MODES,
-            "iha_collapse_init": COLLAPSE_INITS,
-            "iha_cache_mode": CACHE_MODES,
-        }
-        for field_name, allowed in choices.items():
-            value = getattr(self, field_name)
-            if value not in allowed:
-                raise ValueError(f"`{field_name}` must be one of {list(allowed)}, got {value!r}.")
-        if not isinstance(self.num_pseudo_heads, int) or self.num_pseudo_heads < 1:
-            raise ValueError(f"`num_pseudo_heads` must be an integer >= 1, got {self.num_pseudo_heads!r}.")
-        if len(self.attention_types) != self.num_hidden_layers:
-            raise ValueError(
-                f"`attention_types` has {len(self.attention_types)} entries but `num_hidden_layers` is "
-                f"{self.num_hidden_layers}: give exactly one entry per layer."
-            )
-        unknown = sorted({t for t in self.attention_types if t not in ATTENTION_TYPES})
-        if unknown:
-            raise ValueError(f"`attention_types` entries must be in {list(ATTENTION_TYPES)}, got {unknown}.")
-        has_sliding = any(is_sliding_layer(t) for t in self.attention_types)
-        if has_sliding and (self.sliding_window is None or self.sliding_window < MINIMUM_SLIDING_WINDOW):
-            raise ValueError(
-                f"`attention_types` has sliding layers but `sliding_window` is {self.sliding_window!r}: "
-                f"set `sliding_window` to the window in tokens (an integer >= {MINIMUM_SLIDING_WINDOW}; "
-                "transformers' sliding caches cannot decode with a 1-token window)."
-            )
-        if self.num_key_value_heads is not None and self.num_attention_heads % self.num_key_value_heads != 0:
-            raise ValueError(
-                f"`num_attention_heads` ({self.num_attention_heads}) must be a multiple of `num_key_value_heads` "
-                f"({self.num_key_value_heads})."
-            )
-
-    @property
-    def iha_layer_indices(self) -> list[int]:
-        return [i for i, attention_type in enumerate(self.attention_types) if is_iha_layer(attention_type)]
 
     @classmethod
     def paper_hybrid(cls, training_length: int, global_every: int = 5, **kwargs) -> "IHAConfig":
@@ -213,4 +250,4 @@ class IHAConfig(LlamaConfig):
         return cls(**{**kwargs, **layout})
 
 
-__all__ = ["IHAConfig", "paper_hybrid_layout"]
+__all__ = ["IHAAttentionFields", "IHAConfig", "paper_hybrid_layout"]

@@ -30,6 +30,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+from . import IHA_MODEL_TYPES
 from .arguments import ArgumentParser
 from .atomic_folders import run_command
 from .model_card import MODEL_CARD_NAME, how_to_load_section, read_model_card, render_model_card
@@ -40,13 +41,16 @@ class HubUploadError(Exception):
 
 
 def check_iha_folder(folder: Path) -> None:
-    """Refuse anything but a folder whose config.json (readable JSON) says model_type 'iha'."""
+    """Refuse anything but a folder whose config.json (readable JSON) names an IHA model type ('iha', ...)."""
     try:
         config = json.loads((folder / "config.json").read_text(encoding="utf-8"))
     except (OSError, ValueError):
         config = None
-    if not isinstance(config, dict) or config.get("model_type") != "iha":
-        raise HubUploadError(f"{folder} is not an IHA checkpoint folder (no config.json with model_type 'iha').")
+    if not isinstance(config, dict) or config.get("model_type") not in IHA_MODEL_TYPES:
+        raise HubUploadError(
+            f"{folder} is not an IHA checkpoint folder (no config.json with model_type "
+            f"{' or '.join(map(repr, IHA_MODEL_TYPES))})."
+        )
 
 
 def card_for_repo(folder: Path, repo_id: str) -> str | None:
@@ -121,7 +125,7 @@ def make_parser(prog: str = "iha push") -> argparse.ArgumentParser:
         description="Upload an IHA folder (converted or fine-tuned) to the Hugging Face Hub in one commit. The "
         "uploaded model card loads the model from REPO_ID; the folder itself is not modified.",
     )
-    parser.add_argument("folder", help="the IHA model folder (config.json with model_type 'iha')")
+    parser.add_argument("folder", help="the IHA model folder (config.json with an IHA model_type: 'iha', ...)")
     parser.add_argument("repo_id", help="Hub repository, USER/NAME or ORG/NAME (created if missing)")
     parser.add_argument("--private", action="store_true", help="create the repository as private")
     parser.add_argument("--token", help="Hub token (default: the logged-in one, `hf auth login`)")

@@ -48,6 +48,10 @@ from transformers.utils.generic import merge_with_config_defaults
 from transformers.utils.output_capturing import capture_outputs
 
 from .attention_iha import IHA_ATTENTION_PATHS, choose_attention_path, virtual_flash_kwargs
+
+# transformers 5.4 - 5.9 copy into their remote-code cache only the files the loaded module imports itself, not the
+# files those import: the module `auto_map` names imports every sibling it needs, directly.
+from .blocked_local_iha import BlockedLocalMask  # noqa: F401
 from .compat_iha import (
     CACHE_ARGUMENT_NAMES,
     cache_keyword,
@@ -57,6 +61,7 @@ from .compat_iha import (
 )
 from .configuration_iha import IHAConfig, is_iha_layer, is_sliding_layer
 from .masking_iha import create_iha_masks
+from .packed_documents_iha import PackedDocumentsMask  # noqa: F401
 
 
 logger = logging.get_logger(__name__)
@@ -249,11 +254,23 @@ class IHAAttention(nn.Module):
         self.attention_dropout = config.attention_dropout
         self.is_causal = True
         self.sliding_window = config.sliding_window if is_sliding_layer(self.attention_type) else None
+        # SmolLM3's NoPE layers: no rotation of queries and keys at all. Configs without the field (Gemma 3's) rotate
+        # in every layer.
+        no_rope_layers = getattr(config, "no_rope_layers", None)
+        self.use_rope = no_rope_layers is None or bool(no_rope_layers[layer_idx])
+        # Gemma 3's config has one `attention_bias` for all four projections.
+        qkv_bias = getattr(config, "qkv_bias", config.attention_bias)
+        o_proj_bias = getattr(config, "o_proj_bias", config.attention_bias)
 
-        self.q_proj = nn.Linear(config.hidden_size, self.num_heads * self.head_dim, bias=config.qkv_bias)
-        self.k_proj = nn.Linear(config.hidden_size, self.num_key_value_heads * self.head_dim, bias=config.qkv_bias)
-        self.v_proj = nn.Linear(config.hidden_size, self.num_key_value_heads * self.head_dim, bias=config.qkv_bias)
-        self.o_proj = nn.Linear(self.num_heads * self.head_dim, config.hidden_size, bias=config.o_proj_bias)
+        self.q_proj = nn.Linear(config.hidden_size, self.num_heads * self.head_dim, bias=qkv_bias)
+        self.k_proj = nn.Linear(config.hidden_size, self.num_key_value_heads * self.head_dim, bias=qkv_bias)
+        self.v_proj = nn.Linear(config.hidden_size, self.num_key_value_heads * self.head_dim, bias=qkv_bias)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, config.hidden_size, bias=o_proj_bias)
+        # Qwen3's per-head norm of queries and keys over head_dim (Gemma 3's attention sets its own kind).
+        self.q_norm = self.k_norm = None
+        if getattr(config, "use_qk_norm", False):
+            self.q_norm = IHARMSNorm(self.head_dim, eps=config.rms_norm_eps)
+            self.k_norm = IHARMSNorm(self.head_dim, eps=config.rms_norm_eps)
         self.head_mixing = None
         if self.is_iha:
             self.head_mixing = IHAHeadMixing(
@@ -276,14 +293,20 @@ class IHAAttention(nn.Module):
         input_shape = hidden_states.shape[:-1]
         hidden_shape = (*input_shape, -1, self.head_dim)
 
-        query_states = self.q_proj(hidden_states).view(hidden_shape).transpose(1, 2)
-        key_states = self.k_proj(hidden_states).view(hidden_shape).transpose(1, 2)
+        query_states = self.q_proj(hidden_states).view(hidden_shape)
+        key_states = self.k_proj(hidden_states).view(hidden_shape)
         value_states = self.v_proj(hidden_states).view(hidden_shape).transpose(1, 2)
+        if self.q_norm is not None:
+            # Each head's query and key normalised on its own, before the heads are mixed: a per-head norm does not
+            # commute with mixing, and the source normalises the heads it projected.
+            query_states, key_states = self.q_norm(query_states), self.k_norm(key_states)
+        query_states, key_states = query_states.transpose(1, 2), key_states.transpose(1, 2)
 
         # Token-level RoPE (at n, or at n * P in virtual position mode) before mixing: rotation commutes with
         # mixing across heads, and the cache keeps the un-mixed keys and values in token units (Llama's layout).
-        cos, sin = position_embeddings
-        query_states, key_states = apply_rotary_pos_emb(query_states, key_states, cos, sin)
+        if self.use_rope:
+            cos, sin = position_embeddings
+            query_states, key_states = apply_rotary_pos_emb(query_states, key_states, cos, sin)
 
         caches_pseudo_states = self.is_iha and self.config.iha_cache_mode == "pseudo"
         if past_key_values is not None and not caches_pseudo_states:
@@ -295,7 +318,7 @@ class IHAAttention(nn.Module):
         if self.is_iha:
             query_states = self.head_mixing.mix_queries(query_states)
             key_states, value_states = self.head_mixing.mix_keys_values(key_states, value_states)
-            if pseudo_rotation is not None:
+            if pseudo_rotation is not None and self.use_rope:
                 pseudo_cos, pseudo_sin = pseudo_rotation
                 query_states = apply_pseudo_rotation(query_states, pseudo_cos, pseudo_sin)
                 key_states = apply_pseudo_rotation(key_states, pseudo_cos, pseudo_sin)
@@ -333,6 +356,31 @@ class IHAAttention(nn.Module):
         attn_output = attn_output.reshape(*input_shape, -1).contiguous()
         attn_output = self.o_proj(attn_output)
         return attn_output, attn_weights
+
+
+def rotary_inputs(
+    rotary_emb: nn.Module,
+    attention_scaling: float,
+    hidden_states: torch.Tensor,
+    position_ids: torch.Tensor,
+    config,
+    **rotary_kwargs,
+) -> dict:
+    """RoPE for standard layers (at n), IHA layers (at n, or n * P in virtual mode) and the per-p rotation.
+
+    `rotary_emb` is the model's rotary embedding, called with `rotary_kwargs` (Gemma 3's takes the `layer_type` whose
+    RoPE base it computes); `attention_scaling` the factor it multiplies cos and sin by (yarn, longrope).
+    """
+    token_rotation = rotary_emb(hidden_states, position_ids=position_ids, **rotary_kwargs)
+    if config.iha_position_mode == "shared":
+        return {"standard": token_rotation, "iha": token_rotation, "pseudo": None}
+    num_pseudo = config.num_pseudo_heads
+    iha_rotation = rotary_emb(hidden_states, position_ids=position_ids * num_pseudo, **rotary_kwargs)
+    pseudo_positions = torch.arange(num_pseudo, device=hidden_states.device)[None]
+    pseudo_cos, pseudo_sin = rotary_emb(hidden_states, position_ids=pseudo_positions, **rotary_kwargs)
+    # The token-level rotation already carries `attention_scaling`: the per-p rotation must be a pure rotation.
+    pseudo_rotation = (pseudo_cos[0] / attention_scaling, pseudo_sin[0] / attention_scaling)
+    return {"standard": token_rotation, "iha": iha_rotation, "pseudo": pseudo_rotation}
 
 
 class IHADecoderLayer(GradientCheckpointingLayer):
@@ -439,19 +487,13 @@ class IHAModel(IHAPreTrainedModel):
                 "tokens. Use attn_implementation='sdpa' or 'flex_attention' for models with sliding IHA layers."
             )
 
-    def rotary_inputs(self, hidden_states: torch.Tensor, position_ids: torch.Tensor) -> dict:
-        """RoPE for standard layers (at n), IHA layers (at n, or n * P in virtual mode) and the per-p rotation."""
-        token_rotation = self.rotary_emb(hidden_states, position_ids=position_ids)
-        if self.config.iha_position_mode == "shared":
-            return {"standard": token_rotation, "iha": token_rotation, "pseudo": None}
-        num_pseudo = self.config.num_pseudo_heads
-        iha_rotation = self.rotary_emb(hidden_states, position_ids=position_ids * num_pseudo)
-        pseudo_positions = torch.arange(num_pseudo, device=hidden_states.device)[None]
-        pseudo_cos, pseudo_sin = self.rotary_emb(hidden_states, position_ids=pseudo_positions)
-        # rotary_emb scales cos/sin by `attention_scaling` (yarn, longrope); the token-level rotation already did.
-        scale = self.rotary_emb.attention_scaling
-        pseudo_rotation = (pseudo_cos[0] / scale, pseudo_sin[0] / scale)
-        return {"standard": token_rotation, "iha": iha_rotation, "pseudo": pseudo_rotation}
+    def layer_rotations(self, hidden_states: torch.Tensor, position_ids: torch.Tensor) -> dict:
+        """The RoPE inputs (`rotary_inputs`) of each layer type: one RoPE for every layer here (Gemma 3 has one per
+        layer type)."""
+        rotations = rotary_inputs(
+            self.rotary_emb, self.rotary_emb.attention_scaling, hidden_states, position_ids, self.config
+        )
+        return dict.fromkeys(self.config.layer_types, rotations)
 
     @merge_with_config_defaults
     @capture_outputs
@@ -493,10 +535,11 @@ class IHAModel(IHAPreTrainedModel):
             )
 
         hidden_states = inputs_embeds
-        rotations = self.rotary_inputs(hidden_states, position_ids)
+        rotations_by_layer_type = self.layer_rotations(hidden_states, position_ids)
 
-        for decoder_layer in self.layers[: self.config.num_hidden_layers]:
+        for layer_idx, decoder_layer in enumerate(self.layers[: self.config.num_hidden_layers]):
             layer_is_iha = is_iha_layer(decoder_layer.attention_type)
+            rotations = rotations_by_layer_type[self.config.layer_types[layer_idx]]
             hidden_states = decoder_layer(
                 hidden_states,
                 attention_mask=mask_mapping[decoder_layer.attention_type],

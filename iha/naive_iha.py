@@ -2,10 +2,12 @@
 
 Plain einsum, explicit virtual positions and an explicit (N*P) x (N*P) mask built from the definitions (each head
 mixes into P pseudo-heads, pseudo-tokens interleave token-major at virtual index n * P + p, causal attention over the
-virtual sequence, a learned collapse back to H heads); no cache, no kernels, no tricks (RoPE is applied at the full virtual position after mixing,
-rather than split into a token-level and a per-pseudo-head rotation as the model does). Every fast path of the
-model is checked against it: `from iha.naive_iha import reference_forward`. It imports only torch and does not travel
-with the weights.
+virtual sequence, a learned collapse back to H heads); no cache, no kernels, no tricks (RoPE is applied at the full
+virtual position after mixing, rather than split into a token-level and a per-pseudo-head rotation as the model does).
+It covers what the architectures add around the mixing: per-head q/k norms (Qwen3, Gemma 3) before it, layers
+without RoPE (SmolLM3), a RoPE base per layer type and Gemma 3's `query_pre_attn_scalar` and block of four norms.
+Every fast path of the model is checked against it: `from iha.naive_iha import reference_forward`. It imports only
+torch and does not travel with the weights.
 """
 
 import torch
@@ -63,18 +65,22 @@ def reference_mask(
     return allowed
 
 
-def reference_attention(
-    attn, hidden_states, position_ids, inv_freq, rope_scaling, padding_mask=None, sequence_ids=None
-):
-    """One attention layer of an IHA model (IHA or standard), straight from the definitions."""
+def reference_attention(attn, hidden_states, position_ids, rotary, padding_mask=None, sequence_ids=None):
+    """One attention layer of an IHA model (IHA or standard), straight from the definitions.
+
+    `rotary` is the layer's RoPE as (inverse frequencies, cos/sin scaling), or None for a layer without RoPE.
+    """
     config = attn.config
     batch_size, seq_len, _ = hidden_states.shape
     num_heads, num_kv, head_dim = attn.num_heads, attn.num_key_value_heads, attn.head_dim
     groups = num_heads // num_kv
 
-    q = attn.q_proj(hidden_states).view(batch_size, seq_len, num_heads, head_dim).transpose(1, 2)
-    k = attn.k_proj(hidden_states).view(batch_size, seq_len, num_kv, head_dim).transpose(1, 2)
+    q = attn.q_proj(hidden_states).view(batch_size, seq_len, num_heads, head_dim)
+    k = attn.k_proj(hidden_states).view(batch_size, seq_len, num_kv, head_dim)
     v = attn.v_proj(hidden_states).view(batch_size, seq_len, num_kv, head_dim).transpose(1, 2)
+    if attn.q_norm is not None:  # per head, over head_dim, before anything mixes the heads
+        q, k = attn.q_norm(q), attn.k_norm(k)
+    q, k = q.transpose(1, 2), k.transpose(1, 2)
 
     if attn.head_mixing is None:
         num_pseudo, position_mode, mask_mode = 1, "shared", "flat_causal"
@@ -87,14 +93,17 @@ def reference_attention(
         k_virtual = torch.einsum("bmnd,mhp->bhnpd", k, mixing.alpha_k).reshape(batch_size, num_kv, -1, head_dim)
         v_virtual = torch.einsum("bmnd,mhp->bhnpd", v, mixing.alpha_v).reshape(batch_size, num_kv, -1, head_dim)
 
-    _, _, rope_positions = virtual_layout(position_ids, num_pseudo, position_mode)
-    q_virtual = rope(q_virtual, rope_positions, inv_freq, rope_scaling)
-    k_virtual = rope(k_virtual, rope_positions, inv_freq, rope_scaling)
+    if rotary is not None:
+        inv_freq, rope_scaling = rotary
+        _, _, rope_positions = virtual_layout(position_ids, num_pseudo, position_mode)
+        q_virtual = rope(q_virtual, rope_positions, inv_freq, rope_scaling)
+        k_virtual = rope(k_virtual, rope_positions, inv_freq, rope_scaling)
 
-    # Query head h reads KV head h // groups (GQA).
+    # Query head h reads KV head h // groups (GQA). Gemma 3 scales by its `query_pre_attn_scalar`, others by head_dim.
     k_per_head = k_virtual[:, torch.arange(num_heads) // groups]
     v_per_head = v_virtual[:, torch.arange(num_heads) // groups]
-    scores = torch.einsum("bhid,bhjd->bhij", q_virtual, k_per_head) / head_dim**0.5
+    scale_dim = getattr(config, "query_pre_attn_scalar", None) or head_dim
+    scores = torch.einsum("bhid,bhjd->bhij", q_virtual, k_per_head) / scale_dim**0.5
     allowed = reference_mask(seq_len, num_pseudo, mask_mode, attn.sliding_window, padding_mask, sequence_ids)
     scores = scores.masked_fill(~allowed[:, None], float("-inf"))
     weights = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # fully padded query rows
@@ -110,23 +119,37 @@ def reference_attention(
     return attn.o_proj(out)
 
 
+def layer_rotary(model, layer_idx: int):
+    """(inverse frequencies, cos/sin scaling) of one layer's RoPE, or None for a layer without RoPE.
+
+    Gemma 3's rotary embedding keeps one set per layer type (`sliding_attention_inv_freq`, ...); Llama's one set.
+    """
+    if not model.model.layers[layer_idx].self_attn.use_rope:
+        return None
+    rotary = model.model.rotary_emb
+    if hasattr(rotary, "inv_freq"):
+        return rotary.inv_freq, rotary.attention_scaling
+    layer_type = model.config.layer_types[layer_idx]
+    return getattr(rotary, f"{layer_type}_inv_freq"), getattr(rotary, f"{layer_type}_attention_scaling")
+
+
 def reference_forward(model, input_ids, attention_mask=None, position_ids=None, sequence_ids=None):
-    """Logits of an IHAForCausalLM computed with `reference_attention` in every layer."""
+    """Logits of an IHAForCausalLM or IHAGemma3ForCausalLM computed with `reference_attention` in every layer."""
     batch_size, seq_len = input_ids.shape
     if position_ids is None:
         position_ids = torch.arange(seq_len)[None].expand(batch_size, -1)
-    rotary = model.model.rotary_emb
-    hidden = model.model.embed_tokens(input_ids)
-    for layer in model.model.layers:
-        normed = layer.input_layernorm(hidden)
-        hidden = hidden + reference_attention(
-            layer.self_attn,
-            normed,
-            position_ids,
-            rotary.inv_freq,
-            rotary.attention_scaling,
-            attention_mask,
-            sequence_ids,
-        )
-        hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
+    hidden = model.model.embed_tokens(input_ids)  # Gemma 3's embedding multiplies by sqrt(hidden_size) itself
+    for layer_idx, layer in enumerate(model.model.layers):
+
+        def attention(normed, layer=layer, layer_idx=layer_idx):
+            rotary = layer_rotary(model, layer_idx)
+            return reference_attention(layer.self_attn, normed, position_ids, rotary, attention_mask, sequence_ids)
+
+        if hasattr(layer, "pre_feedforward_layernorm"):
+            # Gemma 3's block: attention and MLP outputs are normalised too before they join the residual stream.
+            hidden = hidden + layer.post_attention_layernorm(attention(layer.input_layernorm(hidden)))
+            hidden = hidden + layer.post_feedforward_layernorm(layer.mlp(layer.pre_feedforward_layernorm(hidden)))
+        else:
+            hidden = hidden + attention(layer.input_layernorm(hidden))
+            hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
     return model.lm_head(model.model.norm(hidden))

@@ -3,7 +3,10 @@
 A model folder travels with its code files (`configuration_iha.py`, `modeling_iha.py`, ..., `compat_iha.py`) and is
 loaded by whatever transformers its user has. For each release this script builds (once, then reuses) an environment
 with torch and only that transformers, and runs `transformers_matrix_check.py` there on folders converted here once:
-a tiny Llama (GQA), a tiny Mistral (sliding window) and the real SmolLM2-135M-Instruct. Per release and model it
+a tiny Llama (GQA), a tiny Mistral (sliding window), a tiny Qwen3 (per-head q/k norm, explicit head_dim, a sliding
+layer), a tiny SmolLM3 (a NoPE sliding layer), a tiny Gemma 3 (sliding and full layers, one KV head, its own scale)
+and the real SmolLM2-135M-Instruct; with `--gemma3` also the real Gemma 3 270M (`iha.builtin.gemma3_dir`; minutes
+per release on 2 cores, so not in CI: its last run is in benchmarks/results/gemma3_270m/). Per release and model it
 checks that the logits equal the source's on a left-padded batch (within fp32 rounding, measured as the source's own
 sdpa-vs-eager difference) and that greedy tokens with DynamicCache, StaticCache and no cache equal the source's; and,
 loaded in bf16, that the mixing loads in fp32, the logits match the bf16 source and a few optimizer steps move the
@@ -12,6 +15,7 @@ mixing entries that start at 1.0 (which bf16 weights would freeze). Below the su
     python scripts/transformers_matrix.py                      # the default releases (see RELEASES)
     python scripts/transformers_matrix.py --releases 5.20.0    # others, or several
     python scripts/transformers_matrix.py --no-smollm2         # tiny models only
+    python scripts/transformers_matrix.py --gemma3             # and the real Gemma 3 270M
 
 Environments are cached in `--cache-dir` (default ~/.cache/iha/transformers-matrix); the report (a Markdown table and
 JSON) goes to `--output-dir`. Exits 1 when any release fails. Needs the package index for the first build of each
@@ -54,6 +58,7 @@ def parse_args(argv=None):
     parser.add_argument("--cache-dir", type=Path, default=Path("~/.cache/iha/transformers-matrix").expanduser())
     parser.add_argument("--output-dir", type=Path, default=Path("runs/transformers_matrix"))
     parser.add_argument("--no-smollm2", action="store_true", help="check the tiny models only")
+    parser.add_argument("--gemma3", action="store_true", help="also check the real Gemma 3 270M (minutes per release)")
     return parser.parse_args(argv)
 
 
@@ -105,9 +110,24 @@ def transformers_environment(cache_dir: Path, python: Path, release: str) -> Pat
 
 
 def tiny_sources(work_dir: Path) -> list[Path]:
-    """A tiny Llama (GQA, untied head) and a tiny Mistral (sliding window of 4 tokens), random weights, saved."""
+    """Tiny random models of every supported architecture, saved: a Llama (GQA, untied head), a Mistral (window of
+    4 tokens), a Qwen3 (per-head q/k norm, head_dim 16 apart from hidden / heads, its last layer sliding), a SmolLM3
+    (its second layer without RoPE and sliding, tied embeddings) and a Gemma 3 (two sliding layers and a full one, one
+    KV head, `query_pre_attn_scalar` apart from head_dim). The new architectures' weights are moved off their initial
+    values, so that their norms (Gemma's start at zero) count."""
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM
+    from transformers import (
+        Gemma3ForCausalLM,
+        Gemma3TextConfig,
+        LlamaConfig,
+        LlamaForCausalLM,
+        MistralConfig,
+        MistralForCausalLM,
+        Qwen3Config,
+        Qwen3ForCausalLM,
+        SmolLM3Config,
+        SmolLM3ForCausalLM,
+    )
 
     sizes = dict(
         vocab_size=128,
@@ -121,13 +141,29 @@ def tiny_sources(work_dir: Path) -> list[Path]:
         bos_token_id=1,
         eos_token_id=None,
     )
+    window = dict(use_sliding_window=True, sliding_window=4)
+    gemma3_sizes = {**sizes, "num_hidden_layers": 3, "num_key_value_heads": 1}
     sources = []
     for name, model_class, config in [
         ("tiny-llama", LlamaForCausalLM, LlamaConfig(**sizes, tie_word_embeddings=False)),
         ("tiny-mistral", MistralForCausalLM, MistralConfig(**sizes, sliding_window=4)),
+        ("tiny-qwen3", Qwen3ForCausalLM, Qwen3Config(**sizes, head_dim=16, max_window_layers=1, **window)),
+        ("tiny-smollm3", SmolLM3ForCausalLM, SmolLM3Config(**sizes, no_rope_layer_interval=2, **window)),
+        (
+            "tiny-gemma3",
+            Gemma3ForCausalLM,
+            Gemma3TextConfig(
+                **gemma3_sizes, head_dim=16, query_pre_attn_scalar=12, sliding_window=4, sliding_window_pattern=3
+            ),
+        ),
     ]:
         torch.manual_seed(0)
-        model_class(config).save_pretrained(work_dir / name)
+        model = model_class(config)
+        if name not in ("tiny-llama", "tiny-mistral"):  # those two stay as in earlier reports
+            with torch.no_grad():
+                for parameter in model.parameters():
+                    parameter.add_(0.05 * torch.randn_like(parameter))
+        model.save_pretrained(work_dir / name)
         sources.append(work_dir / name)
     return sources
 
@@ -234,6 +270,10 @@ def main(argv=None) -> int:
             from iha.builtin import smollm2_dir
 
             sources.append(smollm2_dir())
+        if args.gemma3:
+            from iha.builtin import gemma3_dir
+
+            sources.append(gemma3_dir())
         pairs = convert_sources(sources, work_dir)
         python = torch_environment(args.cache_dir)
 

@@ -1,6 +1,7 @@
 """Shared fixtures: tiny IHA / Llama models and the offline environment."""
 
 import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -89,6 +90,23 @@ def left_padded_batch(vocab_size: int = TINY["vocab_size"], seq_len: int = 9, se
 def generation_position_ids(attention_mask):
     # What `generate` does for left padding: positions count real tokens only.
     return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+
+
+def run_without_the_project(code: str, *args: str, cwd: Path, timeout: int = 900) -> subprocess.CompletedProcess:
+    """`python -c CODE ARGS` in a fresh process without the project on its path (no PYTHONPATH), offline, with its own
+    cache of remote-code modules under `cwd`: how a Hub user who never installed `iha` loads a folder. `code` blocks
+    `import iha` itself, since the package may be installed in this environment."""
+    env = {key: value for key, value in os.environ.items() if key != "PYTHONPATH"}
+    env.update(HF_HUB_OFFLINE="1", HF_MODULES_CACHE=str(cwd / "modules"), TOKENIZERS_PARALLELISM="false")
+    return subprocess.run(
+        [sys.executable, "-c", code, *args],
+        cwd=cwd,
+        env=env,
+        stdin=subprocess.DEVNULL,  # a prompt (remote code, say) would read EOF at once instead of waiting
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
 @pytest.fixture(scope="module")

@@ -43,6 +43,7 @@ from transformers import AutoConfig, AutoTokenizer, TrainerCallback
 from transformers.trainer_callback import ExportableState
 from transformers.trainer_utils import get_last_checkpoint
 
+from .. import IHA_MODEL_TYPES
 from ..atomic_files import write_json_atomic, write_jsonl_atomic
 from ..data import (
     BOXED_INSTRUCTION,
@@ -120,7 +121,7 @@ def source_model(config: ABConfig) -> str:
 
 
 def check_source_is_not_iha(source: str) -> None:
-    if AutoConfig.from_pretrained(source).model_type == "iha":
+    if AutoConfig.from_pretrained(source).model_type in IHA_MODEL_TYPES:
         raise ValueError(
             f"{source} is already an IHA model: the A/B compares a Llama-style model with its IHA conversion. "
             "Pass the model it was converted from as --model"

@@ -11,7 +11,8 @@
 # WITHOUT WARRANTIES OR CONDITIONS OF ANY KIND, either express or implied.
 # See the License for the specific language governing permissions and
 # limitations under the License.
-"""Convert Llama-style checkpoints (Llama 2/3, SmolLM/SmolLM2, Mistral, Qwen2) to Interleaved Head Attention.
+"""Convert pretrained checkpoints (Llama 2/3, SmolLM/SmolLM2/SmolLM3, Mistral, Qwen2, Qwen3, Gemma 3) to Interleaved
+Head Attention.
 
 By default the converted model computes what the source computed: the weights are copied unchanged, every attention
 layer becomes an IHA layer with the source's own window, the head mixing starts at identity, positions are shared
@@ -28,9 +29,10 @@ Three entry points:
 
 One job per module:
 
+    architectures.py    the architectures that convert, and how the command line names them
     options.py          the settings, typed: IHAConversionOptions (what the model computes), CheckpointOptions
     errors.py           ConversionError and its kinds
-    plan.py             source config + settings -> IHAConfig, and what the settings change
+    plan.py             source config + settings -> IHA config, and what the settings change
     in_memory.py        llama_to_iha
     readers.py          finding the source (folder or Hub id), its config, reading its weight files
     safetensors_file.py the safetensors format, read and written one tensor at a time
@@ -55,7 +57,7 @@ _EXPORTS = {
     "UnsupportedArchitectureError": "errors",
     "VerificationFailedError": "errors",
     "ConversionPlan": "plan",
-    "SUPPORTED_ARCHITECTURES": "plan",
+    "SUPPORTED_ARCHITECTURES": "architectures",
     "plan_conversion": "plan",
     "llama_to_iha": "in_memory",
     "looks_like_hub_id": "readers",

@@ -28,15 +28,16 @@ from collections.abc import Callable, Sequence
 
 from ..arguments import ArgumentParser
 from ..atomic_folders import run_command
+from .architectures import SUPPORTED_DESCRIPTION, SUPPORTED_FAMILIES
 from .errors import ConversionError, VerificationFailedError
 from .options import CheckpointOptions, IHAConversionOptions
 
 
-SUMMARY = "convert a Llama / Mistral / Qwen2 checkpoint to IHA"
+SUMMARY = f"convert a {SUPPORTED_FAMILIES} checkpoint to IHA"
 DESCRIPTION = (
-    "Convert a Llama-style checkpoint (Llama 2/3, SmolLM/SmolLM2, Mistral, Qwen2) to Interleaved Head "
-    "Attention. The defaults are exact: the converted model computes what the source computed. "
-    "To upload an existing converted folder: iha-convert push FOLDER REPO_ID."
+    f"Convert a pretrained checkpoint to Interleaved Head Attention. Supported: {SUPPORTED_DESCRIPTION}. The "
+    "defaults are exact: the converted model computes what the source computed. To upload an existing converted "
+    "folder: iha-convert push FOLDER REPO_ID."
 )
 
 

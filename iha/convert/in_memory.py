@@ -22,7 +22,7 @@ import torch
 from ..modeling_iha import IHAForCausalLM, IHAHeadMixing
 from .errors import ConversionError
 from .options import IHAConversionOptions, refuse_unknown_keywords, settings_from
-from .plan import IGNORED_SOURCE_SUFFIXES, plan_conversion
+from .plan import IGNORED_SOURCE_SUFFIXES, iha_causal_lm_class, plan_conversion
 
 
 logger = logging.getLogger(__name__)
@@ -31,7 +31,8 @@ logger = logging.getLogger(__name__)
 def llama_to_iha(
     model, options: IHAConversionOptions | Mapping | None = None, *, share_weights: bool = False, **settings
 ) -> IHAForCausalLM:
-    """Convert a loaded LlamaForCausalLM / MistralForCausalLM / Qwen2ForCausalLM to an `IHAForCausalLM`.
+    """Convert a loaded model of a supported architecture (Llama, Mistral, Qwen2, Qwen3, SmolLM3: an
+    `IHAForCausalLM`; Gemma 3: an `IHAGemma3ForCausalLM`; see `iha.convert.SUPPORTED_ARCHITECTURES`).
 
     `options` are the `IHAConversionOptions` (or a dict of them); `settings` set single ones by name, on top
     (`llama_to_iha(model, num_pseudo_heads=4)`). With the defaults the result computes the same logits as `model`
@@ -50,7 +51,7 @@ def llama_to_iha(
 
     # Build on the meta device and take the source tensors in place: no random init, no second full model.
     with torch.device("meta"):
-        iha_model = IHAForCausalLM(config)
+        iha_model = iha_causal_lm_class(config.model_type)(config)
     state_dict = {
         name: tensor if share_weights else tensor.detach().clone()
         for name, tensor in model.state_dict().items()

@@ -26,10 +26,9 @@ from pathlib import Path
 import torch
 
 from ..configuration_iha import IHAConfig
-from ..modeling_iha import IHAForCausalLM
 from .errors import ConversionError
 from .options import EXACT_ATOL, NOISE_MULTIPLE
-from .plan import iha_attention_windows
+from .plan import iha_attention_windows, iha_causal_lm_class
 
 
 VERIFICATION_PROMPTS = (
@@ -194,7 +193,8 @@ def verify_conversion(
         tokenizer = AutoTokenizer.from_pretrained(converted_dir)
     except Exception:  # no or unusable tokenizer: random tokens still verify the weights
         tokenizer = None
-    vocab_size = json.loads((converted_dir / "config.json").read_text())["vocab_size"]
+    converted_config = json.loads((converted_dir / "config.json").read_text())
+    vocab_size = converted_config["vocab_size"]
     batch = verification_batch(tokenizer, vocab_size)
     long_input = long_verification_input(tokenizer, vocab_size, long_length) if long_length else None
     del tokenizer
@@ -213,7 +213,7 @@ def verify_conversion(
     del source
     release_memory()
 
-    converted, loading_info = IHAForCausalLM.from_pretrained(
+    converted, loading_info = iha_causal_lm_class(converted_config["model_type"]).from_pretrained(
         converted_dir, dtype=torch.float32, output_loading_info=True
     )
     if any(loading_info.values()):

@@ -27,9 +27,9 @@ import torch
 
 from ..atomic_files import write_text_atomic
 from ..configuration_iha import IHAConfig
-from ..modeling_iha import IHAForCausalLM, IHAHeadMixing
+from ..modeling_iha import IHAHeadMixing
 from .errors import ConversionError
-from .plan import IGNORED_SOURCE_SUFFIXES
+from .plan import IGNORED_SOURCE_SUFFIXES, iha_causal_lm_class
 from .readers import LICENSE_FILE_PATTERNS, TOKENIZER_FILES, SafetensorsReader, SourceTensor
 from .safetensors_file import encode_header, write_all
 
@@ -46,6 +46,26 @@ CODE_FILES = (
     "packed_documents_iha.py",
     "compat_iha.py",
 )
+# The further files and the `auto_map` of each IHA model type: Gemma 3's block imports the Llama-family files.
+GEMMA3_CODE_FILES = ("configuration_iha_gemma3.py", "modeling_iha_gemma3.py")
+AUTO_MAPS = {
+    "iha": {
+        "AutoConfig": "configuration_iha.IHAConfig",
+        "AutoModel": "modeling_iha.IHAModel",
+        "AutoModelForCausalLM": "modeling_iha.IHAForCausalLM",
+    },
+    "iha_gemma3": {
+        "AutoConfig": "configuration_iha_gemma3.IHAGemma3Config",
+        "AutoModel": "modeling_iha_gemma3.IHAGemma3TextModel",
+        "AutoModelForCausalLM": "modeling_iha_gemma3.IHAGemma3ForCausalLM",
+    },
+}
+
+
+def code_files(model_type: str) -> tuple[str, ...]:
+    return CODE_FILES + GEMMA3_CODE_FILES if model_type == "iha_gemma3" else CODE_FILES
+
+
 PACKAGE_DIR = Path(__file__).resolve().parents[1]
 
 
@@ -75,7 +95,7 @@ def plan_output_tensors(
     Returns the tensors and the set of (source dtype, output dtype) casts for floating-point weights.
     """
     with torch.device("meta"):
-        meta_model = IHAForCausalLM(iha_config)
+        meta_model = iha_causal_lm_class(iha_config.model_type)(iha_config)
     expected = {name: tuple(tensor.shape) for name, tensor in meta_model.state_dict().items()}
     if iha_config.tie_word_embeddings:
         expected.pop("lm_head.weight")
@@ -194,15 +214,11 @@ def write_weights(folder: Path, tensors: list[OutputTensor], max_shard_bytes: in
 
 
 def write_config_and_code(folder: Path, config: IHAConfig) -> None:
-    """config.json with `auto_map`, and the code files (CODE_FILES), so the folder loads without `iha`."""
+    """config.json with `auto_map`, and the code files (`code_files`), so the folder loads without `iha`."""
     config = copy.deepcopy(config)
-    config.auto_map = {
-        "AutoConfig": "configuration_iha.IHAConfig",
-        "AutoModel": "modeling_iha.IHAModel",
-        "AutoModelForCausalLM": "modeling_iha.IHAForCausalLM",
-    }
+    config.auto_map = AUTO_MAPS[config.model_type]
     config.save_pretrained(folder)
-    for name in CODE_FILES:
+    for name in code_files(config.model_type):
         shutil.copyfile(PACKAGE_DIR / name, folder / name)
 
 

@@ -25,6 +25,7 @@ from transformers.utils import logging as transformers_logging
 
 import iha  # noqa: F401  (registers IHAConfig / IHAForCausalLM with the Auto classes)
 
+from .. import IHA_MODEL_TYPES
 from ..chat_templates import has_generation_markers, training_chat_template
 from .config import DEFAULT_LORA_TARGET_MODULES, MIXING_MODULE_NAME
 
@@ -45,7 +46,7 @@ def resolve_model_source(model_name_or_path: str | os.PathLike) -> str:
 
 
 def is_iha_model(model) -> bool:
-    return getattr(model.config, "model_type", None) == "iha"
+    return getattr(model.config, "model_type", None) in IHA_MODEL_TYPES
 
 
 def has_iha_layers(model) -> bool:
@@ -89,12 +90,12 @@ def load_model_for_sft(
         revision=from_pretrained_kwargs.get("revision"),
         trust_remote_code=from_pretrained_kwargs.get("trust_remote_code", False),
     )
-    if config.model_type != "iha" and convert_to_iha:
+    if config.model_type not in IHA_MODEL_TYPES and convert_to_iha:
         _refuse_conversion_of_partitioned_weights(model_name_or_path)
         if from_pretrained_kwargs.get("quantization_config") is not None:
             return load_quantized_conversion(model_name_or_path, config, iha_options, **from_pretrained_kwargs), True
     model = AutoModelForCausalLM.from_pretrained(model_name_or_path, **from_pretrained_kwargs)
-    if config.model_type == "iha":
+    if config.model_type in IHA_MODEL_TYPES:
         if iha_options:
             logger.warning("%s is already an IHA model: iha_options %s are ignored.", model_name_or_path, iha_options)
         return model, False

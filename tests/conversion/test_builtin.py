@@ -112,3 +112,52 @@ def test_failed_build_leaves_nothing_behind(tmp_path, monkeypatch):
         builtin.smollm2_dir(cache_dir=tmp_path)
     # The model weights were written to the staging folder before the failure; none of it may remain.
     assert os.listdir(tmp_path) == []
+
+
+def test_gemma3_folder_needs_its_packages_and_says_how_to_install_them(tmp_path, monkeypatch):
+    real_find_spec = builtin.importlib.util.find_spec
+    monkeypatch.setattr(
+        builtin.importlib.util,
+        "find_spec",
+        lambda name, *args: None if name == builtin.GEMMA3_PACKAGE else real_find_spec(name, *args),
+    )
+    with pytest.raises(FileNotFoundError) as error:
+        builtin.gemma3_dir(cache_dir=tmp_path)
+    assert builtin.GEMMA3_INSTALL in str(error.value) and "Gemma Terms of Use" in str(error.value)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_gemma3_build_writes_the_notice_and_a_card_with_the_license(tmp_path, monkeypatch):
+    """The build path up to the (minutes-long) dequantization: assembled GGUF in a temporary folder, the notice and
+    the card next to the weights, the stamp last, nothing else left in the cache."""
+    built = {}
+
+    def fake_build(target, gguf_path, model_class_name, stamp, needs_chat_template, extra_files=None):
+        built.update(gguf=gguf_path, exists=gguf_path.is_file(), model_class_name=model_class_name, stamp=stamp)
+        target.mkdir()
+        for name, text in extra_files.items():
+            (target / name).write_text(text)
+        (target / builtin.STAMP_NAME).write_text(json.dumps(stamp))
+        return target
+
+    class FakePackage:
+        @staticmethod
+        def assemble(path):
+            path.write_bytes(b"GGUF")
+            return path
+
+    real_import = builtin.importlib.import_module
+    monkeypatch.setattr(builtin, "build_from_gguf", fake_build)
+    monkeypatch.setattr(builtin.importlib.util, "find_spec", lambda name, *args: object())
+    monkeypatch.setattr(
+        builtin.importlib,
+        "import_module",
+        lambda name: FakePackage if name == builtin.GEMMA3_PACKAGE else real_import(name),
+    )
+    folder = builtin.gemma3_dir(cache_dir=tmp_path)
+    assert folder == tmp_path / builtin.GEMMA3_FOLDER_NAME and built["exists"] and not built["gguf"].exists()
+    assert built["model_class_name"] == "Gemma3ForCausalLM" and built["stamp"]["license"] == "gemma"
+    assert "Gemma Terms of Use" in (folder / "NOTICE").read_text()
+    assert (folder / "README.md").read_text().startswith("---\nlicense: gemma\nbase_model: google/gemma-3-270m\n---")
+    assert [path.name for path in tmp_path.iterdir()] == [builtin.GEMMA3_FOLDER_NAME]
+    assert builtin.gemma3_dir(cache_dir=tmp_path) == folder  # cached

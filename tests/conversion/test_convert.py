@@ -272,7 +272,7 @@ def test_cli_unsupported_architecture(tmp_path, capsys):
     assert convert.main([str(tmp_path / "gpt2"), str(tmp_path / "out")]) == 2
     err = capsys.readouterr().err
     assert "Unsupported architecture: GPT2LMHeadModel" in err
-    for name in ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM"):
+    for name in convert.SUPPORTED_ARCHITECTURES:
         assert name in err
     assert not (tmp_path / "out").exists()
 
@@ -668,16 +668,8 @@ REMOTE_CODE_CHILD = textwrap.dedent(
 
 
 def test_smollm2_loads_with_trust_remote_code_in_a_process_without_iha(smollm2, tmp_path):
-    env = {key: value for key, value in os.environ.items() if key != "PYTHONPATH"}
-    env.update(HF_HUB_OFFLINE="1", HF_MODULES_CACHE=str(tmp_path / "modules"), TOKENIZERS_PARALLELISM="false")
-    completed = subprocess.run(
-        [sys.executable, "-c", REMOTE_CODE_CHILD, str(smollm2["output"]), json.dumps(CHAT_PROMPTS)],
-        cwd=tmp_path,
-        env=env,
-        stdin=subprocess.DEVNULL,
-        capture_output=True,
-        text=True,
-        timeout=900,
+    completed = conftest.run_without_the_project(
+        REMOTE_CODE_CHILD, str(smollm2["output"]), json.dumps(CHAT_PROMPTS), cwd=tmp_path
     )
     assert completed.returncode == 0, completed.stderr[-3000:]
     assert "Do you wish to run the custom code" not in completed.stdout + completed.stderr

@@ -133,3 +133,27 @@ def test_the_matrix_covers_the_stated_range():
     assert all(
         compat_iha.release_tuple(release) < compat_iha.MINIMUM_TRANSFORMERS for release in matrix.REFUSED_RELEASES
     )
+
+
+def test_every_module_auto_map_names_imports_the_files_it_needs_itself():
+    """transformers 5.4 - 5.9 copy into the remote-code cache only the siblings the module `auto_map` names imports
+    itself; one a sibling imports in turn is missing there, and loading fails (FileNotFoundError). Each such module must
+    import them all directly, and each must be among the files a converted folder carries."""
+    from pathlib import Path
+
+    from transformers.dynamic_module_utils import get_relative_imports
+
+    from iha.convert.writers import AUTO_MAPS, code_files
+
+    package = Path(iha.__file__).parent
+    for model_type, auto_map in AUTO_MAPS.items():
+        for entry in auto_map.values():
+            module = entry.split(".")[0]
+            direct = set(get_relative_imports(package / f"{module}.py"))
+            needed, frontier = set(), set(direct)
+            while frontier:
+                needed |= frontier
+                frontier = {name for sibling in frontier for name in get_relative_imports(package / f"{sibling}.py")}
+                frontier -= needed
+            assert needed <= direct, f"{module}.py imports {sorted(needed - direct)} only through other files"
+            assert {f"{name}.py" for name in needed | {module}} <= set(code_files(model_type)), module

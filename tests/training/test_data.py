@@ -11,6 +11,8 @@ from datasets import Dataset
 from trl.data_utils import maybe_convert_to_chatml
 
 from iha.chat_templates import (
+    GEMMA3_CHAT_TEMPLATE,
+    GEMMA3_TRAINING_CHAT_TEMPLATE,
     SMOLLM2_CHAT_TEMPLATE,
     SMOLLM2_TRAINING_CHAT_TEMPLATE,
     has_generation_markers,
@@ -362,6 +364,30 @@ def test_training_chat_template_masks_assistant_replies_with_their_end_token(smo
     assert ids == smollm2_tokenizer.apply_chat_template(messages, tokenize=True, return_dict=False)
     trained = smollm2_tokenizer.decode([token for token, keep in zip(ids, mask) if keep])
     assert trained == messages[2]["content"] + "<|im_end|>" + messages[4]["content"] + "<|im_end|>"
+
+
+def test_gemma3_templates_render_gemmas_turns_and_alike(smollm2_tokenizer):
+    """Gemma's turn format for base checkpoints without a template; a system prompt opens the first user turn."""
+    without_template = copy.deepcopy(smollm2_tokenizer)
+    without_template.chat_template = GEMMA3_CHAT_TEMPLATE
+    assert training_chat_template(without_template) == GEMMA3_TRAINING_CHAT_TEMPLATE
+    for messages in CONVERSATIONS:
+        for add_generation_prompt in (False, True):
+            texts = [
+                smollm2_tokenizer.apply_chat_template(
+                    messages, tokenize=False, add_generation_prompt=add_generation_prompt, chat_template=template
+                )
+                for template in (GEMMA3_CHAT_TEMPLATE, GEMMA3_TRAINING_CHAT_TEMPLATE)
+            ]
+            assert texts[0] == texts[1]
+    text = smollm2_tokenizer.apply_chat_template(
+        CONVERSATIONS[1][:3], tokenize=False, chat_template=GEMMA3_TRAINING_CHAT_TEMPLATE
+    )
+    assert text == (
+        f"{smollm2_tokenizer.bos_token}<start_of_turn>user\n{OPENTHOUGHTS_SYSTEM_PROMPT}\n\n{CONVERSATIONS[1][1]['content']}"
+        f"<end_of_turn>\n<start_of_turn>model\n{CONVERSATIONS[1][2]['content']}<end_of_turn>\n"
+    )
+    assert has_generation_markers(GEMMA3_TRAINING_CHAT_TEMPLATE) and not has_generation_markers(GEMMA3_CHAT_TEMPLATE)
 
 
 def test_write_chat_template(tmp_path):

@@ -302,6 +302,54 @@ def test_converts_a_llama_checkpoint_on_the_fly(tokenizer, rows, tmp_path):
     assert type(baseline.model).__name__ == "LlamaForCausalLM"
 
 
+def test_converts_a_gemma3_checkpoint_on_the_fly_trains_and_saves_it_hub_ready(tokenizer, rows, tmp_path):
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    gemma3_config = Gemma3TextConfig(
+        **{key: value for key, value in tiny_iha_config(tokenizer).to_dict().items() if key in TINY_GEMMA3_FIELDS},
+        num_attention_heads=4,
+        num_key_value_heads=1,
+        head_dim=16,
+        sliding_window=64,
+        sliding_window_pattern=2,
+    )
+    torch.manual_seed(3)
+    gemma3_dir = tmp_path / "gemma3"
+    Gemma3ForCausalLM(gemma3_config).save_pretrained(gemma3_dir)
+    tokenizer.save_pretrained(gemma3_dir)
+    output_dir = tmp_path / "converted"
+    trainer = train_sft(
+        str(gemma3_dir), rows[:32], sft_config(output_dir, max_steps=12), iha_options={"num_pseudo_heads": 2}
+    )
+    assert type(trainer.model) is iha.IHAGemma3ForCausalLM
+    assert trainer.model.config.attention_types == ["iha_sliding_attention", "iha_full_attention"]
+    history = losses(trainer)
+    assert sum(history[-3:]) / 3 < sum(history[:3]) / 3 - 0.5, history
+    for name, value in identity_mixing(trainer.model).items():
+        assert (mixing_parameters(trainer.model)[name] - value).abs().max() > 1e-3, name
+
+    config = json.loads((output_dir / "config.json").read_text())
+    assert config["model_type"] == "iha_gemma3"
+    assert config["auto_map"]["AutoModelForCausalLM"] == "modeling_iha_gemma3.IHAGemma3ForCausalLM"
+    assert (output_dir / "modeling_iha_gemma3.py").is_file() and (output_dir / "modeling_iha.py").is_file()
+    input_ids = torch.tensor([tokenizer.encode("Natalia sold 48/2 = 24 clips in May.")])
+    reloaded = AutoModelForCausalLM.from_pretrained(output_dir)
+    assert type(reloaded) is iha.IHAGemma3ForCausalLM
+    torch.testing.assert_close(logits(reloaded, input_ids), logits(trainer.model, input_ids), rtol=0, atol=1e-5)
+
+
+TINY_GEMMA3_FIELDS = (
+    "vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "max_position_embeddings",
+    "bos_token_id",
+    "eos_token_id",
+    "pad_token_id",
+)
+
+
 def test_launch_without_use_cpu_is_refused(tokenizer, rows, tmp_path, monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "2")
     with pytest.raises(ValueError, match="pass `--use_cpu true`"):

@@ -1,0 +1,89 @@
+# Copyright 2026 The iha authors.
+#
+# Licensed under the Apache License, Version 2.0 (the "License");
+# you may not use this file except in compliance with the License.
+# You may obtain a copy of the License at
+#
+#     http://www.apache.org/licenses/LICENSE-2.0
+#
+# Unless required by applicable law or agreed to in writing, software
+# distributed under the License is distributed on an "AS IS" BASIS,
+# WITHOUT WARRANTIES OR CONDITIONS OF ANY KIND, either express or implied.
+# See the License for the specific language governing permissions and
+# limitations under the License.
+"""Interleaved Head Attention (IHA) on Gemma 3's text decoder: the configuration.
+
+This file is copied next to the weights by `save_pretrained`, so it may import only torch, transformers and its
+siblings (`configuration_iha.py`, `compat_iha.py`, ...): never the `iha` package itself.
+"""
+
+# First: importing the compatibility module refuses a transformers below the supported range with one clear error.
+from .compat_iha import MINIMUM_TRANSFORMERS  # noqa: F401  # isort: skip
+
+from huggingface_hub.dataclasses import strict
+from transformers import Gemma3TextConfig
+
+from .configuration_iha import IHA_FULL, IHA_SLIDING, STANDARD_SLIDING, IHAAttentionFields
+
+
+# Gemma 3 fields whose non-default value IHA layers cannot compute: (field, the value Gemma 3 language models use).
+UNSUPPORTED_GEMMA3_FIELDS = (
+    ("attn_logit_softcapping", None),
+    ("final_logit_softcapping", None),
+    ("use_bidirectional_attention", False),
+)
+
+
+@strict
+class IHAGemma3Config(IHAAttentionFields, Gemma3TextConfig):
+    r"""
+    Configuration of a Gemma 3 text decoder whose attention layers are Interleaved Head Attention (IHA) layers.
+
+    Every `Gemma3TextConfig` field keeps its meaning: `head_dim`, `query_pre_attn_scalar` (the attention scale is
+    `query_pre_attn_scalar ** -0.5`), `rope_parameters` keyed by layer type (`"full_attention"`,
+    `"sliding_attention"`: a RoPE base per type), `sliding_window`, `hidden_activation`, tied embeddings scaled by
+    `sqrt(hidden_size)`, and Gemma's (1 + w) RMSNorms around attention and MLP and over each head's query and key.
+    The IHA fields are `IHAConfig`'s, with the same names, values and meaning (`num_pseudo_heads`,
+    `attention_types`, `iha_mask_mode`, `iha_position_mode`, `iha_collapse_mode`, `iha_collapse_init`,
+    `iha_cache_mode`); `attention_types` defaults to IHA layers in Gemma 3's own layout (`layer_types` when given,
+    else five sliding layers to one full layer), and `layer_types` is derived from it.
+
+    `attn_logit_softcapping`, `final_logit_softcapping` and `use_bidirectional_attention` must keep the values Gemma 3
+    language models use (None, None, False).
+
+    ```python
+    >>> from iha import IHAGemma3Config, IHAGemma3ForCausalLM
+    >>> config = IHAGemma3Config(hidden_size=64, intermediate_size=128, num_hidden_layers=6, num_attention_heads=4,
+    ...                          num_key_value_heads=1, head_dim=16, sliding_window=8)
+    >>> model = IHAGemma3ForCausalLM(config)
+    ```
+    """
+
+    model_type = "iha_gemma3"
+    # No tensor parallel plan: sharding q/k/v by heads would cut the cross-head mixing apart (see `IHAConfig`).
+    base_model_tp_plan = None
+
+    def __post_init__(self, **kwargs):
+        for field_name, supported in UNSUPPORTED_GEMMA3_FIELDS:
+            if getattr(self, field_name) != supported:
+                raise ValueError(
+                    f"`{field_name}` is {getattr(self, field_name)!r}, but IHA Gemma 3 models support only "
+                    f"{supported!r} (what Gemma 3 language models use)."
+                )
+        if self.layer_types is not None:
+            source_types = list(self.layer_types)
+        else:  # Gemma 3's layout: every `sliding_window_pattern`-th layer is full, the others slide.
+            pattern = kwargs.get("sliding_window_pattern", 6)
+            source_types = [
+                "full_attention" if (layer_idx + 1) % pattern == 0 else STANDARD_SLIDING
+                for layer_idx in range(self.num_hidden_layers)
+            ]
+        if self.attention_types is None:
+            self.layer_types = None  # derived again from `attention_types` below
+        self.set_up_attention_types(
+            [IHA_SLIDING if layer_type == STANDARD_SLIDING else IHA_FULL for layer_type in source_types]
+        )
+        super().__post_init__(**kwargs)
+
+
+__all__ = ["IHAGemma3Config"]
