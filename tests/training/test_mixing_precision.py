@@ -34,6 +34,18 @@ def test_mixing_loads_and_builds_in_fp32_under_16_bit_dtypes(identity_folder):
     assert mixing_dtypes(AutoModelForCausalLM.from_pretrained(identity_folder, dtype=torch.float64)) == {torch.float64}
 
 
+def test_gemma3_mixing_loads_in_fp32_too(tmp_path):
+    from conftest import TINY
+
+    config = iha.IHAGemma3Config(**{**TINY, "num_key_value_heads": 2}, query_pre_attn_scalar=12, sliding_window=3)
+    iha.IHAGemma3ForCausalLM(config).save_pretrained(tmp_path)
+    model = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.bfloat16)
+    assert type(model) is iha.IHAGemma3ForCausalLM
+    assert mixing_dtypes(model) == {torch.float32} and other_dtypes(model) == {torch.bfloat16}
+    train_a_few_steps(model)
+    assert unmoved_identity_entries(model)[0] == 0
+
+
 def test_bf16_steps_move_the_identity_entries_and_a_reload_keeps_them(identity_folder, tmp_path):
     model = AutoModelForCausalLM.from_pretrained(identity_folder, dtype=torch.bfloat16)
     still, total = unmoved_identity_entries(model)
