@@ -10,7 +10,8 @@ per release on 2 cores, so not in CI: its last run is in benchmarks/results/gemm
 checks that the logits equal the source's on a left-padded batch (within fp32 rounding, measured as the source's own
 sdpa-vs-eager difference) and that greedy tokens with DynamicCache, StaticCache and no cache equal the source's; and,
 loaded in bf16, that the mixing loads in fp32, the logits match the bf16 source and a few optimizer steps move the
-mixing entries that start at 1.0 (which bf16 weights would freeze). Below the supported range it checks that loading is refused with one clear message.
+mixing entries that start at 1.0 (which bf16 weights would freeze). Below the supported range it checks that loading
+is refused with one clear message.
 
     python scripts/transformers_matrix.py                      # the default releases (see RELEASES)
     python scripts/transformers_matrix.py --releases 5.20.0    # others, or several
