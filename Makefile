@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 export HF_HUB_OFFLINE ?= 1
 export TOKENIZERS_PARALLELISM ?= false
 
-.PHONY: install demo test lint matrix
+.PHONY: install demo test lint matrix trl-oldest
 
 $(VENV)/.installed: setup.py
 	$(PYTHON) -m venv $(VENV)
@@ -30,6 +30,11 @@ test: install
 # an environment without iha (built once into ~/.cache/iha/transformers-matrix, then reused).
 matrix: install
 	$(PY) scripts/transformers_matrix.py
+
+# The training tests on the lowest release of each training dependency's range in setup.py (trl, peft, accelerate,
+# datasets, bitsandbytes), in an environment of its own (built once into ~/.cache/iha/trl-oldest, then reused).
+trl-oldest: install
+	$(PY) scripts/trl_oldest.py
 
 lint: install
 	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check .

@@ -9,27 +9,54 @@ from setuptools import find_packages, setup
 SUPPORTED_TRANSFORMERS = "transformers>=5.4.0,<5.25"
 DEVELOPMENT_TRANSFORMERS = "transformers==5.23.0"
 
-HF_STACK = {
-    "trl": "trl==1.16.0",
-    "peft": "peft==0.21.2",
-    "accelerate": "accelerate==1.15.0",
-    "datasets": "datasets==5.2.0",
+# The training stack, as ranges too: installing the package keeps a user's trl / peft / accelerate / datasets. The
+# lower end of each range is the release `scripts/trl_oldest.py` runs the training tests on (CI: `make trl-oldest`),
+# the upper end excludes the next release line after the newest tested one. trl 1.7 is the first whose trainers
+# load a remote-code checkpoint by path and whose configs hold `trust_remote_code`. Development and `make test` use
+# DEVELOPMENT_TRAINING_STACK (the dev extra pins it).
+TRAINING_STACK = {
+    "trl": "trl>=1.7.0,<1.17",
+    "peft": "peft>=0.20.0,<0.22",
+    "accelerate": "accelerate>=1.4.0,<1.16",
+    "datasets": "datasets>=4.7.0,<5.3",
+    # 4-bit / 8-bit bases (QLoRA) on CPU from 0.50 on.
+    "bitsandbytes": "bitsandbytes>=0.50.0,<0.51",
 }
+DEVELOPMENT_TRAINING_STACK = [
+    "trl==1.16.0",
+    "peft==0.21.2",
+    "accelerate==1.15.0",
+    "datasets==5.2.0",
+    "bitsandbytes==0.50.2",
+]
+MATH_VERIFY = "math-verify==0.9.0"
 
 extras = {
     # torch is not pinned here on purpose: install it first (`pip install torch==2.13.0` takes the CPU wheel;
     # on a GPU machine take the CUDA build you want). A bare `torch` requirement with nothing installed would
     # pull a multi-GB CUDA build.
-    "train": [HF_STACK["trl"], HF_STACK["peft"], HF_STACK["accelerate"], HF_STACK["datasets"], "matplotlib>=3.7"],
-    "eval": ["math-verify==0.9.0", "lm-eval==0.4.13", HF_STACK["datasets"], "matplotlib>=3.7"],
+    # SFT, DPO and GRPO (its math reward reads answers with math-verify, as the evaluation does).
+    "train": [
+        TRAINING_STACK["trl"],
+        TRAINING_STACK["peft"],
+        TRAINING_STACK["accelerate"],
+        TRAINING_STACK["datasets"],
+        MATH_VERIFY,
+        "matplotlib>=3.7",
+    ],
+    # QLoRA (`iha-sft --load_in_4bit / --load_in_8bit --use_peft`).
+    "qlora": [TRAINING_STACK["bitsandbytes"]],
+    "eval": [MATH_VERIFY, "lm-eval==0.4.13", TRAINING_STACK["datasets"], "matplotlib>=3.7"],
     "convert": ["gguf>=0.10"],
 }
 extras["dev"] = sorted(
     {
         *extras["train"],
+        *extras["qlora"],
         *extras["eval"],
         *extras["convert"],
         DEVELOPMENT_TRANSFORMERS,
+        *DEVELOPMENT_TRAINING_STACK,
         "pytest>=8",
         "ruff>=0.6",
         "nbclient>=0.10",

@@ -115,10 +115,22 @@ def apply_pseudo_rotation(states: torch.Tensor, cos: torch.Tensor, sin: torch.Te
     return rotated.flatten(2, 3)
 
 
+def mixing_dtype() -> torch.dtype:
+    """The dtype of new mixing parameters: fp32 where the default dtype is 16-bit, else the default (fp32 or fp64).
+
+    Most mixing entries start at exactly 0 or 1, and an optimizer step of about the learning rate (1e-3) is below half
+    the spacing of bf16 numbers near 1.0 (2^-8 below, 2^-7 above): in bf16 the update rounds away and the identity
+    entries never move. The forward casts the mixing to the activations' dtype, which keeps identity exact.
+    """
+    return torch.promote_types(torch.get_default_dtype(), torch.float32)
+
+
 class IHAHeadMixing(nn.Module):
     """The learned parameters of one IHA layer: head mixing into pseudo-heads and the collapse back to heads.
 
     They live in their own submodule so that PEFT can keep them trainable with `modules_to_save=["head_mixing"]`.
+    They are kept in fp32 whatever the model's dtype (see `mixing_dtype`): built so here (`from_config(dtype=...)`,
+    a 16-bit default dtype) and loaded so by `from_pretrained` (`_keep_in_fp32_modules_strict`).
 
     - `alpha_q` [H, H, P]: `Q~[n, h, p] = sum_m alpha_q[m, h, p] * Q[n, m]` (m source head, h target head).
     - `alpha_k`, `alpha_v` [H_kv, H_kv, P]: keys and values mix only among the KV heads ("group-preserving" GQA),
@@ -141,13 +153,15 @@ class IHAHeadMixing(nn.Module):
         self.num_pseudo_heads = num_pseudo_heads
         self.collapse_mode = collapse_mode
         self.collapse_init = collapse_init
-        self.alpha_q = nn.Parameter(torch.empty(num_heads, num_heads, num_pseudo_heads))
-        self.alpha_k = nn.Parameter(torch.empty(num_key_value_heads, num_key_value_heads, num_pseudo_heads))
-        self.alpha_v = nn.Parameter(torch.empty(num_key_value_heads, num_key_value_heads, num_pseudo_heads))
+        dtype = mixing_dtype()
+        kv_shape = (num_key_value_heads, num_key_value_heads, num_pseudo_heads)
+        self.alpha_q = nn.Parameter(torch.empty(num_heads, num_heads, num_pseudo_heads, dtype=dtype))
+        self.alpha_k = nn.Parameter(torch.empty(kv_shape, dtype=dtype))
+        self.alpha_v = nn.Parameter(torch.empty(kv_shape, dtype=dtype))
         if collapse_mode == "per_head":
-            self.collapse = nn.Parameter(torch.empty(num_heads, num_pseudo_heads))
+            self.collapse = nn.Parameter(torch.empty(num_heads, num_pseudo_heads, dtype=dtype))
         else:
-            self.collapse = nn.Parameter(torch.empty(num_heads, num_heads, num_pseudo_heads))
+            self.collapse = nn.Parameter(torch.empty(num_heads, num_heads, num_pseudo_heads, dtype=dtype))
         self.reset_to_identity()
 
     def identity_tensors(self) -> dict[str, torch.Tensor]:
@@ -420,6 +434,9 @@ class IHAPreTrainedModel(PreTrainedModel):
     base_model_prefix = "model"
     supports_gradient_checkpointing = True
     _no_split_modules = ["IHADecoderLayer"]
+    # Under any 16-bit load dtype the mixing is loaded in fp32 (see `mixing_dtype`); the non-strict list acts for fp16
+    # only.
+    _keep_in_fp32_modules_strict = ["head_mixing"]
     _skip_keys_device_placement = list(CACHE_ARGUMENT_NAMES)
     _supports_flash_attn = True
     _supports_sdpa = True

@@ -8,8 +8,10 @@ layer), a tiny SmolLM3 (a NoPE sliding layer), a tiny Gemma 3 (sliding and full 
 and the real SmolLM2-135M-Instruct; with `--gemma3` also the real Gemma 3 270M (`iha.builtin.gemma3_dir`; minutes
 per release on 2 cores, so not in CI: its last run is in benchmarks/results/gemma3_270m/). Per release and model it
 checks that the logits equal the source's on a left-padded batch (within fp32 rounding, measured as the source's own
-sdpa-vs-eager difference) and that greedy tokens with DynamicCache, StaticCache and no cache equal the source's.
-Below the supported range it checks that loading is refused with one clear message.
+sdpa-vs-eager difference) and that greedy tokens with DynamicCache, StaticCache and no cache equal the source's; and,
+loaded in bf16, that the mixing loads in fp32, the logits match the bf16 source and a few optimizer steps move the
+mixing entries that start at 1.0 (which bf16 weights would freeze). Below the supported range it checks that loading
+is refused with one clear message.
 
     python scripts/transformers_matrix.py                      # the default releases (see RELEASES)
     python scripts/transformers_matrix.py --releases 5.20.0    # others, or several
@@ -211,22 +213,38 @@ def package_import_error(python: Path, site: Path) -> str:
     return output[-1] if output else ""
 
 
+def bf16_cell(model: dict) -> str:
+    dtype = "fp32" if model["bf16_mixing_fp32"] else "**not fp32**"
+    moved = model["bf16_identity_entries"] - model["bf16_identity_entries_unmoved"]
+    moved_text = f"{moved} of {model['bf16_identity_entries']}"
+    if not model["bf16_identity_learns"]:
+        moved_text = f"**{moved_text}**"
+    difference = f"{model['bf16_logit_difference']:.1e} ({model['bf16_tolerance']:.0e})"
+    if not model["bf16_logits_equal"]:
+        difference = f"**{difference}**"
+    return f"{dtype}, {difference}, {moved_text}"
+
+
 def markdown_table(results: list[dict]) -> str:
     lines = [
         f"Supported: {supported_range_text()}. Each row ran in an environment with torch and only that transformers "
         "(`iha` not importable), loading the converted folders through `trust_remote_code`. Logit difference: max "
         "|IHA - source| over the real tokens of a left-padded batch of 3 (tolerance in brackets: 4x the source's own "
-        "sdpa-vs-eager difference, at least 1e-5). Greedy: 16 new tokens, equal to the source's.",
+        "sdpa-vs-eager difference, at least 1e-5). Greedy: 16 new tokens, equal to the source's. bf16: both models "
+        "loaded with `dtype=torch.bfloat16`; the mixing must load in fp32, the logits match the bf16 source (tolerance "
+        "4x its sdpa-vs-eager difference, at least 1e-2), and 5 AdamW steps at 1e-3 move every mixing entry that "
+        "starts at 1.0.",
         "",
-        "| transformers | model | load | logit difference | greedy, DynamicCache | greedy, StaticCache | greedy, no cache |",
-        "|---|---|---|---|---|---|---|",
+        "| transformers | model | load | logit difference | greedy, DynamicCache | greedy, StaticCache | greedy, no cache "
+        "| bf16: mixing dtype, logit difference, identity entries moved |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for result in results:
         if "models" not in result:
             outcome = "refused: " + (result.get("error") or "NOT REFUSED").split("\n")[0]
             if not result["passed"]:
                 outcome = f"**{outcome}** (import iha: {result.get('package_import')})"
-            lines.append(f"| {result['transformers']} | all | {outcome} | - | - | - | - |")
+            lines.append(f"| {result['transformers']} | all | {outcome} | - | - | - | - | - |")
             continue
         for model in result["models"]:
 
@@ -236,7 +254,7 @@ def markdown_table(results: list[dict]) -> str:
             lines.append(
                 f"| {result['transformers']} | {Path(model['source']).name} | ok | "
                 f"{model['logit_difference']:.1e} ({model['tolerance']:.0e}) | {mark('dynamic_cache')} | "
-                f"{mark('static_cache')} | {mark('no_cache')} |"
+                f"{mark('static_cache')} | {mark('no_cache')} | {bf16_cell(model)} |"
             )
     return "\n".join(lines) + "\n"
 
@@ -277,7 +295,8 @@ def main(argv=None) -> int:
                 log(
                     f"transformers {release}, {Path(model['source']).name}: {'ok' if model['passed'] else 'FAILED'} "
                     f"(logits {model['logit_difference']:.1e}, dynamic {model['dynamic_cache']}, static "
-                    f"{model['static_cache']}, no cache {model['no_cache']}, {model['seconds']} s)"
+                    f"{model['static_cache']}, no cache {model['no_cache']}, bf16 {bf16_cell(model)}, "
+                    f"{model['seconds']} s)"
                 )
             if "crash" in result:
                 log(f"transformers {release}: the check crashed:\n" + "\n".join(result["crash"]))

@@ -88,8 +88,53 @@ def check_pair(source: str, converted: str, max_new_tokens: int = 16) -> dict:
         except Exception as error:  # a crash is a result to report, like a difference
             result[name] = False
             result[f"{name}_error"] = f"{type(error).__name__}: {error}"[:300]
+    result.update(check_bf16(source, converted, input_ids, attention_mask))
     result["seconds"] = round(time.perf_counter() - started, 1)
-    result["passed"] = result["logits_equal"] and all(result[k] for k in ("dynamic_cache", "static_cache", "no_cache"))
+    result["passed"] = (
+        result["logits_equal"]
+        and all(result[k] for k in ("dynamic_cache", "static_cache", "no_cache"))
+        and result["bf16_mixing_fp32"]
+        and result["bf16_logits_equal"]
+        and result["bf16_identity_learns"]
+    )
+    return result
+
+
+def check_bf16(source: str, converted: str, input_ids, attention_mask, steps: int = 5) -> dict:
+    """Loaded in bf16 through remote code: the mixing is fp32, the logits match the bf16 source within bf16 rounding
+    (measured as the source's own sdpa-vs-eager difference), and AdamW steps at 1e-3 move every mixing entry that
+    starts at 1.0 (in bf16 such an update rounds away)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    bf16 = dict(dtype=torch.bfloat16)
+    base = AutoModelForCausalLM.from_pretrained(source, **bf16).eval()
+    base_eager = AutoModelForCausalLM.from_pretrained(source, **bf16, attn_implementation="eager").eval()
+    model = AutoModelForCausalLM.from_pretrained(converted, **bf16, trust_remote_code=True).eval()
+    mixing = {name: parameter for name, parameter in model.named_parameters() if ".head_mixing." in name}
+    others = {parameter.dtype for name, parameter in model.named_parameters() if name not in mixing}
+    result = {"bf16_mixing_fp32": bool(mixing) and {p.dtype for p in mixing.values()} == {torch.float32}}
+    result["bf16_mixing_fp32"] = result["bf16_mixing_fp32"] and others == {torch.bfloat16}
+    valid = attention_mask.bool()
+    with torch.no_grad():
+        base_logits = base(input_ids, attention_mask=attention_mask).logits.float()
+        eager_logits = base_eager(input_ids, attention_mask=attention_mask).logits.float()
+        iha_logits = model(input_ids, attention_mask=attention_mask, use_cache=False).logits.float()
+    result["bf16_logit_difference"] = (base_logits - iha_logits)[valid].abs().max().item()
+    result["bf16_tolerance"] = max(1e-2, 4 * (base_logits - eager_logits)[valid].abs().max().item())
+    result["bf16_logits_equal"] = result["bf16_logit_difference"] <= result["bf16_tolerance"]
+
+    ones = {name: parameter.detach() == 1 for name, parameter in mixing.items()}
+    optimizer = torch.optim.AdamW(mixing.values(), lr=1e-3)
+    model.train()
+    for _ in range(steps):
+        model(input_ids, attention_mask=attention_mask, labels=input_ids).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    still = sum(int((mixing[name].detach()[mask] == 1).sum()) for name, mask in ones.items())
+    result["bf16_identity_entries"] = sum(int(mask.sum()) for mask in ones.values())
+    result["bf16_identity_entries_unmoved"] = still
+    result["bf16_identity_learns"] = result["bf16_identity_entries"] > 0 and still == 0
     return result
 
 

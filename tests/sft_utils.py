@@ -20,6 +20,8 @@ from iha.data import gsm8k_file_to_openthoughts
 REPO_ROOT = Path(__file__).resolve().parent.parent
 GSM8K_TRAIN = REPO_ROOT.parent / "shared" / "data" / "gsm8k" / "train.jsonl"
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+# `iha-sft` flags of a short test run: a loss every step, no trackers, checkpoints or progress bars.
+QUIET_RUN_FLAGS = ["--logging_steps", "1", "--report_to", "none", "--save_strategy", "no", "--disable_tqdm", "true"]
 
 
 def free_port() -> int:
@@ -31,6 +33,17 @@ def free_port() -> int:
 
 def gsm8k_openthoughts_rows(limit: int = 64) -> list[dict]:
     return gsm8k_file_to_openthoughts(GSM8K_TRAIN, limit=limit)
+
+
+def gsm8k_message_rows(limit: int = 16) -> list[dict]:
+    """GSM8K question -> worked solution as `messages` rows: a few hundred tokens each, no system prompt, for the
+    shortest runs."""
+    from iha.data import read_gsm8k_rows
+
+    return [
+        {"messages": [{"role": "user", "content": row["question"]}, {"role": "assistant", "content": row["answer"]}]}
+        for row in read_gsm8k_rows(GSM8K_TRAIN, limit=limit)
+    ]
 
 
 def build_tiny_tokenizer(save_dir: str | Path | None = None, vocab_size: int = 1024) -> PreTrainedTokenizerFast:

@@ -68,7 +68,9 @@ def llama_to_iha(
             f"unexpected {sorted(result.unexpected_keys)}."
         )
     device = model.get_input_embeddings().weight.device
-    dtype = model.get_input_embeddings().weight.dtype
+    # The mixing stays fp32 beside 16-bit weights, as `from_pretrained` loads it: in bf16 its identity entries could
+    # not learn.
+    dtype = torch.promote_types(model.get_input_embeddings().weight.dtype, torch.float32)
     for module in iha_model.modules():
         if isinstance(module, IHAHeadMixing):
             for name, value in module.identity_tensors().items():

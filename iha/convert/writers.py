@@ -135,7 +135,8 @@ def plan_output_tensors(
     outputs, casts = [], set()
     for name in sorted(expected, key=natural_key):
         if name in generated_names:
-            target_dtype = dtype or embedding_dtype
+            # The mixing stays fp32 in a 16-bit checkpoint: in bf16 its identity entries could not learn.
+            target_dtype = torch.promote_types(dtype or embedding_dtype, torch.float32)
             value = identity[name.rpartition(".")[2]].to(target_dtype).contiguous()
             outputs.append(OutputTensor(name, target_dtype, tuple(value.shape), value=value))
             continue

@@ -11,7 +11,8 @@
 # WITHOUT WARRANTIES OR CONDITIONS OF ANY KIND, either express or implied.
 # See the License for the specific language governing permissions and
 # limitations under the License.
-"""OpenThoughts-style reasoning SFT of IHA models with TRL: full fine-tuning or LoRA, one process or several.
+"""OpenThoughts-style reasoning SFT of IHA models with TRL: full fine-tuning, LoRA or QLoRA, one process or several;
+and the pieces for TRL's other trainers (DPO, GRPO): `with_iha_mixing`, `boxed_answer_reward`, `math_prompt_rows`.
 
 Python:
 
@@ -21,6 +22,10 @@ Python:
 >>> trainer = train_sft("HuggingFaceTB/SmolLM2-135M-Instruct", "open-thoughts/OpenThoughts-114k", args,
 ...                     iha_options={"num_pseudo_heads": 2})            # a Llama checkpoint is converted on the fly
 >>> trainer = train_sft("my-iha-model", "data.jsonl", args, peft_config=iha_lora_config(r=16))   # LoRA
+>>> trainer = train_sft("my-iha-model", "data.jsonl", args, peft_config=iha_lora_config(r=16),
+...                     quantization_config=BitsAndBytesConfig(load_in_4bit=True))             # QLoRA
+>>> dpo = with_iha_mixing(DPOTrainer)(model=policy, ref_model=reference, args=..., train_dataset=pairs,
+...                                   mixing_learning_rate=5e-5)                            # any TRL trainer
 ```
 
 Command line (the flags of TRL's `SFTConfig`, plus `ModelArguments` and `DataArguments` of `iha.sft.arguments`):
@@ -65,11 +70,18 @@ _EXPORTS = {
     "training_card_section": "outputs",
     "write_merged_card": "outputs",
     "write_training_card": "outputs",
+    "boxed_answer_reward": "rewards",
+    "completion_text": "rewards",
+    "math_prompt_rows": "rewards",
     "save_final_model": "train",
     "train_sft": "train",
+    "IHAMixingMixin": "parameter_groups",
+    "iha_parameter_groups": "parameter_groups",
+    "keep_mixing_in_fp32": "parameter_groups",
+    "refuse_mixed_dtypes_under_fsdp": "parameter_groups",
+    "with_iha_mixing": "parameter_groups",
     "IHASFTTrainer": "trainer",
     "enable_fsdp_on_cpu": "trainer",
-    "iha_parameter_groups": "trainer",
     "own_class_while_saving": "trainer",
 }
 

@@ -86,8 +86,34 @@ class ModelArguments:
     )
     merge_adapter: bool = field(
         default=False,
-        metadata={"help": "After LoRA training, also write the merged full model to <output_dir>/merged."},
+        metadata={
+            "help": "After LoRA training, also write the merged full model to <output_dir>/merged (merged into the "
+            "base loaded unquantized, also after QLoRA)."
+        },
     )
+    # QLoRA: TRL's `ModelConfig` flags, with TRL's names and meaning (bitsandbytes: `pip install "iha-transformers[qlora]"`).
+    load_in_4bit: bool = field(
+        default=False, metadata={"help": "QLoRA: load the base in 4 bit (bitsandbytes) and train LoRA (--use_peft)."}
+    )
+    load_in_8bit: bool = field(
+        default=False, metadata={"help": "Load the base in 8 bit (bitsandbytes) and train LoRA (--use_peft)."}
+    )
+    bnb_4bit_quant_type: str = field(
+        default="nf4", metadata={"help": "4-bit quantization type.", "choices": ["fp4", "nf4"]}
+    )
+    use_bnb_nested_quant: bool = field(default=False, metadata={"help": "Quantize the 4-bit scales again."})
+    bnb_4bit_quant_storage: str | None = field(
+        default=None, metadata={"help": "Storage dtype of the 4-bit weights (e.g. bfloat16 for FSDP-QLoRA)."}
+    )
+
+    def __post_init__(self):
+        if self.load_in_4bit and self.load_in_8bit:
+            raise ValueError("Choose one of --load_in_4bit and --load_in_8bit.")
+        if (self.load_in_4bit or self.load_in_8bit) and not self.use_peft:
+            raise ValueError(
+                "--load_in_4bit / --load_in_8bit freeze the base in a quantized form: train LoRA adapters on it "
+                "with --use_peft (the IHA mixing is trained in full beside them)."
+            )
 
 
 @dataclass

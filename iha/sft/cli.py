@@ -180,6 +180,7 @@ def run_cli(argv: Sequence[str] | None = None) -> "IHASFTTrainer":
     from pathlib import Path
 
     from transformers import AutoTokenizer
+    from trl import get_quantization_config
 
     from .model import iha_lora_config
     from .outputs import merge_lora
@@ -215,6 +216,7 @@ def run_cli(argv: Sequence[str] | None = None) -> "IHASFTTrainer":
         processing_class=tokenizer,
         eval_dataset=data_args.eval_dataset_name if training_args.eval_strategy != "no" else None,
         peft_config=peft_config,
+        quantization_config=get_quantization_config(model_args),
         convert_to_iha=model_args.convert_to_iha,
         iha_options=iha_options,
         dataset_config_name=data_args.dataset_config,

@@ -16,10 +16,12 @@
 import logging
 import os
 from collections.abc import Sequence
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
+from transformers.utils import logging as transformers_logging
 
 import iha  # noqa: F401  (registers IHAConfig / IHAForCausalLM with the Auto classes)
 
@@ -73,7 +75,9 @@ def load_model_for_sft(
     """Load an IHA checkpoint, or a Llama-style one converted to IHA (identity mixing: the same function).
 
     Returns `(model, converted)`. `from_pretrained_kwargs` go to `from_pretrained` (dtype, attn_implementation,
-    revision, trust_remote_code); dtype defaults to float32 like TRL's.
+    revision, trust_remote_code, quantization_config); dtype defaults to float32 like TRL's. With a
+    `quantization_config` (QLoRA) a Llama-style checkpoint is loaded quantized straight into the IHA model
+    (`load_quantized_conversion`); the mixing is never quantized and stays fp32.
     """
     from_pretrained_kwargs = {k: v for k, v in from_pretrained_kwargs.items() if v is not None}
     dtype = from_pretrained_kwargs.get("dtype", "float32")
@@ -88,6 +92,8 @@ def load_model_for_sft(
     )
     if config.model_type not in IHA_MODEL_TYPES and convert_to_iha:
         _refuse_conversion_of_partitioned_weights(model_name_or_path)
+        if from_pretrained_kwargs.get("quantization_config") is not None:
+            return load_quantized_conversion(model_name_or_path, config, iha_options, **from_pretrained_kwargs), True
     model = AutoModelForCausalLM.from_pretrained(model_name_or_path, **from_pretrained_kwargs)
     if config.model_type in IHA_MODEL_TYPES:
         if iha_options:
@@ -101,6 +107,47 @@ def load_model_for_sft(
     logger.info("Converting %s (%s) to IHA with %s.", model_name_or_path, config.model_type, iha_options or {})
     # The loaded source model is dropped right after: let the IHA model take over its tensors instead of copying.
     return llama_to_iha(model, iha_options, share_weights=True), True
+
+
+@contextmanager
+def transformers_errors_only():
+    """transformers' log at error level: its load report lists the mixing as newly initialised, which is intended."""
+    verbosity = transformers_logging.get_verbosity()
+    transformers_logging.set_verbosity_error()
+    try:
+        yield
+    finally:
+        transformers_logging.set_verbosity(verbosity)
+
+
+def load_quantized_conversion(
+    model_name_or_path: str, source_config, iha_options: dict | None, **from_pretrained_kwargs
+):
+    """A Llama-style checkpoint loaded quantized into the IHA model it converts to (QLoRA on the fly).
+
+    A quantized model's packed weights cannot be copied into new layers (`llama_to_iha`), so the checkpoint is loaded
+    with the converted config instead: every source tensor lands where the converter would put it, bitsandbytes
+    quantizes the linear layers as they load, and the mixing (absent from the checkpoint) starts at identity in fp32.
+    """
+    from ..convert import ConversionError, plan_conversion
+    from ..convert.plan import IGNORED_SOURCE_SUFFIXES
+
+    plan = plan_conversion(source_config, iha_options)
+    for change in plan.function_changes:
+        logger.warning(f"This conversion changes what the model computes: {change}.")
+    logger.info("Loading %s quantized into IHA with %s.", model_name_or_path, iha_options or {})
+    with transformers_errors_only():
+        model, loading = AutoModelForCausalLM.from_pretrained(
+            model_name_or_path, config=plan.config, output_loading_info=True, **from_pretrained_kwargs
+        )
+    missing = sorted(name for name in loading["missing_keys"] if f".{MIXING_MODULE_NAME}." not in name)
+    unexpected = sorted(name for name in loading["unexpected_keys"] if not name.endswith(IGNORED_SOURCE_SUFFIXES))
+    if missing or unexpected or loading["mismatched_keys"]:
+        raise ConversionError(
+            f"{model_name_or_path}'s weights do not fit the IHA model: missing {missing[:8]}, unexpected "
+            f"{unexpected[:8]}, mismatched {sorted(loading['mismatched_keys'])[:8]}."
+        )
+    return model
 
 
 def prepare_tokenizer(tokenizer, assistant_only_loss: bool, chat_template_path: str | None = None):

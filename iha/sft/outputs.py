@@ -23,7 +23,7 @@ from transformers import AutoModelForCausalLM, PreTrainedModel
 import iha  # noqa: F401  (registers IHAConfig / IHAForCausalLM with the Auto classes)
 
 from ..atomic_folders import staged_folder
-from .config import BASE_RECORD_NAME
+from .config import BASE_RECORD_NAME, is_mixing_parameter
 from .model import load_model_for_sft
 
 
@@ -42,8 +42,11 @@ def load_sft_output(
 
     For an adapter, the base comes from `base_model` if given, else from the adapter's record (`iha_sft_base.json`):
     the same checkpoint, converted again with the same options when it was converted on the fly (conversion is
-    deterministic: identity mixing). `merge=True` folds the adapters and the trained mixing weights into a plain
-    `IHAForCausalLM`.
+    deterministic: identity mixing), and quantized as it was in training (QLoRA) unless the adapter is merged.
+    `merge=True` folds the adapters and the trained mixing weights into a plain `IHAForCausalLM`. After QLoRA the
+    merge goes into the base loaded unquantized (`dtype` of `from_pretrained_kwargs`, float32 by default): PEFT merges
+    into a bitsandbytes base by dequantizing each weight, adding the LoRA update and quantizing it again, which rounds
+    the update away in part; the merged model differs from the trained one by the base's quantization error.
     """
     path = Path(path)
     if not (path / "adapter_config.json").is_file():
@@ -59,6 +62,11 @@ def load_sft_output(
             source = adapter_config.get("base_model_name_or_path")
         if not source:
             raise ValueError(f"{path} does not say which base model the adapter belongs to: pass `base_model`.")
+        quantization = record.get("quantization_config")
+        if quantization is not None and not merge and "quantization_config" not in from_pretrained_kwargs:
+            from transformers import BitsAndBytesConfig
+
+            from_pretrained_kwargs["quantization_config"] = BitsAndBytesConfig.from_dict(quantization)
         base_model = load_adapter_base(
             path,
             str(source),
@@ -124,14 +132,39 @@ def write_merged_card(folder: Path, adapter_dir: Path, output_dir: Path) -> None
     write_model_card(folder, card)
 
 
-def training_card_section(trainer, base, converted: bool, train_source, num_rows: int | None, peft_config) -> str:
+def trained_dtypes(model) -> str:
+    """The dtypes the trainable weights were kept in, the mixing's apart ("bfloat16; mixing float32")."""
+    mixing, others = set(), set()
+    for name, parameter in model.named_parameters():
+        if parameter.requires_grad:
+            (mixing if is_mixing_parameter(name) else others).add(str(parameter.dtype).removeprefix("torch."))
+    text = ", ".join(sorted(others)) or "none"
+    return f"{text}; mixing {', '.join(sorted(mixing))}" if mixing else text
+
+
+def quantization_description(quantization_config) -> str | None:
+    """How a bitsandbytes config quantizes the base, in words ("4-bit nf4, compute dtype float32"); None for none."""
+    if quantization_config is None:
+        return None
+    if quantization_config.load_in_4bit:
+        compute_dtype = str(quantization_config.bnb_4bit_compute_dtype).removeprefix("torch.")
+        nested = ", nested" if quantization_config.bnb_4bit_use_double_quant else ""
+        return f"4-bit {quantization_config.bnb_4bit_quant_type}{nested}, compute dtype {compute_dtype}"
+    return "8-bit (LLM.int8)"
+
+
+def training_card_section(
+    trainer, base, converted: bool, train_source, num_rows: int | None, peft_config, quantization: str | None = None
+) -> str:
     """The model card's "Training" section: base model, data, method, settings and the loss reached."""
     args = trainer.args
     losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
     source = train_source if isinstance(train_source, str | os.PathLike) else f"{type(train_source).__name__} in memory"
     method = "full fine-tuning"
     if peft_config is not None:
-        method = f"LoRA (r={peft_config.r}, alpha={peft_config.lora_alpha}; `head_mixing` trained in full)"
+        method = f"LoRA (r={peft_config.r}, alpha={peft_config.lora_alpha}; `head_mixing` trained in full, in fp32)"
+    if quantization is not None:
+        method = f"QLoRA: {method} on a base quantized with bitsandbytes ({quantization})"
     scheduler = getattr(args.lr_scheduler_type, "value", args.lr_scheduler_type)  # an enum in TrainingArguments
     rows = [
         ("base model", f"`{base}`" + (" (converted to IHA on the fly)" if converted else "")),
@@ -150,6 +183,7 @@ def training_card_section(trainer, base, converted: bool, train_source, num_rows
         ),
         ("max length / packing", f"{args.max_length} / {args.packing}"),
         ("precision", "bf16 mixed" if args.bf16 else "fp16 mixed" if args.fp16 else "fp32"),
+        ("trained weights", trained_dtypes(trainer.model)),
         ("assistant-only loss", str(args.assistant_only_loss)),
     ]
     if losses:
@@ -157,7 +191,9 @@ def training_card_section(trainer, base, converted: bool, train_source, num_rows
     return "| setting | value |\n|---|---|\n" + "\n".join(f"| {name} | {value} |" for name, value in rows)
 
 
-def write_training_card(output_dir, trainer, base, converted, train_source, num_rows, peft_config) -> None:
+def write_training_card(
+    output_dir, trainer, base, converted, train_source, num_rows, peft_config, quantization=None
+) -> None:
     """Write the model card of a training output: what it was trained from and on, and how to load it.
 
     It replaces the generic card TRL (and PEFT) write, which name no local base ("fine-tuned version of None") and
@@ -190,7 +226,9 @@ def write_training_card(output_dir, trainer, base, converted, train_source, num_
     if isinstance(train_source, str) and not Path(train_source).exists() and looks_like_hub_id(train_source):
         metadata["datasets"] = [train_source]
     intro = finetuned_intro(base, adapter=peft_config is not None, converted=converted)
-    sections = {"Training": training_card_section(trainer, base, converted, train_source, num_rows, peft_config)}
+    sections = {
+        "Training": training_card_section(trainer, base, converted, train_source, num_rows, peft_config, quantization)
+    }
     if base_card is not None and "IHA settings" in base_card.sections:
         sections["IHA settings"] = base_card.sections["IHA settings"]
     if peft_config is not None:

@@ -29,7 +29,7 @@ from ..atomic_folders import staged_folder
 from ..data import filter_by_length, load_sft_dataset
 from .config import BASE_RECORD_NAME, MIXING_MODULE_NAME
 from .model import has_iha_layers, is_iha_model, load_model_for_sft, prepare_tokenizer, resolve_model_source
-from .outputs import write_training_card
+from .outputs import quantization_description, write_training_card
 from .trainer import IHASFTTrainer
 
 
@@ -68,6 +68,7 @@ def train_sft(
     processing_class=None,
     eval_dataset: str | os.PathLike | Dataset | Sequence[dict] | None = None,
     peft_config=None,
+    quantization_config=None,
     convert_to_iha: bool = True,
     iha_options: dict | None = None,
     dataset_config_name: str | None = None,
@@ -90,6 +91,8 @@ def train_sft(
       counted in the log) rather than truncated.
     - `args`: `IHASFTConfig` (or TRL's `SFTConfig`): packing, gradient checkpointing, assistant-only loss, ...
     - `peft_config`: e.g. `iha_lora_config()` for LoRA; the adapter is saved with the mixing weights.
+    - `quantization_config`: a `BitsAndBytesConfig` (QLoRA, with `peft_config`): the base is loaded quantized (a
+      Llama-style one converted as it loads), the mixing stays fp32 and is trained in full beside the adapters.
     - `resume_from_checkpoint`: a checkpoint folder, or True for the last one in `args.output_dir`.
 
     With `save`, the final model (or adapter) and tokenizer go to `args.output_dir`; an IHA model is saved with its
@@ -97,10 +100,19 @@ def train_sft(
     """
     _check_processes_are_connected(args)
     model_name_or_path = resolve_model_source(model) if isinstance(model, str | os.PathLike) else None
+    if quantization_config is not None and peft_config is None:
+        raise ValueError(
+            "A quantized base is frozen: pass `peft_config` (e.g. `iha_lora_config()`, or --use_peft) to train LoRA "
+            "adapters on it; the IHA mixing is trained in full beside them."
+        )
+    if quantization_config is not None and model_name_or_path is None:
+        raise ValueError("`quantization_config` applies when the model is loaded: pass its folder or Hub id.")
     converted = False
     if model_name_or_path is not None:
         model_init_kwargs = dict(args.model_init_kwargs or {})
         model_init_kwargs.setdefault("trust_remote_code", args.trust_remote_code)
+        if quantization_config is not None:
+            model_init_kwargs["quantization_config"] = quantization_config
         model, converted = load_model_for_sft(str(model_name_or_path), convert_to_iha, iha_options, **model_init_kwargs)
         args.model_init_kwargs = None  # used above; TRL would warn that they are ignored for a model instance
     elif not is_iha_model(model) and convert_to_iha:
@@ -168,6 +180,7 @@ def train_sft(
         "train_source": train_dataset,
         "num_rows": len(train_rows),
         "peft_config": peft_config,
+        "quantization": quantization_description(quantization_config),
     }
     trainer.train(resume_from_checkpoint=_resolve_resume(resume_from_checkpoint))
     if save:
@@ -179,6 +192,8 @@ def train_sft(
                 "base_model_name_or_path": str(model_name_or_path) if model_name_or_path is not None else None,
                 "converted_to_iha": converted,
                 "iha_options": iha_options or {},
+                # The adapter reloads on the base quantized the same way (`load_sft_output`); merges use it unquantized.
+                "quantization_config": quantization_config.to_dict() if quantization_config is not None else None,
             }
             write_json_atomic(record, Path(args.output_dir, BASE_RECORD_NAME))
     return trainer

@@ -16,54 +16,18 @@
 import logging
 import os
 from contextlib import contextmanager
-from typing import Any
 
 import torch
 from trl import SFTConfig, SFTTrainer
 
 import iha  # noqa: F401  (registers IHAConfig / IHAForCausalLM with the Auto classes)
 
-from .config import is_mixing_parameter
 from .model import prepare_tokenizer
 from .outputs import write_training_card
+from .parameter_groups import IHAMixingMixin
 
 
 logger = logging.getLogger(__name__)
-
-
-# ---------------------------------------------------------------------------------------------------------------------
-# Trainer: the mixing parameters get their own optimizer group
-# ---------------------------------------------------------------------------------------------------------------------
-
-
-def iha_parameter_groups(
-    model: torch.nn.Module,
-    decay_parameter_names: set[str],
-    weight_decay: float,
-    mixing_learning_rate: float | None,
-    mixing_weight_decay: float,
-) -> list[dict[str, Any]]:
-    """Optimizer groups: weights with decay, weights without decay (norms, biases), and the IHA mixing parameters
-    with their own learning rate and weight decay. Frozen parameters are left out; empty groups are dropped."""
-    decay, no_decay, mixing = [], [], []
-    for name, parameter in model.named_parameters():
-        if not parameter.requires_grad:
-            continue
-        if is_mixing_parameter(name):
-            mixing.append(parameter)
-        elif name in decay_parameter_names:
-            decay.append(parameter)
-        else:
-            no_decay.append(parameter)
-    mixing_group = {"params": mixing, "weight_decay": mixing_weight_decay, "iha_group": "mixing"}
-    if mixing_learning_rate is not None:
-        mixing_group["lr"] = mixing_learning_rate
-    groups = [
-        {"params": decay, "weight_decay": weight_decay, "iha_group": "decay"},
-        {"params": no_decay, "weight_decay": 0.0, "iha_group": "no_decay"},
-        mixing_group,
-    ]
-    return [group for group in groups if group["params"]]
 
 
 def enable_fsdp_on_cpu(accelerator, args) -> bool:
@@ -134,8 +98,9 @@ def without_tied_copies(model, state_dict: dict) -> dict:
     return {name: tensor for name, tensor in state_dict.items() if name not in copies}
 
 
-class IHASFTTrainer(SFTTrainer):
-    """`SFTTrainer` whose optimizer gives the IHA mixing parameters their own learning rate and weight decay.
+class IHASFTTrainer(IHAMixingMixin, SFTTrainer):
+    """`SFTTrainer` whose optimizer gives the IHA mixing parameters their own learning rate and weight decay
+    (`iha.sft.parameter_groups`), keeping them in fp32.
 
     Reads `mixing_learning_rate` / `mixing_weight_decay` from `IHASFTConfig`; with a plain `SFTConfig` the mixing
     parameters take `learning_rate` and no weight decay. With `assistant_only_loss`, a tokenizer whose chat template
@@ -154,6 +119,7 @@ class IHASFTTrainer(SFTTrainer):
             "train_source": self.train_dataset,
             "num_rows": None,
             "peft_config": kwargs.get("peft_config"),
+            "quantization": None,
         }
 
     def create_accelerator_and_postprocess(self):
@@ -173,32 +139,3 @@ class IHASFTTrainer(SFTTrainer):
         # TRL writes its generic card into output_dir at every checkpoint save: write the IHA card instead.
         if self.is_world_process_zero():
             write_training_card(self.args.output_dir, self, **self.card_details)
-
-    def create_optimizer(self, model=None):
-        if self.optimizer is not None:
-            return self.optimizer
-        opt_model = self.model if model is None else model
-        mixing_learning_rate = getattr(self.args, "mixing_learning_rate", None)
-        mixing_weight_decay = getattr(self.args, "mixing_weight_decay", 0.0)
-        if self.optimizer_cls_and_kwargs is not None:
-            optimizer_cls, optimizer_kwargs = self.optimizer_cls_and_kwargs
-        else:
-            optimizer_cls, optimizer_kwargs = self.get_optimizer_cls_and_kwargs(self.args, opt_model)
-        optimizer_kwargs = dict(optimizer_kwargs)
-        if not isinstance(optimizer_cls, type) or {"params", "model", "optimizer_dict"} & optimizer_kwargs.keys():
-            # GaLore, LOMO, Muon factories, layer-wise optimizers... build their own groups.
-            if mixing_learning_rate is not None:
-                raise ValueError(
-                    f"`mixing_learning_rate` needs a standard optimizer (e.g. `--optim adamw_torch`), but "
-                    f"`optim={self.args.optim}` builds its own parameter groups. Unset `mixing_learning_rate` to use it."
-                )
-            return super().create_optimizer(model)
-        groups = iha_parameter_groups(
-            opt_model,
-            set(self.get_decay_parameter_names(opt_model)),
-            weight_decay=self.args.weight_decay,
-            mixing_learning_rate=mixing_learning_rate,
-            mixing_weight_decay=mixing_weight_decay,
-        )
-        self.optimizer = optimizer_cls(groups, **optimizer_kwargs)
-        return self.optimizer

@@ -7,6 +7,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 from sft_utils import (
+    QUIET_RUN_FLAGS,
     build_tiny_tokenizer,
     gsm8k_openthoughts_rows,
     identity_mixing,
@@ -171,10 +172,7 @@ def test_lora_adapter_saves_mixing_reloads_and_merges(tokenizer_dir, tokenizer, 
             "--mixing_learning_rate", "3e-2",
             "--max_length", str(MAX_LENGTH),
             "--packing",
-            "--logging_steps", "1",
-            "--report_to", "none",
-            "--save_strategy", "no",
-            "--disable_tqdm", "true",
+            *QUIET_RUN_FLAGS,
             "--merge_adapter",
         ]
     )  # fmt: skip
