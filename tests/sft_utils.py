@@ -84,12 +84,13 @@ def tiny_iha_model(tokenizer, seed: int = 0, **overrides) -> iha.IHAForCausalLM:
 
 
 def mixing_parameters(model) -> dict[str, torch.Tensor]:
-    """name -> value of every mixing coefficient / collapse weight, names without PEFT's wrapper parts."""
+    """name -> value of every mixing coefficient / collapse weight, names without PEFT's wrapper parts (on the CPU,
+    like `identity_mixing`'s, wherever the model is)."""
     found = {}
     for name, parameter in model.named_parameters():
         if ".head_mixing." in name and "original_module" not in name:
             found[name.replace("modules_to_save.default.", "").replace("base_model.model.", "")] = (
-                parameter.detach().clone()
+                parameter.detach().cpu().clone()
             )
     return found
 
