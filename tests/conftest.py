@@ -21,7 +21,9 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 TESTS_DIR = Path(__file__).resolve().parent
 REPO_ROOT = TESTS_DIR.parent
-SHARED_DATA = REPO_ROOT.parent / "shared" / "data"
+# The benchmark data beside the checkout (../shared/data), or where IHA_SHARED_DATA points (the GPU check carries a
+# copy of the rows the tests read to a machine that has the checkout alone).
+SHARED_DATA = Path(os.environ.get("IHA_SHARED_DATA") or REPO_ROOT.parent / "shared" / "data")
 sys.path.insert(0, str(TESTS_DIR))
 
 import iha  # noqa: E402  (registers the Auto classes)

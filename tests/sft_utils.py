@@ -9,6 +9,7 @@ import socket
 from pathlib import Path
 
 import torch
+from conftest import SHARED_DATA
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
@@ -17,8 +18,7 @@ from iha.chat_templates import SMOLLM2_CHAT_TEMPLATE
 from iha.data import gsm8k_file_to_openthoughts
 
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
-GSM8K_TRAIN = REPO_ROOT.parent / "shared" / "data" / "gsm8k" / "train.jsonl"
+GSM8K_TRAIN = SHARED_DATA / "gsm8k" / "train.jsonl"
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 
 
