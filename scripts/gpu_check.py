@@ -21,6 +21,7 @@ that fails is reported with its error and the next one runs, unless it needs wha
   tests_training  the training tests, whose trainer moves to the GPU and turns bf16 on there (tests/training/test_sft.py)
   bench_perf      benchmarks/bench_perf.py --quick: IHA / base ratios and absolute times
   bench_sft       benchmarks/bench_sft.py, short: SFT tokens per second, IHA / base
+  synthetic       iha synthetic --preset tiny on the device (the synthetic task's training loop)
 
 A test skipped for want of CUDA on a CUDA run counts as a failure, so no CUDA path is skipped unseen. OUT receives
 summary.json, summary.md, steps.log (the end of every step's output) and the two benchmarks' reports; both summaries
@@ -325,6 +326,7 @@ class Check:
             ),
             Step("bench_perf", "bench_perf --quick", self.bench_perf_commands, 90, read=self.read_bench_perf),
             Step("bench_sft", "bench_sft, short", self.bench_sft_commands, 150, ["smollm2"], self.read_bench_sft),
+            Step("synthetic", "iha synthetic, tiny", self.synthetic_commands, 60, read=self.read_synthetic),
         ]
         if self.args.steps:
             unknown = sorted(set(self.args.steps) - {step.name for step in steps})
@@ -395,6 +397,11 @@ class Check:
             command += ["--rows", "96", "--steps", "5", "--warmup", "2", "--rounds", "1", "--max_length", "1024"]
             command += ["--batch_size", "2"]
         return [command]
+
+    def synthetic_commands(self) -> list[list[str]]:
+        command = [self.python, "-m", "iha_cli", "synthetic", "--preset", "tiny", "--tasks", "binary"]
+        command += ["--max_epochs", "2", "--num_train", "256", "--device", self.device, "--fresh"]
+        return [command + ["--output_dir", str(self.work / "synthetic")]]
 
     # reading the steps' results ------------------------------------------------------------------------------------
 
@@ -504,6 +511,19 @@ class Check:
             "tokens_per_second": {model["model"]: model["tokens_per_second"] for model in models},
             "median_step_seconds": {model["model"]: model["median_step_seconds"] for model in models},
         }
+
+    def read_synthetic(self, log: str) -> dict:
+        found = sorted((self.work / "synthetic").rglob("results.json"))
+        if not found:
+            raise StepFailed("iha synthetic wrote no results.json")
+        results = read_json(found[0])
+        runs = {
+            f"{run['task']} {run['model']} lr {run['learning_rate']}": run["test_accuracy"] for run in results["runs"]
+        }
+        details = {"device": results["device"], "test_accuracy": runs}
+        if not results["device"].startswith(self.device.split(":")[0]):
+            raise DetailedFailure(f"trained on {results['device']}, not {self.device}", details)
+        return details
 
     # running -------------------------------------------------------------------------------------------------------
 
@@ -663,6 +683,10 @@ def one_line(outcome: Outcome) -> str:
     if outcome.name == "eval":
         metrics = ", ".join(f"{name} {100 * value:.1f}%" for name, value in details["metrics"].items())
         return f"{details['benchmark']}: {metrics}"
+    if outcome.name == "synthetic":
+        return f"{details['device']}: " + ", ".join(
+            f"{run} {value:.3f}" for run, value in details["test_accuracy"].items()
+        )
     if outcome.name == "bench_sft":
         return "IHA / base " + ", ".join(f"{layout} {ratio:.2f}" for layout, ratio in details["ratios"].items())
     if outcome.name == "bench_perf":

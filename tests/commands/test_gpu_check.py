@@ -23,7 +23,7 @@ from gpu_smollm2 import cut_gguf  # noqa: E402
 
 
 STEPS = ["wheels", "environment", "smollm2", "tests_float32", "compile", "sft", "eval", "tests_bfloat16"]
-STEPS += ["tests_training", "bench_perf", "bench_sft"]
+STEPS += ["tests_training", "bench_perf", "bench_sft", "synthetic"]
 
 
 def test_quick_cpu_run_passes_every_step_and_writes_the_summaries(shared_data, tmp_path):
@@ -53,6 +53,7 @@ def test_quick_cpu_run_passes_every_step_and_writes_the_summaries(shared_data, t
     assert steps["sft"]["details"]["precision"] == "bf16 mixed"
     assert steps["eval"]["details"]["problems"] == 8
     assert set(steps["bench_sft"]["details"]["ratios"]) == {"global"}
+    assert steps["synthetic"]["details"]["device"] == "cpu"
     markdown = (out / "summary.md").read_text()
     assert "every step passed" in markdown and all(f"| {name} | passed |" in markdown for name in STEPS)
 
