@@ -637,20 +637,22 @@ class Check:
 
 
 def run_until(command: list[str], env: dict, log, deadline: float) -> int | None:
-    """Run `command` with its output in `log` until it exits (its exit code) or `deadline` passes (None: the command
-    and every process it started are killed)."""
+    """Run `command` with its output in `log` until it exits (its exit code) or `deadline` passes (None). Either way,
+    every process it started that is still running (its own process group: compile workers, pytest-xdist workers)
+    is killed, so that nothing outlives its step."""
     process = subprocess.Popen(
         command, cwd=REPO_ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
     )
     try:
         return process.wait(timeout=max(1.0, deadline - time.monotonic()))
     except subprocess.TimeoutExpired:
-        os.killpg(process.pid, signal.SIGKILL)
-        process.wait()
         return None
     finally:
-        if process.poll() is None:  # interrupted: leave nothing running
+        try:
             os.killpg(process.pid, signal.SIGKILL)
+        except ProcessLookupError:  # the group has ended already
+            pass
+        process.wait()
 
 
 def children_cpu_seconds() -> float:
