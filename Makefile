@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 export HF_HUB_OFFLINE ?= 1
 export TOKENIZERS_PARALLELISM ?= false
 
-.PHONY: install demo test lint matrix trl-oldest
+.PHONY: install demo test lint matrix trl-oldest gpu-wheels gpu-check
 
 $(VENV)/.installed: setup.py
 	$(PYTHON) -m venv $(VENV)
@@ -38,3 +38,12 @@ trl-oldest: install
 
 lint: install
 	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check .
+
+# The GPU check (scripts/gpu_check.py). gpu-wheels prepares what a CUDA machine needs carried (gpu-carry/, with PyPI);
+# gpu-check runs the check's steps here on the CPU, small, as CI does: on a CUDA machine run scripts/gpu_check.sh OUT.
+GPU_CHECK_OUT ?= runs/gpu-check-cpu
+gpu-wheels: install
+	PYTHON=$(PY) bash scripts/gpu_wheels.sh
+
+gpu-check: install
+	PYTHON=$(PY) bash scripts/gpu_check.sh --device cpu --quick $(GPU_CHECK_OUT)

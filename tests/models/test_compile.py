@@ -2,8 +2,9 @@
 
 `fullgraph=True` makes any graph break an error, so these tests also count the breaks: zero on every layout and input
 below. The backend is `aot_eager` (dynamo's tracing and AOTAutograd's functionalised forward and backward, without
-inductor's C++ code generation, which takes minutes per graph on a small CPU); generation with a static cache runs
-through transformers' own compiled decoding (`generate` with a `CompileConfig`).
+inductor's C++ code generation, which takes minutes per graph on a small CPU) unless `--compile_backend inductor`
+says otherwise (scripts/gpu_check.py compiles with inductor on CUDA); generation with a static cache runs through
+transformers' own compiled decoding (`generate` with a `CompileConfig`).
 """
 
 import pytest
@@ -55,32 +56,32 @@ def loss_logits_and_gradients(model, inputs: dict, run=None):
 
 @pytest.mark.parametrize("kind", ["plain", "padded", "packed"])
 @pytest.mark.parametrize("layout", list(LAYOUTS))
-def test_compiled_training_step_matches_eager_in_one_graph(layout, kind):
+def test_compiled_training_step_matches_eager_in_one_graph(layout, kind, precision):
     torch._dynamo.reset()
-    model = sharpen_attention(tiny_iha_model(**LAYOUTS[layout]))
+    model = precision.model(sharpen_attention(tiny_iha_model(**LAYOUTS[layout])))
     model.train()
-    inputs = model_inputs(kind, model.config.vocab_size)
+    inputs = precision.to_device(model_inputs(kind, model.config.vocab_size))
     eager_loss, eager_logits, eager_gradients = loss_logits_and_gradients(model, inputs)
-    compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
+    compiled = torch.compile(model, backend=precision.compile_backend, fullgraph=True)
     compiled_loss, compiled_logits, compiled_gradients = loss_logits_and_gradients(model, inputs, run=compiled)
-    torch.testing.assert_close(compiled_logits, eager_logits, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(compiled_loss, eager_loss, rtol=1e-5, atol=1e-6)
+    precision.assert_close(compiled_logits, eager_logits, rtol=1e-5, atol=1e-5)
+    precision.assert_close(compiled_loss, eager_loss, rtol=1e-5, atol=1e-6)
     for name, gradient in eager_gradients.items():
-        torch.testing.assert_close(compiled_gradients[name], gradient, rtol=1e-4, atol=1e-6, msg=name)
+        precision.assert_close(compiled_gradients[name], gradient, rtol=1e-4, atol=1e-6, msg=name, gradient=True)
 
 
-def test_compiled_forward_of_packed_rows_keeps_documents_apart():
+def test_compiled_forward_of_packed_rows_keeps_documents_apart(precision):
     # Compiled forwards take the dense mask with document ids (not the per-document kernel, which reads lengths on the
     # host); a token must still not see the document before it: its logits equal those of its document alone.
     torch._dynamo.reset()
-    model = sharpen_attention(tiny_iha_model()).eval()
-    inputs = model_inputs("packed", model.config.vocab_size)
-    compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
+    model = precision.model(sharpen_attention(tiny_iha_model()).eval())
+    inputs = precision.to_device(model_inputs("packed", model.config.vocab_size))
+    compiled = torch.compile(model, backend=precision.compile_backend, fullgraph=True)
     with torch.no_grad():
         packed_logits = compiled(inputs["input_ids"], position_ids=inputs["position_ids"], use_cache=False).logits
         second_document = inputs["input_ids"][:, 30:35]
         alone_logits = model(second_document, use_cache=False).logits
-    torch.testing.assert_close(packed_logits[:, 30:35], alone_logits, rtol=1e-5, atol=1e-5)
+    precision.assert_close(packed_logits[:, 30:35], alone_logits, rtol=1e-5, atol=1e-5)
 
 
 def record_attention_paths(monkeypatch) -> list[str]:
@@ -97,31 +98,34 @@ def record_attention_paths(monkeypatch) -> list[str]:
 
 
 @pytest.mark.parametrize("compiled", [False, True])
-def test_attention_paths_eager_and_compiled(monkeypatch, compiled):
-    # Eager packed rows keep the per-document kernel; compiled ones take the dense masked path. The sliding IHA layer
-    # of the hybrid layout takes the blocked local kernel either way (so the training test above compiles it).
+def test_attention_paths_eager_and_compiled(monkeypatch, compiled, precision):
+    # Eager packed rows keep the per-document kernel; compiled ones take the dense masked path (SDPA sharing KV heads
+    # on CPU, transformers' SDPA elsewhere). The sliding IHA layer of the hybrid layout takes the blocked local kernel
+    # either way (so the training test above compiles it).
     torch._dynamo.reset()
     paths = record_attention_paths(monkeypatch)
-    every_layer, hybrid = tiny_iha_model(), tiny_iha_model(**LAYOUTS["hybrid"])
+    every_layer = precision.model(tiny_iha_model())
+    hybrid = precision.model(tiny_iha_model(**LAYOUTS["hybrid"]))
     if compiled:
-        every_layer = torch.compile(every_layer, backend="aot_eager", fullgraph=True)
-        hybrid = torch.compile(hybrid, backend="aot_eager", fullgraph=True)
-    packed = model_inputs("packed", TINY["vocab_size"])
+        every_layer = torch.compile(every_layer, backend=precision.compile_backend, fullgraph=True)
+        hybrid = torch.compile(hybrid, backend=precision.compile_backend, fullgraph=True)
+    packed = precision.to_device(model_inputs("packed", TINY["vocab_size"]))
     every_layer(packed["input_ids"], position_ids=packed["position_ids"], use_cache=False)
-    packed_path = "sdpa_sharing_kv_heads" if compiled else "per_document"
-    assert paths == [packed_path] * TINY["num_hidden_layers"]
+    dense_path = "sdpa_sharing_kv_heads" if precision.device.type == "cpu" else "backend"
+    assert paths == [dense_path if compiled else "per_document"] * TINY["num_hidden_layers"]
     paths.clear()
-    hybrid(model_inputs("plain", TINY["vocab_size"])["input_ids"], use_cache=False)
+    hybrid(precision.to_device(model_inputs("plain", TINY["vocab_size"])["input_ids"]), use_cache=False)
     assert paths == ["blocked_local", "backend", "backend"]
 
 
 @pytest.mark.parametrize("layout", ["every layer IHA", "hybrid"])
-def test_generate_with_static_cache_compiled_matches_greedy_without_cache(layout):
+def test_generate_with_static_cache_compiled_matches_greedy_without_cache(layout, precision):
     torch._dynamo.reset()
-    model = sharpen_attention(tiny_iha_model(**LAYOUTS[layout])).eval()
-    input_ids, attention_mask = left_padded_batch(model.config.vocab_size, seq_len=9)
-    expected = greedy_without_cache(model, input_ids, attention_mask, steps=6)
-    compile_config = CompileConfig(fullgraph=True, backend="aot_eager", mode=None)
+    model = precision.model(sharpen_attention(tiny_iha_model(**LAYOUTS[layout])).eval())
+    input_ids, attention_mask = precision.to_device(*left_padded_batch(model.config.vocab_size, seq_len=9))
+    gaps = []
+    expected = greedy_without_cache(model, input_ids, attention_mask, steps=6, relative_gaps=gaps)
+    compile_config = CompileConfig(fullgraph=True, backend=precision.compile_backend, mode=None)
     compile_config._compile_all_devices = True  # transformers compiles decoding on accelerators only by default
     generated = model.generate(
         input_ids,
@@ -133,4 +137,4 @@ def test_generate_with_static_cache_compiled_matches_greedy_without_cache(layout
         pad_token_id=0,
     )
     assert hasattr(model, "_compiled_call"), "generate did not take the compiled decoding path"
-    assert torch.equal(generated, expected)
+    precision.assert_same_greedy(generated, expected, gaps, input_ids.shape[1])

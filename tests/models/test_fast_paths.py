@@ -7,7 +7,14 @@
 
 import pytest
 import torch
-from conftest import TINY, generation_position_ids, left_padded_batch, tiny_iha_config, tiny_iha_model
+from conftest import (
+    TINY,
+    generation_position_ids,
+    left_padded_batch,
+    relative_top2_gap,
+    tiny_iha_config,
+    tiny_iha_model,
+)
 from test_modeling import greedy_without_cache
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM, StaticCache
 
@@ -42,7 +49,7 @@ def record_sdpa_calls(monkeypatch) -> list[dict]:
 # --- flat causal prefill: SDPA's is_causal kernel ---------------------------------------------------------------------
 
 
-def test_flat_causal_prefill_without_padding_runs_is_causal_sdpa_without_a_mask(monkeypatch):
+def test_flat_causal_prefill_without_padding_runs_is_causal_sdpa_without_a_mask(monkeypatch, precision):
     model = tiny_iha_model(num_key_value_heads=2, num_pseudo_heads=3).double()
     input_ids, _ = left_padded_batch(seq_len=9)
     virtual_len = 9 * 3
@@ -51,20 +58,21 @@ def test_flat_causal_prefill_without_padding_runs_is_causal_sdpa_without_a_mask(
     all_real = torch.ones_like(input_ids)
     assert create_iha_masks(model.config, inputs_embeds, all_real, None)["iha_full_attention"] is None
 
+    tested = precision.model(model)
     calls = record_sdpa_calls(monkeypatch)
     with torch.no_grad():
-        logits = model(input_ids).logits
-        cache = DynamicCache(config=model.config)
-        model(input_ids, attention_mask=all_real, past_key_values=cache, use_cache=True)
+        logits = tested(precision.to_device(input_ids)).logits.cpu()
+        cache = DynamicCache(config=tested.config)
+        tested(*precision.to_device(input_ids, all_real), past_key_values=cache, use_cache=True)
     assert len(calls) == 2 * model.config.num_hidden_layers
     for call in calls:
         assert call["mask"] is None and call["is_causal"] and call["queries"] == call["keys"] == virtual_len
-    torch.testing.assert_close(logits, reference_forward(model, input_ids), rtol=0, atol=1e-6)
+    precision.assert_close(logits, reference_forward(model, input_ids), rtol=0, atol=1e-6)
 
     # Decoding one token is P queries against a longer cache: torch's top-left `is_causal` would be wrong there.
     calls.clear()
     with torch.no_grad():
-        model(input_ids[:, :1], attention_mask=torch.ones(3, 10), past_key_values=cache, use_cache=True)
+        tested(*precision.to_device(input_ids[:, :1], torch.ones(3, 10)), past_key_values=cache, use_cache=True)
     assert all(call["mask"] is not None and not call["is_causal"] for call in calls)
 
 
@@ -130,7 +138,7 @@ BLOCKED_MODES = [
 
 
 @pytest.mark.parametrize("mode", BLOCKED_MODES, ids=lambda mode: "-".join(map(str, mode)))
-def test_blocked_local_attention_matches_reference_with_padding(mode):
+def test_blocked_local_attention_matches_reference_with_padding(mode, precision):
     mask_mode, num_pseudo, position_mode, window = mode
     model = hybrid_model(mask_mode, num_pseudo, window, iha_position_mode=position_mode).double()
     block_tokens, context_blocks = local_attention_blocks(window, num_pseudo)
@@ -140,15 +148,16 @@ def test_blocked_local_attention_matches_reference_with_padding(mode):
     input_ids[attention_mask == 0] = 0
     position_ids = generation_position_ids(attention_mask)
     assert isinstance(sliding_mask(model, seq_len, attention_mask), BlockedLocalMask)
+    inputs = precision.to_device(dict(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids))
     with torch.no_grad():
-        logits = model(input_ids, attention_mask=attention_mask, position_ids=position_ids).logits
+        logits = precision.model(model)(**inputs).logits.cpu()
         expected = reference_forward(model, input_ids, attention_mask, position_ids)
     real = attention_mask.bool()
-    torch.testing.assert_close(logits[real], expected[real], rtol=0, atol=1e-6)
+    precision.assert_close(logits[real], expected[real], rtol=0, atol=1e-6)
 
 
 @pytest.mark.parametrize("mask_mode", ["flat_causal", "token_causal"])
-def test_blocked_local_attention_on_packed_sequences_matches_reference(mask_mode):
+def test_blocked_local_attention_on_packed_sequences_matches_reference(mask_mode, precision):
     model = hybrid_model(mask_mode, num_pseudo=2, window=6).double()
     generator = torch.Generator().manual_seed(3)
     lengths = [70, 45, 60]  # boundaries inside blocks
@@ -158,49 +167,59 @@ def test_blocked_local_attention_on_packed_sequences_matches_reference(mask_mode
     inputs_embeds = model.model.embed_tokens(packed)
     masks = create_iha_masks(model.config, inputs_embeds, None, None, position_ids)
     assert isinstance(masks["iha_sliding_attention"], BlockedLocalMask)
+    packed_on_device, positions_on_device = precision.to_device(packed, position_ids)
     with torch.no_grad():
-        logits = model(packed, position_ids=position_ids, use_cache=False).logits
+        logits = precision.model(model)(packed_on_device, position_ids=positions_on_device, use_cache=False).logits
         expected = reference_forward(model, packed, position_ids=position_ids, sequence_ids=sequence_ids)
-    torch.testing.assert_close(logits, expected, rtol=0, atol=1e-6)
+    precision.assert_close(logits, expected, rtol=0, atol=1e-6)
 
 
 @pytest.mark.parametrize("mask_mode", ["flat_causal", "token_causal"])
-def test_blocked_local_attention_gradients_match_reference(mask_mode):
+def test_blocked_local_attention_gradients_match_reference(mask_mode, precision):
     model = hybrid_model(mask_mode, num_pseudo=2, window=6).double().train()
     input_ids, attention_mask = left_padded_batch(seq_len=80)
     position_ids = generation_position_ids(attention_mask)
     real = attention_mask.bool()
     assert isinstance(sliding_mask(model, 80, attention_mask), BlockedLocalMask)
 
-    model(input_ids, attention_mask=attention_mask, position_ids=position_ids).logits[real].square().mean().backward()
-    gradients = {name: p.grad.clone() for name, p in model.named_parameters()}
+    tested = precision.model(model)
+    inputs = precision.to_device(dict(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids))
+    tested(**inputs).logits[precision.to_device(real)].square().mean().backward()
+    gradients = {name: p.grad.clone() for name, p in tested.named_parameters()}
     model.zero_grad()
     reference_forward(model, input_ids, attention_mask, position_ids)[real].square().mean().backward()
     for name, parameter in model.named_parameters():
         # transformers computes RoPE angles in float32 even in a float64 model: ~1e-6 relative differences.
         scale = parameter.grad.abs().max().item()
-        torch.testing.assert_close(gradients[name], parameter.grad, rtol=1e-5, atol=1e-5 * scale, msg=name)
+        precision.assert_close(gradients[name], parameter.grad, rtol=1e-5, atol=1e-5 * scale, msg=name, gradient=True)
     assert gradients["model.layers.0.self_attn.head_mixing.alpha_k"].abs().sum() > 0
 
 
-def test_generation_after_a_blocked_prefill_matches_uncached_decoding():
+def test_generation_after_a_blocked_prefill_matches_uncached_decoding(precision):
     model = hybrid_model("flat_causal", num_pseudo=2, window=6)
     input_ids, attention_mask = left_padded_batch(seq_len=70)
     assert isinstance(sliding_mask(model, 70, attention_mask), BlockedLocalMask)
-    expected = greedy_without_cache(model, input_ids, attention_mask, steps=4)
+    model = precision.model(model)
+    input_ids, attention_mask = precision.to_device(input_ids, attention_mask)
+    gaps = []
+    expected = greedy_without_cache(model, input_ids, attention_mask, steps=4, relative_gaps=gaps)
     common = dict(attention_mask=attention_mask, max_new_tokens=4, do_sample=False, pad_token_id=0, eos_token_id=None)
-    assert torch.equal(model.generate(input_ids, **common), expected)
-    # A static sliding cache returns all prompt keys at prefill as well, so the prefill takes the blocked path too.
-    assert torch.equal(model.generate(input_ids, cache_implementation="static", **common), expected)
+    precision.assert_same_greedy(model.generate(input_ids, **common), expected, gaps, input_ids.shape[1])
+    # A static sliding cache returns all prompt keys at prefill as well, so the prefill takes the blocked path too
+    # (eagerly: on a GPU `generate` compiles static-cache decoding by default, which test_compile.py tests).
+    static = model.generate(input_ids, cache_implementation="static", disable_compile=True, **common)
+    precision.assert_same_greedy(static, expected, gaps, input_ids.shape[1])
 
 
 # --- cache modes ----------------------------------------------------------------------------------------------------
 
 
-def greedy_with_reference(model, input_ids, attention_mask, steps):
+def greedy_with_reference(model, input_ids, attention_mask, steps, relative_gaps=None):
     for _ in range(steps):
         with torch.no_grad():
             logits = reference_forward(model, input_ids, attention_mask, generation_position_ids(attention_mask))
+        if relative_gaps is not None:
+            relative_gaps.append(relative_top2_gap(logits[:, -1]))
         next_token = logits[:, -1].argmax(-1, keepdim=True)
         input_ids = torch.cat([input_ids, next_token], dim=-1)
         attention_mask = torch.cat([attention_mask, torch.ones_like(next_token)], dim=-1)
@@ -215,7 +234,7 @@ PSEUDO_CACHE_MODES = [
 
 
 @pytest.mark.parametrize("mode", PSEUDO_CACHE_MODES, ids=lambda mode: "-".join(map(str, mode)))
-def test_pseudo_cache_generation_matches_reference_greedy(mode):
+def test_pseudo_cache_generation_matches_reference_greedy(mode, precision):
     mask_mode, position_mode, window = mode
     layout = {}
     if window is not None:
@@ -234,19 +253,24 @@ def test_pseudo_cache_generation_matches_reference_greedy(mode):
     input_ids, attention_mask = left_padded_batch(seq_len=7)
     steps = 8  # past the window of 3 tokens, so the sliding cache drops tokens
     # Ground truth from the reference: the model's own uncached forward also goes through the cache code.
-    expected = greedy_with_reference(model, input_ids, attention_mask, steps)
+    gaps = []
+    expected = greedy_with_reference(model, input_ids, attention_mask, steps, gaps)
+    tested = precision.model(model)
+    input_ids, attention_mask = precision.to_device(input_ids, attention_mask)
     common = dict(
         attention_mask=attention_mask, max_new_tokens=steps, do_sample=False, pad_token_id=0, eos_token_id=None
     )
-    assert torch.equal(model.generate(input_ids, **common), expected)
-    assert torch.equal(model.generate(input_ids, cache_implementation="static", **common), expected)
+    precision.assert_same_greedy(tested.generate(input_ids, **common), expected, gaps, input_ids.shape[1])
+    static = tested.generate(input_ids, cache_implementation="static", disable_compile=True, **common)
+    precision.assert_same_greedy(static, expected, gaps, input_ids.shape[1])
 
 
-def test_cache_modes_give_equal_decode_logits():
+def test_cache_modes_give_equal_decode_logits(precision):
     token_model = tiny_iha_model(num_key_value_heads=2, num_pseudo_heads=3, iha_cache_mode="token")
     pseudo_model = tiny_iha_model(num_key_value_heads=2, num_pseudo_heads=3, iha_cache_mode="pseudo")
     pseudo_model.load_state_dict(token_model.state_dict())
-    input_ids, attention_mask = left_padded_batch(seq_len=10)
+    token_model, pseudo_model = precision.model(token_model), precision.model(pseudo_model)
+    input_ids, attention_mask = precision.to_device(*left_padded_batch(seq_len=10))
     position_ids = generation_position_ids(attention_mask)
     step_logits = {}
     for name, model in (("token", token_model), ("pseudo", pseudo_model)):
@@ -265,7 +289,7 @@ def test_cache_modes_give_equal_decode_logits():
                 )
         step_logits[name] = torch.cat(logits, dim=1)
     real = attention_mask.bool()
-    torch.testing.assert_close(step_logits["pseudo"][real], step_logits["token"][real], rtol=1e-5, atol=1e-5)
+    precision.assert_close(step_logits["pseudo"][real], step_logits["token"][real], rtol=1e-5, atol=1e-5)
 
 
 def cache_bytes(model, input_ids) -> int:

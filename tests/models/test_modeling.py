@@ -4,7 +4,15 @@ import itertools
 
 import pytest
 import torch
-from conftest import TINY, generation_position_ids, left_padded_batch, randomize_mixing, tiny_iha_config, tiny_iha_model
+from conftest import (
+    TINY,
+    generation_position_ids,
+    left_padded_batch,
+    randomize_mixing,
+    relative_top2_gap,
+    tiny_iha_config,
+    tiny_iha_model,
+)
 from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM
 
 import iha
@@ -26,7 +34,7 @@ def mode_id(mode):
 @pytest.mark.parametrize("attn_implementation", ["eager", "sdpa"])
 @pytest.mark.parametrize("num_key_value_heads", [4, 2], ids=["mha", "gqa"])
 @pytest.mark.parametrize("mode", MODES, ids=mode_id)
-def test_model_matches_reference(mode, num_key_value_heads, attn_implementation):
+def test_model_matches_reference(mode, num_key_value_heads, attn_implementation, precision):
     mask_mode, position_mode, collapse_mode, num_pseudo = mode
     model = tiny_iha_model(
         num_key_value_heads=num_key_value_heads,
@@ -42,26 +50,28 @@ def test_model_matches_reference(mode, num_key_value_heads, attn_implementation)
     model = model.to(dtype)
     input_ids, attention_mask = left_padded_batch()
     position_ids = generation_position_ids(attention_mask)
+    inputs = precision.to_device(dict(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids))
     with torch.no_grad():
-        logits = model(input_ids, attention_mask=attention_mask, position_ids=position_ids).logits
+        logits = precision.model(model)(**inputs).logits.cpu()
         expected = reference_forward(model, input_ids, attention_mask, position_ids)
     real = attention_mask.bool()
-    torch.testing.assert_close(logits[real], expected[real], rtol=0, atol=atol)
+    precision.assert_close(logits[real], expected[real], rtol=0, atol=atol)
 
 
 @pytest.mark.parametrize("mask_mode", ["flat_causal", "token_causal"])
-def test_hybrid_layout_matches_reference(mask_mode):
+def test_hybrid_layout_matches_reference(mask_mode, precision):
     layout = iha.paper_hybrid_layout(num_hidden_layers=5, num_pseudo_heads=2, training_length=24)
     assert layout["attention_types"] == ["iha_sliding_attention"] * 4 + ["full_attention"]
     assert layout["sliding_window"] == 3
     model = tiny_iha_model(num_hidden_layers=5, num_pseudo_heads=2, iha_mask_mode=mask_mode, **layout).double()
     input_ids, attention_mask = left_padded_batch(seq_len=12)
     position_ids = generation_position_ids(attention_mask)
+    inputs = precision.to_device(dict(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids))
     with torch.no_grad():
-        logits = model(input_ids, attention_mask=attention_mask, position_ids=position_ids).logits
+        logits = precision.model(model)(**inputs).logits.cpu()
         expected = reference_forward(model, input_ids, attention_mask, position_ids)
     real = attention_mask.bool()
-    torch.testing.assert_close(logits[real], expected[real], rtol=0, atol=1e-6)
+    precision.assert_close(logits[real], expected[real], rtol=0, atol=1e-6)
 
 
 def test_fresh_model_starts_at_identity():
@@ -96,27 +106,29 @@ def llama_and_converted(num_key_value_heads: int, collapse_init="last", mask_mod
 
 @pytest.mark.parametrize("padded", [False, True], ids=["no-padding", "left-padding"])
 @pytest.mark.parametrize("num_key_value_heads", [4, 2], ids=["mha", "gqa"])
-def test_identity_conversion_is_exact(num_key_value_heads, padded):
+def test_identity_conversion_is_exact(num_key_value_heads, padded, precision):
     llama, model = llama_and_converted(num_key_value_heads)
     input_ids, attention_mask = left_padded_batch(seq_len=16)
     if not padded:
         attention_mask = torch.ones_like(attention_mask)
+    inputs = precision.to_device(dict(input_ids=input_ids, attention_mask=attention_mask))
     with torch.no_grad():
-        expected = llama(input_ids, attention_mask=attention_mask).logits
-        logits = model(input_ids, attention_mask=attention_mask).logits
+        expected = precision.model(llama)(**inputs).logits.cpu()
+        logits = precision.model(model)(**inputs).logits.cpu()
     real = attention_mask.bool()
-    assert (logits[real] - expected[real]).abs().max() <= 1e-5
+    precision.assert_close(logits[real], expected[real], rtol=0, atol=1e-5)
 
 
 @pytest.mark.parametrize("collapse_init", ["mean", "first", "last"])
-def test_token_causal_is_exact_for_any_normalised_collapse(collapse_init):
+def test_token_causal_is_exact_for_any_normalised_collapse(collapse_init, precision):
     llama, model = llama_and_converted(2, collapse_init=collapse_init, mask_mode="token_causal")
     input_ids, attention_mask = left_padded_batch(seq_len=16)
+    inputs = precision.to_device(dict(input_ids=input_ids, attention_mask=attention_mask))
     with torch.no_grad():
-        expected = llama(input_ids, attention_mask=attention_mask).logits
-        logits = model(input_ids, attention_mask=attention_mask).logits
+        expected = precision.model(llama)(**inputs).logits.cpu()
+        logits = precision.model(model)(**inputs).logits.cpu()
     real = attention_mask.bool()
-    assert (logits[real] - expected[real]).abs().max() <= 1e-5
+    precision.assert_close(logits[real], expected[real], rtol=0, atol=1e-5)
 
 
 def test_flat_causal_with_mean_collapse_is_not_exact():
@@ -128,7 +140,7 @@ def test_flat_causal_with_mean_collapse_is_not_exact():
     assert difference > 1e-3
 
 
-def test_sliding_window_conversion_is_exact():
+def test_sliding_window_conversion_is_exact(precision):
     torch.manual_seed(0)
     mistral_config = MistralConfig(**{**TINY, "num_key_value_heads": 2}, sliding_window=4)
     mistral = MistralForCausalLM(mistral_config).eval()
@@ -137,11 +149,12 @@ def test_sliding_window_conversion_is_exact():
     model = iha.IHAForCausalLM(config).eval()
     model.load_state_dict(mistral.state_dict(), strict=False)
     input_ids, attention_mask = left_padded_batch(seq_len=14)
+    inputs = precision.to_device(dict(input_ids=input_ids, attention_mask=attention_mask))
     with torch.no_grad():
-        expected = mistral(input_ids, attention_mask=attention_mask).logits
-        logits = model(input_ids, attention_mask=attention_mask).logits
+        expected = precision.model(mistral)(**inputs).logits.cpu()
+        logits = precision.model(model)(**inputs).logits.cpu()
     real = attention_mask.bool()
-    assert (logits[real] - expected[real]).abs().max() <= 1e-5
+    precision.assert_close(logits[real], expected[real], rtol=0, atol=1e-5)
 
 
 # --- caches and generate() -------------------------------------------------------------------------------------------
@@ -174,8 +187,11 @@ def generation_model(mode, attn_implementation, num_pseudo=2):
     )
 
 
-def greedy_without_cache(model, input_ids, attention_mask, steps):
-    """Greedy decoding by re-running the full forward each step: the ground truth for cached decoding."""
+def greedy_without_cache(model, input_ids, attention_mask, steps, relative_gaps=None):
+    """Greedy decoding by re-running the full forward each step: the ground truth for cached decoding.
+
+    `relative_gaps`, a list, receives each step's `relative_top2_gap` (what `Precision.assert_same_greedy` allows near
+    ties by)."""
     for _ in range(steps):
         with torch.no_grad():
             logits = model(
@@ -184,6 +200,8 @@ def greedy_without_cache(model, input_ids, attention_mask, steps):
                 position_ids=generation_position_ids(attention_mask),
                 use_cache=False,  # no cache object at all: the ground truth must not share the cache code
             ).logits
+        if relative_gaps is not None:
+            relative_gaps.append(relative_top2_gap(logits[:, -1]))
         next_token = logits[:, -1].argmax(-1, keepdim=True)
         input_ids = torch.cat([input_ids, next_token], dim=-1)
         attention_mask = torch.cat([attention_mask, torch.ones_like(next_token)], dim=-1)
@@ -192,26 +210,27 @@ def greedy_without_cache(model, input_ids, attention_mask, steps):
 
 @pytest.mark.parametrize("attn_implementation", ["eager", "sdpa"])
 @pytest.mark.parametrize("mode", GENERATION_MODES, ids=mode_id)
-def test_cached_generation_matches_uncached(mode, attn_implementation):
-    model = generation_model(mode, attn_implementation)
-    input_ids, attention_mask = left_padded_batch(seq_len=7)
+def test_cached_generation_matches_uncached(mode, attn_implementation, precision):
+    model = precision.model(generation_model(mode, attn_implementation))
+    input_ids, attention_mask = precision.to_device(*left_padded_batch(seq_len=7))
     steps = 8  # past the window of 3 tokens, so the sliding cache drops tokens
-    expected = greedy_without_cache(model, input_ids, attention_mask, steps)
+    gaps = []
+    expected = greedy_without_cache(model, input_ids, attention_mask, steps, gaps)
     common = dict(attention_mask=attention_mask, max_new_tokens=steps, do_sample=False, pad_token_id=0)
     dynamic = model.generate(input_ids, **common)
-    static = model.generate(input_ids, cache_implementation="static", **common)
+    # Eager: on a GPU `generate` compiles static-cache decoding by default (tests/models/test_compile.py tests that).
+    static = model.generate(input_ids, cache_implementation="static", disable_compile=True, **common)
     uncached = model.generate(input_ids, use_cache=False, **common)
-    assert torch.equal(dynamic, expected)
-    assert torch.equal(static, expected)
-    assert torch.equal(uncached, expected)
+    for generated in (dynamic, static, uncached):
+        precision.assert_same_greedy(generated, expected, gaps, input_ids.shape[1])
 
 
 @pytest.mark.parametrize("mode", GENERATION_MODES, ids=mode_id)
-def test_decode_step_logits_match_full_forward(mode):
+def test_decode_step_logits_match_full_forward(mode, precision):
     from transformers import DynamicCache
 
-    model = generation_model(mode, "sdpa", num_pseudo=3)
-    input_ids, attention_mask = left_padded_batch(seq_len=10)
+    model = precision.model(generation_model(mode, "sdpa", num_pseudo=3))
+    input_ids, attention_mask = precision.to_device(*left_padded_batch(seq_len=10))
     position_ids = generation_position_ids(attention_mask)
     with torch.no_grad():
         full = model(input_ids, attention_mask=attention_mask, position_ids=position_ids).logits
@@ -237,30 +256,34 @@ def test_decode_step_logits_match_full_forward(mode):
             )
     incremental = torch.cat(steps, dim=1)
     real = attention_mask.bool()
-    torch.testing.assert_close(incremental[real], full[real], rtol=1e-4, atol=1e-5)
+    precision.assert_close(incremental[real], full[real], rtol=1e-4, atol=1e-5)
 
 
-def test_flex_attention_matches_sdpa():
+def test_flex_attention_matches_sdpa(precision):
     pytest.importorskip("torch.nn.attention.flex_attention")
     # Inductor's CPU flex-attention template needs a head dim that is a multiple of 16.
     options = dict(hidden_size=64, num_key_value_heads=2, num_pseudo_heads=2, iha_mask_mode="token_causal")
     sdpa = tiny_iha_model(attn_implementation="eager", **options)
     flex = tiny_iha_model(attn_implementation="flex_attention", **options)
     flex.load_state_dict(sdpa.state_dict())
-    input_ids, attention_mask = left_padded_batch(seq_len=8)
+    sdpa, flex = precision.model(sdpa), precision.model(flex)
+    input_ids, attention_mask = precision.to_device(*left_padded_batch(seq_len=8))
     position_ids = generation_position_ids(attention_mask)
     with torch.no_grad():
         expected = sdpa(input_ids, attention_mask=attention_mask, position_ids=position_ids).logits
         logits = flex(input_ids, attention_mask=attention_mask, position_ids=position_ids).logits
     real = attention_mask.bool()
-    torch.testing.assert_close(logits[real], expected[real], rtol=1e-4, atol=1e-5)
+    precision.assert_close(logits[real], expected[real], rtol=1e-4, atol=1e-5)
     try:
         generated = flex.generate(input_ids, attention_mask=attention_mask, max_new_tokens=4, do_sample=False)
     except Exception as error:  # torch 2.13's CPU inductor fails to compile flex decoding, for Llama just the same
-        if "CppCompileError" in repr(error) or "InductorError" in type(error).__name__:
+        on_cpu = precision.device.type == "cpu"
+        if on_cpu and ("CppCompileError" in repr(error) or "InductorError" in type(error).__name__):
             pytest.xfail("torch's CPU inductor cannot compile flex-attention decoding (Llama fails the same way)")
         raise
-    assert torch.equal(generated, greedy_without_cache(sdpa, input_ids, attention_mask, 4))
+    gaps = []
+    expected_tokens = greedy_without_cache(sdpa, input_ids, attention_mask, 4, gaps)
+    precision.assert_same_greedy(generated, expected_tokens, gaps, input_ids.shape[1])
 
 
 # --- packed batches (what TRL's padding-free collator sends) ---------------------------------------------------------
@@ -268,7 +291,7 @@ def test_flex_attention_matches_sdpa():
 
 @pytest.mark.parametrize("mask_mode", ["flat_causal", "token_causal"])
 @pytest.mark.parametrize("attn_implementation", ["eager", "sdpa"])
-def test_packed_batch_equals_separate_sequences(mask_mode, attn_implementation):
+def test_packed_batch_equals_separate_sequences(mask_mode, attn_implementation, precision):
     model = tiny_iha_model(
         num_hidden_layers=3,
         num_key_value_heads=2,
@@ -283,16 +306,18 @@ def test_packed_batch_equals_separate_sequences(mask_mode, attn_implementation):
     sequences = [torch.randint(3, TINY["vocab_size"], (1, n), generator=generator) for n in lengths]
     packed = torch.cat(sequences, dim=-1)
     position_ids = torch.cat([torch.arange(n) for n in lengths])[None]
+    tested = precision.model(model)
     with torch.no_grad():
         # Like transformers' own models, packing is read from position_ids only without a cache (TRL sends
         # use_cache=False).
-        packed_logits = model(packed, position_ids=position_ids, use_cache=False).logits
-        separate = torch.cat([model(sequence).logits for sequence in sequences], dim=1)
+        packed_on_device, positions_on_device = precision.to_device(packed, position_ids)
+        packed_logits = tested(packed_on_device, position_ids=positions_on_device, use_cache=False).logits.cpu()
+        separate = torch.cat([tested(precision.to_device(sequence)).logits.cpu() for sequence in sequences], dim=1)
         # The reference sees the sequence boundaries explicitly.
         sequence_ids = torch.cat([torch.full((n,), i) for i, n in enumerate(lengths)])[None]
         expected = reference_forward(model.double(), packed, position_ids=position_ids, sequence_ids=sequence_ids)
-    torch.testing.assert_close(packed_logits, separate, rtol=1e-4, atol=1e-5)
-    torch.testing.assert_close(packed_logits.double(), expected, rtol=1e-4, atol=1e-5)
+    precision.assert_close(packed_logits, separate, rtol=1e-4, atol=1e-5)
+    precision.assert_close(packed_logits.double(), expected, rtol=1e-4, atol=1e-5)
 
 
 # --- training ------------------------------------------------------------------------------------------------------
@@ -303,9 +328,10 @@ def mixing_gradients(model):
 
 
 @pytest.mark.parametrize("collapse_mode", ["per_head", "global"])
-def test_gradients_reach_mixing_and_checkpointing_gives_same_gradients(collapse_mode):
+def test_gradients_reach_mixing_and_checkpointing_gives_same_gradients(collapse_mode, precision):
     model = tiny_iha_model(num_key_value_heads=2, num_pseudo_heads=2, iha_collapse_mode=collapse_mode).train()
-    input_ids, attention_mask = left_padded_batch(seq_len=10)
+    model = precision.model(model)
+    input_ids, attention_mask = precision.to_device(*left_padded_batch(seq_len=10))
     labels = input_ids.masked_fill(attention_mask == 0, -100)
 
     model(input_ids, attention_mask=attention_mask, labels=labels).loss.backward()
@@ -319,7 +345,7 @@ def test_gradients_reach_mixing_and_checkpointing_gives_same_gradients(collapse_
     model(input_ids, attention_mask=attention_mask, labels=labels).loss.backward()
     checkpointed = mixing_gradients(model)
     for name in plain:
-        torch.testing.assert_close(checkpointed[name], plain[name], rtol=1e-5, atol=1e-7)
+        precision.assert_close(checkpointed[name], plain[name], rtol=1e-5, atol=1e-7, msg=name, gradient=True)
 
 
 def test_identity_start_gets_gradients_that_break_the_symmetry():

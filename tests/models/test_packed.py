@@ -5,8 +5,8 @@ Every attention path for packed rows is checked, forward and gradients, against 
 
 - SDPA: attention per document (`per_document_attention`, causal kernel per group of similar-length documents);
 - sliding IHA layers: blocked local attention with the documents in its mask;
-- flex attention: a BlockMask with document ids, whose blocks across documents are skipped (gradients on a CUDA
-  device only: torch's flex attention has no backward on CPU);
+- flex attention: a BlockMask with document ids, whose blocks across documents are skipped, and one with a sliding
+  window too (gradients with `--device cuda` only: torch's flex attention has no backward on CPU);
 - FlashAttention: varlen over cumulative lengths in virtual units (only where flash-attn and a GPU are present).
 """
 
@@ -70,11 +70,11 @@ def parameter_gradients(model, loss_of_logits):
     return gradients
 
 
-def assert_gradients_close(actual, expected):
+def assert_gradients_close(actual, expected, precision):
     for name, gradient in expected.items():
         # transformers computes RoPE angles in float32 even in a float64 model: ~1e-6 relative differences.
         scale = gradient.abs().max().item()
-        torch.testing.assert_close(actual[name], gradient, rtol=1e-5, atol=1e-5 * scale + 1e-12, msg=name)
+        precision.assert_close(actual[name], gradient, rtol=1e-5, atol=1e-5 * scale + 1e-12, msg=name, gradient=True)
 
 
 PACKED_MODES = list(itertools.product(["flat_causal", "token_causal"], ["virtual", "shared"], [1, 2, 3], [4, 2]))
@@ -88,17 +88,23 @@ def packed_mode_id(mode):
 # --- SDPA: attention per document -----------------------------------------------------------------------------------
 
 
-def assert_packed_row_matches_dense_and_reference(model, input_ids, position_ids, lengths) -> dict:
+def assert_packed_row_matches_dense_and_reference(model, input_ids, position_ids, lengths, precision) -> dict:
     """The packed row's logits and parameter gradients equal those of the dense masked path and of the reference run
-    per document; returns the packed path's gradients."""
+    per document; returns the packed path's gradients. The packed and dense paths run on `precision`'s device and
+    dtype, the reference on `model` itself."""
     weights = torch.randn(sum(lengths), TINY["vocab_size"], generator=torch.Generator().manual_seed(5)).double()
+    tested = precision.model(model)
+    tested_weights = precision.to_device(weights.to(next(tested.parameters()).dtype))
+    input_ids_here, position_ids_here, masks_here = precision.to_device(
+        input_ids, position_ids, dense_masks(model, lengths)
+    )
 
     def packed():
-        return model(input_ids, position_ids=position_ids, use_cache=False).logits[0]
+        return tested(input_ids_here, position_ids=position_ids_here, use_cache=False).logits[0]
 
     def dense():
-        return model(
-            input_ids, position_ids=position_ids, attention_mask=dense_masks(model, lengths), use_cache=False
+        return tested(
+            input_ids_here, position_ids=position_ids_here, attention_mask=masks_here, use_cache=False
         ).logits[0]
 
     def reference():
@@ -106,17 +112,19 @@ def assert_packed_row_matches_dense_and_reference(model, input_ids, position_ids
 
     with torch.no_grad():
         logits = packed()
-        torch.testing.assert_close(logits, dense(), rtol=0, atol=1e-6)
-        torch.testing.assert_close(logits, reference(), rtol=0, atol=1e-6)
-    gradients = parameter_gradients(model, lambda: (packed() * weights).sum())
-    assert_gradients_close(gradients, parameter_gradients(model, lambda: (dense() * weights).sum()))
-    assert_gradients_close(gradients, parameter_gradients(model, lambda: (reference() * weights).sum()))
+        precision.assert_close(logits, dense(), rtol=0, atol=1e-6)
+        precision.assert_close(logits, reference(), rtol=0, atol=1e-6)
+    gradients = parameter_gradients(tested, lambda: (packed() * tested_weights).sum())
+    dense_gradients = parameter_gradients(tested, lambda: (dense() * tested_weights).sum())
+    assert_gradients_close(gradients, dense_gradients, precision)
+    reference_gradients = parameter_gradients(model, lambda: (reference() * weights).sum())
+    assert_gradients_close(gradients, reference_gradients, precision)
     return gradients
 
 
 @pytest.mark.parametrize("lengths", [UNEQUAL_LENGTHS, EQUAL_LENGTHS], ids=["unequal", "equal"])
 @pytest.mark.parametrize("mode", PACKED_MODES, ids=packed_mode_id)
-def test_per_document_attention_matches_dense_mask_and_reference(mode, lengths):
+def test_per_document_attention_matches_dense_mask_and_reference(mode, lengths, precision):
     mask_mode, position_mode, num_pseudo, num_key_value_heads = mode
     model = tiny_iha_model(
         num_key_value_heads=num_key_value_heads,
@@ -131,15 +139,15 @@ def test_per_document_attention_matches_dense_mask_and_reference(mode, lengths):
     # Equal documents in order are a reshape of the row: no gathers.
     assert (masks["iha_full_attention"].output_index is None) == (lengths == EQUAL_LENGTHS)
 
-    gradients = assert_packed_row_matches_dense_and_reference(model, input_ids, position_ids, lengths)
+    gradients = assert_packed_row_matches_dense_and_reference(model, input_ids, position_ids, lengths, precision)
     assert gradients["model.layers.0.self_attn.head_mixing.alpha_k"].abs().sum() > 0
 
 
-def test_per_document_attention_runs_one_causal_kernel_per_group_without_a_row_sized_mask(monkeypatch):
+def test_per_document_attention_runs_one_causal_kernel_per_group_without_a_row_sized_mask(monkeypatch, precision):
     lengths = [8, 8, 7, 2, 2]  # groups {8, 8, 7} (padded to 8) and {2, 2}
     assert group_documents_by_length(lengths) == [[0, 1, 2], [3, 4]]
-    model = tiny_iha_model(num_key_value_heads=2, num_pseudo_heads=3)
-    input_ids, position_ids = packed_row(lengths)
+    model = precision.model(tiny_iha_model(num_key_value_heads=2, num_pseudo_heads=3))
+    input_ids, position_ids = precision.to_device(*packed_row(lengths))
     calls = record_sdpa_calls(monkeypatch)
     with torch.no_grad():
         model(input_ids, position_ids=position_ids, use_cache=False)
@@ -147,9 +155,9 @@ def test_per_document_attention_runs_one_causal_kernel_per_group_without_a_row_s
     assert per_layer == [(8 * 3, 8 * 3, True, True), (2 * 3, 2 * 3, True, True)] * model.config.num_hidden_layers
 
 
-def test_token_causal_per_document_mask_is_the_documents_own_size(monkeypatch):
-    model = tiny_iha_model(num_pseudo_heads=2, iha_mask_mode="token_causal")
-    input_ids, position_ids = packed_row([5, 5, 5])
+def test_token_causal_per_document_mask_is_the_documents_own_size(monkeypatch, precision):
+    model = precision.model(tiny_iha_model(num_pseudo_heads=2, iha_mask_mode="token_causal"))
+    input_ids, position_ids = precision.to_device(*packed_row([5, 5, 5]))
     calls = record_sdpa_calls(monkeypatch)
     with torch.no_grad():
         model(input_ids, position_ids=position_ids, use_cache=False)
@@ -157,7 +165,7 @@ def test_token_causal_per_document_mask_is_the_documents_own_size(monkeypatch):
     for call in calls:
         assert call["mask"].shape == (10, 10) and not call["is_causal"]
         token = torch.arange(10) // 2
-        assert torch.equal(call["mask"], token[None, :] <= token[:, None])
+        assert torch.equal(call["mask"].cpu(), token[None, :] <= token[:, None])
 
 
 def test_grouping_bounds_the_padded_work():
@@ -171,28 +179,29 @@ def test_grouping_bounds_the_padded_work():
     assert groups[0] == [0, 1, 2]
 
 
-def test_packed_rows_in_a_batch_of_two_match_the_reference():
+def test_packed_rows_in_a_batch_of_two_match_the_reference(precision):
     model = sharpen_attention(tiny_iha_model(num_key_value_heads=2, num_pseudo_heads=2)).double()
     rows = [[4, 6, 2], [3, 3, 3, 3]]  # no document spans two rows
     generator = torch.Generator().manual_seed(2)
     input_ids = torch.randint(3, TINY["vocab_size"], (2, 12), generator=generator)
     position_ids = torch.stack([torch.cat([torch.arange(n) for n in lengths]) for lengths in rows])
+    input_ids_here, position_ids_here = precision.to_device(input_ids, position_ids)
     with torch.no_grad():
-        logits = model(input_ids, position_ids=position_ids, use_cache=False).logits
+        logits = precision.model(model)(input_ids_here, position_ids=position_ids_here, use_cache=False).logits
         expected = torch.cat([reference_per_document(model, input_ids[i : i + 1], rows[i]) for i in range(2)])
-    torch.testing.assert_close(logits, expected, rtol=0, atol=1e-6)
+    precision.assert_close(logits, expected, rtol=0, atol=1e-6)
 
 
-def test_gradient_checkpointing_through_per_document_attention_gives_the_same_gradients():
-    model = tiny_iha_model(num_key_value_heads=2, num_pseudo_heads=2).double().train()
-    input_ids, position_ids = packed_row(UNEQUAL_LENGTHS)
+def test_gradient_checkpointing_through_per_document_attention_gives_the_same_gradients(precision):
+    model = precision.model(tiny_iha_model(num_key_value_heads=2, num_pseudo_heads=2).double().train())
+    input_ids, position_ids = precision.to_device(*packed_row(UNEQUAL_LENGTHS))
 
     def loss():
         return model(input_ids, position_ids=position_ids, labels=input_ids, use_cache=False).loss
 
     plain = parameter_gradients(model, loss)
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    assert_gradients_close(parameter_gradients(model, loss), plain)
+    assert_gradients_close(parameter_gradients(model, loss), plain, precision)
 
 
 # --- the dispatch ---------------------------------------------------------------------------------------------------
@@ -228,7 +237,7 @@ def test_packing_is_read_only_without_a_mask_or_a_cache():
 
 
 @pytest.mark.parametrize("mask_mode", ["flat_causal", "token_causal"])
-def test_hybrid_model_on_packed_rows_matches_dense_mask_and_reference(mask_mode):
+def test_hybrid_model_on_packed_rows_matches_dense_mask_and_reference(mask_mode, precision):
     # A sliding IHA layer (blocked local path), a full IHA layer (per document) and a standard layer (dense mask).
     window = 6
     model = tiny_iha_model(
@@ -246,66 +255,122 @@ def test_hybrid_model_on_packed_rows_matches_dense_mask_and_reference(mask_mode)
     assert isinstance(masks["iha_sliding_attention"], BlockedLocalMask)
     assert isinstance(masks["iha_full_attention"], PackedDocumentsMask)
 
-    assert_packed_row_matches_dense_and_reference(model, input_ids, position_ids, lengths)
+    assert_packed_row_matches_dense_and_reference(model, input_ids, position_ids, lengths, precision)
 
 
-# --- flex attention: a BlockMask with document ids ------------------------------------------------------------------
+# --- flex attention: a BlockMask with document ids, and sliding windows ---------------------------------------------
 
 FLEX_LENGTHS = [128, 64, 64, 128]  # 256, 128, 128, 256 virtual tokens at P = 2: documents fill whole 128-blocks
-FLEX_DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+# Inductor's CPU flex-attention template needs a head dim that is a multiple of 16.
+FLEX_OPTIONS = dict(hidden_size=64, num_key_value_heads=2, num_pseudo_heads=2)
+# Against the reference: a packed row of full IHA layers (documents in the BlockMask), and a sliding IHA layer before a
+# full one on two documents (window and documents in one BlockMask; the window of 40 tokens is 80 virtual tokens).
+FLEX_REFERENCE_CASES = {
+    "documents": ({}, FLEX_LENGTHS),
+    "sliding": (
+        {
+            "num_hidden_layers": 2,
+            "attention_types": ["iha_sliding_attention", "iha_full_attention"],
+            "sliding_window": 40,
+        },
+        [200, 120],
+    ),
+}
 
 
-def flex_and_sdpa_models(mask_mode):
+def flex_and_sdpa_models(mask_mode, precision, **layout):
+    """A flex-attention model on the test device and the same weights on SDPA, on the CPU in float32."""
     pytest.importorskip("torch.nn.attention.flex_attention")
-    # Inductor's CPU flex-attention template needs a head dim that is a multiple of 16.
-    options = dict(hidden_size=64, num_key_value_heads=2, num_pseudo_heads=2, iha_mask_mode=mask_mode)
+    options = dict(FLEX_OPTIONS, iha_mask_mode=mask_mode, **layout)
     flex = sharpen_attention(tiny_iha_model(attn_implementation="flex_attention", **options))
     sdpa = sharpen_attention(tiny_iha_model(**options))
-    return flex.to(FLEX_DEVICE), sdpa
+    return precision.model(flex), sdpa
 
 
-def run_flex(flex, input_ids, position_ids):
+def run_flex(flex, input_ids, position_ids, precision):
+    input_ids, position_ids = precision.to_device(input_ids, position_ids)
     try:
-        return flex(input_ids.to(FLEX_DEVICE), position_ids=position_ids.to(FLEX_DEVICE), use_cache=False).logits
+        return flex(input_ids, position_ids=position_ids, use_cache=False).logits
     except Exception as error:  # torch's CPU inductor may fail to compile the flex template
-        if "CppCompileError" in repr(error) or "InductorError" in type(error).__name__:
+        on_cpu = precision.device.type == "cpu"
+        if on_cpu and ("CppCompileError" in repr(error) or "InductorError" in type(error).__name__):
             pytest.xfail("torch's CPU inductor cannot compile this flex-attention kernel")
         raise
 
 
+def require_flex_backward(precision):
+    if precision.device.type != "cuda":
+        pytest.skip("torch's flex attention has no backward on CPU; this runs with --device cuda")
+
+
 @pytest.mark.parametrize("mask_mode", ["flat_causal", "token_causal"])
-def test_flex_attention_on_packed_rows_skips_blocks_across_documents_and_matches_dense_mask_and_reference(mask_mode):
-    flex, sdpa = flex_and_sdpa_models(mask_mode)
+def test_flex_attention_on_packed_rows_skips_blocks_across_documents_and_matches_dense_mask_and_reference(
+    mask_mode, precision
+):
+    flex, sdpa = flex_and_sdpa_models(mask_mode, precision)
     input_ids, position_ids = packed_row(FLEX_LENGTHS, seed=4)
-    embeds = flex.model.embed_tokens(input_ids.to(FLEX_DEVICE))
-    block_mask = create_iha_masks(flex.config, embeds, None, None, position_ids.to(FLEX_DEVICE))["iha_full_attention"]
+    embeds = flex.model.embed_tokens(precision.to_device(input_ids))
+    block_mask = create_iha_masks(flex.config, embeds, None, None, precision.to_device(position_ids))
+    block_mask = block_mask["iha_full_attention"]
     # Query blocks see only the key blocks of their own document: 1 + 2 + 1 + 1 + 1 + 2 = 8 blocks, where causal
     # attention over the row computes 1 + 2 + ... + 6 = 21.
     full_blocks = 0 if block_mask.full_kv_num_blocks is None else block_mask.full_kv_num_blocks.sum().item()
     assert block_mask.kv_num_blocks.sum().item() + full_blocks == 8
     with torch.no_grad():
-        logits = run_flex(flex, input_ids, position_ids).double().cpu()
+        logits = run_flex(flex, input_ids, position_ids, precision).double().cpu()
         sdpa = sdpa.double()
         masks = dense_masks(sdpa, FLEX_LENGTHS)
         dense = sdpa(input_ids, position_ids=position_ids, attention_mask=masks, use_cache=False).logits
         expected = reference_per_document(sdpa, input_ids, FLEX_LENGTHS)
-    torch.testing.assert_close(logits, dense, rtol=1e-4, atol=1e-5)
-    torch.testing.assert_close(logits, expected, rtol=1e-4, atol=1e-5)
+    precision.assert_close(logits, dense, rtol=1e-4, atol=1e-5)
+    precision.assert_close(logits, expected, rtol=1e-4, atol=1e-5)
 
 
-def test_flex_attention_gradients_on_packed_rows_match_the_per_document_path():
-    if FLEX_DEVICE != "cuda":
-        pytest.skip("torch's flex attention has no backward on CPU; this runs on a CUDA device")
-    flex, sdpa = flex_and_sdpa_models("flat_causal")
-    sdpa = sdpa.to(FLEX_DEVICE).train()
+def test_flex_attention_gradients_on_packed_rows_match_the_per_document_path(precision):
+    require_flex_backward(precision)
+    flex, sdpa = flex_and_sdpa_models("flat_causal", precision)
+    sdpa = precision.model(sdpa).train()
     flex.train()
-    input_ids, position_ids = packed_row(FLEX_LENGTHS, seed=4)
-    input_ids, position_ids = input_ids.to(FLEX_DEVICE), position_ids.to(FLEX_DEVICE)
+    input_ids, position_ids = precision.to_device(*packed_row(FLEX_LENGTHS, seed=4))
     for model in (flex, sdpa):
         model(input_ids, position_ids=position_ids, labels=input_ids, use_cache=False).loss.backward()
     for (name, flex_parameter), sdpa_parameter in zip(flex.named_parameters(), sdpa.parameters()):
         scale = sdpa_parameter.grad.abs().max().item()
-        torch.testing.assert_close(flex_parameter.grad, sdpa_parameter.grad, rtol=1e-3, atol=1e-4 * scale, msg=name)
+        precision.assert_close(
+            flex_parameter.grad, sdpa_parameter.grad, rtol=1e-3, atol=1e-4 * scale, msg=name, gradient=True
+        )
+
+
+def test_flex_attention_with_a_sliding_window_matches_the_reference(precision):
+    # (The documents case is the test above.)
+    layout, lengths = FLEX_REFERENCE_CASES["sliding"]
+    flex, sdpa = flex_and_sdpa_models("flat_causal", precision, **layout)
+    input_ids, position_ids = packed_row(lengths, seed=7)
+    with torch.no_grad():
+        logits = run_flex(flex, input_ids, position_ids, precision)
+        expected = reference_per_document(sdpa.double(), input_ids, lengths)
+    precision.assert_close(logits, expected, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("masks", list(FLEX_REFERENCE_CASES))
+def test_flex_attention_gradients_match_the_reference(masks, precision):
+    require_flex_backward(precision)
+    layout, lengths = FLEX_REFERENCE_CASES[masks]
+    flex, sdpa = flex_and_sdpa_models("flat_causal", precision, **layout)
+    reference_model = sdpa.double().train()
+    flex.train()
+    input_ids, position_ids = packed_row(lengths, seed=7)
+    weights = torch.randn(sum(lengths), TINY["vocab_size"], generator=torch.Generator().manual_seed(5)).double()
+    logits = run_flex(flex, input_ids, position_ids, precision)[0]
+    (logits * precision.to_device(weights.to(logits.dtype))).sum().backward()
+    expected = reference_per_document(reference_model, input_ids, lengths)[0]
+    (expected * weights).sum().backward()
+    precision.assert_close(logits, expected, rtol=1e-4, atol=1e-5)
+    for (name, flex_parameter), reference_parameter in zip(flex.named_parameters(), reference_model.parameters()):
+        scale = reference_parameter.grad.abs().max().item()
+        precision.assert_close(
+            flex_parameter.grad, reference_parameter.grad, rtol=1e-4, atol=1e-4 * scale, msg=name, gradient=True
+        )
 
 
 # --- FlashAttention: varlen over cumulative lengths in virtual units ------------------------------------------------

@@ -79,9 +79,10 @@ def losses(trainer) -> list[float]:
 
 
 def logits(model, input_ids) -> torch.Tensor:
+    # On the CPU whatever the model's device: a trainer leaves its model on the GPU where there is one.
     model.eval()
     with torch.no_grad():
-        return model(input_ids=input_ids).logits
+        return model(input_ids=input_ids.to(model.device)).logits.cpu()
 
 
 def test_mixing_parameter_names():
