@@ -9,6 +9,7 @@ from setuptools import find_packages, setup
 SUPPORTED_TRANSFORMERS = "transformers>=5.4.0,<5.25"
 DEVELOPMENT_TRANSFORMERS = "transformers==5.23.0"
 
+GGUF = "gguf>=0.10"
 HF_STACK = {
     "trl": "trl==1.16.0",
     "peft": "peft==0.21.2",
@@ -20,21 +21,22 @@ extras = {
     # torch is not pinned here on purpose: install it first (`pip install torch==2.13.0` takes the CPU wheel;
     # on a GPU machine take the CUDA build you want). A bare `torch` requirement with nothing installed would
     # pull a multi-GB CUDA build.
-    "train": [HF_STACK["trl"], HF_STACK["peft"], HF_STACK["accelerate"], HF_STACK["datasets"], "matplotlib>=3.7"],
-    "eval": ["math-verify==0.9.0", "lm-eval==0.4.13", HF_STACK["datasets"], "matplotlib>=3.7"],
-    "convert": ["gguf>=0.10"],
+    # gguf reads the built-in SmolLM2-135M-Instruct (`iha.builtin`), the default model of `iha demo` and `iha ab`,
+    # and `iha-eval --gguf_file`: so `[train,eval]`, the README's install, runs the demo as it is.
+    "train": [HF_STACK["trl"], HF_STACK["peft"], HF_STACK["accelerate"], HF_STACK["datasets"], "matplotlib>=3.7", GGUF],
+    "eval": ["math-verify==0.9.0", "lm-eval==0.4.13", HF_STACK["datasets"], "matplotlib>=3.7", GGUF],
 }
 extras["dev"] = sorted(
     {
         *extras["train"],
         *extras["eval"],
-        *extras["convert"],
         DEVELOPMENT_TRANSFORMERS,
         "pytest>=8",
         "ruff>=0.6",
         "nbclient>=0.10",
         "nbformat>=5.9",
         "ipykernel>=6",
+        "ipywidgets>=8",  # tqdm's notebook progress bars (without it: "IProgress not found")
     }
 )
 extras["all"] = extras["dev"]
@@ -45,7 +47,9 @@ setup(
     description="Interleaved Head Attention (arXiv 2602.21371) for Llama-family models in Hugging Face transformers",
     long_description=Path(__file__).with_name("README.md").read_text(encoding="utf-8"),
     long_description_content_type="text/markdown",
-    license="Apache-2.0",
+    # An SPDX expression (PEP 639; setuptools >= 77, pyproject.toml's [build-system]); LICENSE goes into the wheel.
+    license_expression="Apache-2.0",
+    license_files=["LICENSE"],
     python_requires=">=3.10",
     packages=find_packages(include=["iha", "iha.*"]),
     # The console scripts' module: outside `iha`, so that `--help` runs before the package registers its classes
@@ -68,7 +72,6 @@ setup(
         ]
     },
     classifiers=[
-        "License :: OSI Approved :: Apache Software License",
         "Programming Language :: Python :: 3",
         "Topic :: Scientific/Engineering :: Artificial Intelligence",
     ],
