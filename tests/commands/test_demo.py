@@ -122,3 +122,31 @@ def test_the_readme_install_has_every_package_the_demo_needs():
             provided.add(requirement.name.lower())
     needed = {module.replace("_", "-") for module in (*DEMO_PACKAGES, "gguf")}
     assert needed <= set(declared_requirements()) and needed <= provided, needed - provided
+
+
+def test_the_summary_prints_figures_as_the_rest_of_the_package_does():
+    from iha.demo import format_summary
+
+    summary = {
+        "source": "smollm2",
+        "num_pseudo_heads": 2,
+        "conversion": {"max_abs_logit_diff": 9.632110595703125e-05, "top1_agreement": 1.0},
+        "training": {"steps": 12, "first_loss": 1.0612, "last_loss": 0.1401},
+        "before": {"pass@1": 0.0},
+        "after": {"pass@1": 1 / 12},
+        "num_eval_problems": 12,
+        "model_dir": "iha-demo/model",
+        "loss_curve": "iha-demo/loss_curve.png",
+        "timings_s": {
+            "convert_s": 9.6,
+            "eval_before_s": 120.2,
+            "train_s": 240.4,
+            "eval_after_s": 100.0,
+            "total_s": 476.3,
+        },
+    }
+    text = format_summary(summary)
+    assert "max |logit diff| 9.63e-05, top-1 agreement 100.00%" in text
+    assert "0.00% -> 8.33% on 12 held-out problems" in text
+    assert "476 s (convert 10 s, evaluate 120 s, train 240 s, evaluate 100 s)" in text
+    assert "9.632110595703125e-05" not in text and "agreement 1.0" not in text
