@@ -20,8 +20,10 @@ $(VENV)/.installed: setup.py
 
 install: $(VENV)/.installed
 
+# `make demo DEMO_ARGS="--max_steps 50 --output_dir my-run"`: any flag of `iha demo --help`.
+DEMO_ARGS ?=
 demo: install
-	$(VENV)/bin/iha demo
+	$(VENV)/bin/iha demo $(DEMO_ARGS)
 
 test: install
 	$(PY) -m pytest -q

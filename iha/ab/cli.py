@@ -15,13 +15,13 @@
 conversion (arm B), same data, order, steps, optimizer and seeds; validation loss, test accuracy with paired tests,
 the power of the run, the drift of the mixing from identity.
 
-    iha ab --preset cpu --output-dir runs/ab-cpu                    # SmolLM2-135M-Instruct, 2 seeds per arm, CPU
-    iha ab --preset gpu --output-dir runs/ab-gpu                    # all of GSM8K, 3 seeds, one CUDA device
-    iha ab --preset cpu --train-data gsm8k_train.jsonl --test-data gsm8k_test.jsonl --output-dir runs/ab-cpu
+    iha ab --preset cpu --output_dir runs/ab-cpu                    # SmolLM2-135M-Instruct, 2 seeds per arm, CPU
+    iha ab --preset gpu --output_dir runs/ab-gpu                    # all of GSM8K, 3 seeds, one CUDA device
+    iha ab --preset cpu --train_data gsm8k_train.jsonl --test_data gsm8k_test.jsonl --output_dir runs/ab-cpu
 
 Every field of the preset can be changed with its flag. Calling the same command again reuses the finished runs in
 OUTPUT_DIR and resumes an interrupted training from its last checkpoint; other settings are refused (--fresh starts
-over, or choose a new --output-dir).
+over, or choose a new --output_dir).
 """
 
 import argparse
@@ -59,7 +59,9 @@ def make_parser() -> argparse.ArgumentParser:
     hints = typing.get_type_hints(ABConfig)
     for field in dataclasses.fields(ABConfig):
         flag = "--" + field.name.replace("_", "-")
-        help_text = field.metadata.get("help", "") + " (default: the preset's)"
+        help_text = field.metadata.get("help", "")
+        if "default" not in help_text:  # a field whose help names its own default keeps it, said once
+            help_text += " (default: the preset's)"
         kind, is_list = _field_type(hints[field.name])
         if kind is bool:
             parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=None, help=help_text)

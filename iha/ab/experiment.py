@@ -36,6 +36,7 @@ from .run import (
     ARM_B,
     check_conversion,
     check_source_is_not_iha,
+    discard_unstarted_run,
     evaluate_run,
     load_test_problems,
     log,
@@ -63,14 +64,20 @@ def run_ab(config: ABConfig, output_dir: str | Path, fresh: bool = False, comman
     """Run (or finish) the A/B comparison in `output_dir`; returns the report (also in report.json)."""
     output_dir = Path(output_dir)
     started = time.perf_counter()
-    prepare_output_dir(output_dir, config, fresh)
-    settings = machine_settings()
-    source = source_model(config)
-    check_source_is_not_iha(source)
-    train_rows, validation_rows = prepare_data(config, output_dir)
-    benchmarks = {"gsm8k": load_test_problems(config.test_data, "gsm8k", config.num_test_problems)}
-    if config.math500_data is not None:
-        benchmarks["math500"] = load_test_problems(config.math500_data, "math500", config.num_test_problems)
+    folder_existed = output_dir.is_dir()
+    new_run = prepare_output_dir(output_dir, config, fresh)
+    try:  # until the first training starts, a failure (offline data, a wrong --model) leaves nothing behind
+        settings = machine_settings()
+        source = source_model(config)
+        check_source_is_not_iha(source)
+        train_rows, validation_rows = prepare_data(config, output_dir)
+        benchmarks = {"gsm8k": load_test_problems(config.test_data, "gsm8k", config.num_test_problems)}
+        if config.math500_data is not None:
+            benchmarks["math500"] = load_test_problems(config.math500_data, "math500", config.num_test_problems)
+    except BaseException:
+        if new_run:
+            discard_unstarted_run(output_dir, keep_folder=folder_existed)
+        raise
     first_seed, other_seeds = config.seeds[0], config.seeds[1:]
     num_trainings = len(config.mixing_learning_rates) + len(config.seeds) + len(other_seeds)
     log(

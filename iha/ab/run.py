@@ -75,8 +75,9 @@ def log(message: str) -> None:
 # ---------------------------------------------------------------------------------------------------------------------
 
 
-def prepare_output_dir(output_dir: Path, config: ABConfig, fresh: bool = False) -> None:
+def prepare_output_dir(output_dir: Path, config: ABConfig, fresh: bool = False) -> bool:
     """Record the settings in a new OUTPUT_DIR, or check that an existing one was made with the same settings.
+    Returns True when this call recorded them (a new run), False when it continues an earlier one.
 
     `fresh` removes an earlier A/B output folder (one holding `ab_config.json`) and starts over; a folder that holds
     other files is never removed.
@@ -100,8 +101,22 @@ def prepare_output_dir(output_dir: Path, config: ABConfig, fresh: bool = False) 
                 f"{output_dir} holds an A/B run made with other settings ({details}): pass a new --output-dir, "
                 "or --fresh to start over there"
             )
-        return
+        return False
     write_json_atomic(config.to_dict(), record)
+    return True
+
+
+def discard_unstarted_run(output_dir: Path, keep_folder: bool) -> None:
+    """Remove what a new run wrote before its first training (the settings, the data split): a run that never
+    started leaves no state, so the corrected command is not refused as "a run made with other settings". The
+    folder was empty or absent when the run began (`prepare_output_dir`), so everything in it is the run's."""
+    for entry in output_dir.iterdir():
+        if entry.is_dir() and not entry.is_symlink():
+            shutil.rmtree(entry)
+        else:
+            entry.unlink()
+    if not keep_folder:
+        output_dir.rmdir()
 
 
 def run_name(arm: str, seed: int, mixing_learning_rate: float | None = None) -> str:

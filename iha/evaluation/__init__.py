@@ -1,6 +1,6 @@
 """Evaluation: math benchmarks (GSM8K, MATH-500) with pass@1 and majority vote, and a multi-key needle task.
 
-Its scoring needs `math-verify` (the `eval` extra: `pip install iha-transformers[eval]`).
+Its scoring needs `math-verify` (the `eval` extra: `pip install ".[eval]"` in the package's source folder).
 """
 
 from ..lazy_imports import lazy_attributes

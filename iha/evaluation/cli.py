@@ -1,9 +1,9 @@
 """`iha-eval`: math evaluation (GSM8K, MATH-500), the needle task, and side-by-side reports.
 
     iha-eval math --model base=HuggingFaceTB/SmolLM2-135M-Instruct --model iha=./smollm2-iha \\
-        --dataset gsm8k --dataset math500 --preset paper --output-dir runs/eval
+        --dataset gsm8k --dataset math500 --preset paper --output_dir runs/eval
     iha-eval math --model iha=./smollm2-iha --dataset gsm8k=my_gsm8k_test.jsonl --limit 16
-    iha-eval needle --model iha=./smollm2-iha --lengths 1024 2048 4096 --num-keys 1 --num-distractors 3
+    iha-eval needle --model iha=./smollm2-iha --lengths 1024 2048 4096 --num_keys 1 --num_distractors 3
     iha-eval compare runs/eval/base_gsm8k.json runs/eval/iha_gsm8k.json --output report.md
 
 `--dataset gsm8k` / `math500` read the Hub datasets openai/gsm8k / HuggingFaceH4/MATH-500;
@@ -39,7 +39,7 @@ def _named(value: str, what: str) -> tuple[str, str]:
 NEEDLE_DESCRIPTION = """RULER-style multi-key needle in a haystack, greedy decoding, exact match.
 
 Cost: every example is a full forward pass over its context. The defaults (50 examples at 1024, 2048 and 4096
-tokens) take about 45 minutes for a 135M model on 2 CPU cores; `--num-examples 5 --lengths 1024` takes a few
+tokens) take about 45 minutes for a 135M model on 2 CPU cores; `--num_examples 5 --lengths 1024` takes a few
 minutes. A progress bar per context length shows how far it is."""
 
 

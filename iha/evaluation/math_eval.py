@@ -178,6 +178,20 @@ def generation_kwargs(sampling: SamplingConfig, eos_token_ids: list[int], pad_to
     return kwargs
 
 
+class DecodingProgress:
+    """A stopping criterion that never stops: `generate` calls it once per decoding step, and it moves the bar.
+
+    The bar counts decoding steps (new tokens per row) over every batch, so a long batch shows its progress and an
+    ETA instead of sitting at 0/1; a batch that ends early (every row at EOS) skips its remaining steps."""
+
+    def __init__(self, bar):
+        self.bar = bar
+
+    def __call__(self, input_ids, scores, **kwargs) -> torch.BoolTensor:
+        self.bar.update(1)
+        return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+
+
 @torch.no_grad()
 def generate_completions(
     model,
@@ -203,21 +217,28 @@ def generate_completions(
     saved_padding_side = tokenizer.padding_side
     tokenizer.padding_side = "left"  # decoder-only generation needs the prompts right-aligned
     completions: list[list[str]] = []
+    batches = range(0, len(prompts), batch_size)
+    bar = tqdm(total=len(batches) * sampling.max_new_tokens, desc=description, unit="token")
+    bar.set_postfix_str(f"0/{len(prompts)} problems")
     try:
-        batches = range(0, len(prompts), batch_size)
-        for batch_index, start in enumerate(tqdm(batches, desc=description, unit="batch")):
+        for batch_index, start in enumerate(batches):
             batch_prompts = list(prompts[start : start + batch_size])
             # Chat templates already contain the BOS/special tokens they need.
             encoded = tokenizer(batch_prompts, return_tensors="pt", padding=True, add_special_tokens=False)
             encoded = {key: value.to(device) for key, value in encoded.items()}
             set_seed(sampling.seed + batch_index)
-            output = model.generate(**encoded, generation_config=generation_config)
+            output = model.generate(
+                **encoded, generation_config=generation_config, stopping_criteria=[DecodingProgress(bar)]
+            )
+            bar.update((batch_index + 1) * sampling.max_new_tokens - bar.n)  # the steps an early end skipped
             new_tokens = output[:, encoded["input_ids"].shape[1] :]
             texts = tokenizer.batch_decode(new_tokens, skip_special_tokens=True)
             for prompt_index in range(len(batch_prompts)):
                 first = prompt_index * sampling.num_samples
                 completions.append(texts[first : first + sampling.num_samples])
+            bar.set_postfix_str(f"{len(completions)}/{len(prompts)} problems")
     finally:
+        bar.close()
         tokenizer.padding_side = saved_padding_side
     return completions
 

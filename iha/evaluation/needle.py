@@ -168,9 +168,11 @@ def evaluate_needle_examples(
 ) -> dict:
     """Score `generate` (examples -> answers) on `examples`: mean `score` and `all_found`, plus per-example rows."""
     rows = []
-    for start in tqdm(range(0, len(examples), batch_size), desc=description, unit="batch"):
+    bar = tqdm(total=len(examples), desc=description, unit="example")
+    for start in range(0, len(examples), batch_size):
         batch = list(examples[start : start + batch_size])
         answers = generate(batch)
+        bar.update(len(batch))
         if len(answers) != len(batch):
             raise ValueError(f"The generate function returned {len(answers)} answers for {len(batch)} examples.")
         for example, answer in zip(batch, answers):
@@ -185,6 +187,7 @@ def evaluate_needle_examples(
                     "num_tokens": example.num_tokens,
                 }
             )
+    bar.close()
     return {
         "score": sum(row["score"] for row in rows) / len(rows),
         "all_found": sum(row["all_found"] for row in rows) / len(rows),

@@ -80,6 +80,10 @@ class IHASFTConfig(IHATrainingArguments, SFTConfig):
     def __post_init__(self):
         if self.bf16 is None and not self.fp16:
             self.bf16 = bf16_supported_here(self.use_cpu)
+        # TRL sets gradient checkpointing under transformers' old name (`gradient_checkpointing`, default True), which
+        # transformers >= 5.20 warns about in every run: hand the value to the current name where it exists.
+        if getattr(self, "activation_checkpointing", False) is None and self.gradient_checkpointing is not None:
+            self.activation_checkpointing, self.gradient_checkpointing = self.gradient_checkpointing, None
         super().__post_init__()
 
 

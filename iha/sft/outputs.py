@@ -23,6 +23,7 @@ from transformers import AutoModelForCausalLM, PreTrainedModel
 import iha  # noqa: F401  (registers IHAConfig / IHAForCausalLM with the Auto classes)
 
 from ..atomic_folders import staged_folder
+from ..licenses import license_card_parts, write_code_license
 from .config import BASE_RECORD_NAME, is_mixing_parameter
 from .model import load_model_for_sft
 
@@ -129,6 +130,7 @@ def write_merged_card(folder: Path, adapter_dir: Path, output_dir: Path) -> None
         "folded in): a plain IHA model. " + card.intro.replace("A LoRA adapter for", "Trained from", 1)
     ).strip()
     card.sections["How to load"] = how_to_load_section(str(output_dir))
+    write_code_license(folder)  # the card's "License" section, carried over from the adapter's, names it
     write_model_card(folder, card)
 
 
@@ -204,6 +206,7 @@ def write_training_card(
     from ..model_card import (
         DEFAULT_TAGS,
         ModelCardContent,
+        card_license,
         finetuned_intro,
         how_to_load_adapter_section,
         how_to_load_section,
@@ -221,8 +224,8 @@ def write_training_card(
     }
     if hub_base is not None:
         metadata["base_model"] = hub_base
-    if base_card is not None and base_card.metadata.get("license"):
-        metadata["license"] = base_card.metadata["license"]
+    base_name = hub_base or (Path(str(base)).name if base is not None else "the base model")
+    metadata["license"], license_section = license_card_parts(output_dir, card_license(base_card), base_name)
     if isinstance(train_source, str) and not Path(train_source).exists() and looks_like_hub_id(train_source):
         metadata["datasets"] = [train_source]
     intro = finetuned_intro(base, adapter=peft_config is not None, converted=converted)
@@ -235,5 +238,6 @@ def write_training_card(
         sections["How to load"] = how_to_load_adapter_section(str(output_dir))
     else:
         sections["How to load"] = how_to_load_section(str(output_dir))
+    sections["License"] = license_section
     title = f"{Path(output_dir).resolve().name} (IHA, fine-tuned)"
     write_model_card(output_dir, ModelCardContent(title=title, metadata=metadata, intro=intro, sections=sections))

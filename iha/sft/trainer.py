@@ -16,18 +16,23 @@
 import logging
 import os
 from contextlib import contextmanager
+from pathlib import Path
 
 import torch
 from trl import SFTConfig, SFTTrainer
 
 import iha  # noqa: F401  (registers IHAConfig / IHAForCausalLM with the Auto classes)
 
+from ..atomic_files import write_text_atomic
 from .model import prepare_tokenizer
 from .outputs import write_training_card
 from .parameter_groups import IHAMixingMixin
 
 
 logger = logging.getLogger(__name__)
+# The Trainer saves its arguments as a pickle; the package keeps them as JSON (`training_arguments_as_json`).
+TRAINING_ARGUMENTS_PICKLE = "training_args.bin"
+TRAINING_ARGUMENTS_JSON = "training_args.json"
 
 
 def enable_fsdp_on_cpu(accelerator, args) -> bool:
@@ -98,6 +103,14 @@ def without_tied_copies(model, state_dict: dict) -> dict:
     return {name: tensor for name, tensor in state_dict.items() if name not in copies}
 
 
+def training_arguments_as_json(folder: str | os.PathLike, args) -> None:
+    """Keep the training arguments next to the model as `training_args.json` instead of the Trainer's
+    `training_args.bin`: that file is a pickle (loading it runs code), which a folder meant for the Hub must not hold,
+    and nothing reads it back (resuming reads `trainer_state.json` and the optimizer files)."""
+    write_text_atomic(args.to_json_string() + "\n", Path(folder, TRAINING_ARGUMENTS_JSON))
+    Path(folder, TRAINING_ARGUMENTS_PICKLE).unlink(missing_ok=True)
+
+
 class IHASFTTrainer(IHAMixingMixin, SFTTrainer):
     """`SFTTrainer` whose optimizer gives the IHA mixing parameters their own learning rate and weight decay
     (`iha.sft.parameter_groups`), keeping them in fp32.
@@ -134,6 +147,8 @@ class IHASFTTrainer(IHAMixingMixin, SFTTrainer):
             state_dict = without_tied_copies(model, state_dict)
         with own_class_while_saving(model):
             super()._save(output_dir, state_dict=state_dict)
+        if self.args.should_save:
+            training_arguments_as_json(output_dir or self.args.output_dir, self.args)
 
     def create_model_card(self, model_name=None, dataset_name=None, tags=None):
         # TRL writes its generic card into output_dir at every checkpoint save: write the IHA card instead.

@@ -1,7 +1,9 @@
 """The `iha` dispatcher reaches every command."""
 
+import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -21,12 +23,26 @@ def test_unknown_command_is_an_error(capsys):
 
 
 @pytest.mark.parametrize("command", sorted(cli.COMMANDS))
-def test_every_command_has_help(command):
+def test_every_command_has_help_under_its_own_name_with_each_flag_and_default_once(command):
     result = subprocess.run(
         [sys.executable, "-m", "iha.cli", command, "--help"], capture_output=True, text=True, timeout=300
     )
     assert result.returncode == 0, result.stderr[-2000:]
-    assert "usage" in result.stdout.lower()
+    assert result.stdout.startswith(f"usage: iha {command} "), result.stdout[:200]  # not `usage: iha-convert`
+    assert not re.search(r"--[a-z0-9]+-[a-z]", result.stdout), "a --kebab-case spelling in help (listed: --snake_case)"
+    assert not re.search(r"\(default:[^)]*\)\s*\(default:", result.stdout), "a default said twice"
+
+
+@pytest.mark.parametrize("script", ["iha", "iha-convert", "iha-sft", "iha-eval"])
+def test_every_console_script_answers_version(script):
+    from iha import __version__
+
+    executable = Path(sys.executable).parent / script
+    result = subprocess.run([str(executable), "--version"], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.startswith(f"{script} {__version__} (transformers "), result.stdout
+    help_text = subprocess.run([str(executable), "--help"], capture_output=True, text=True, timeout=300).stdout
+    assert help_text.startswith("usage: iha COMMAND" if script == "iha" else f"usage: {script} "), help_text[:200]
 
 
 def test_push_refuses_a_folder_that_is_not_iha(tmp_path, capsys):

@@ -106,7 +106,11 @@ def hf_declaration(action: argparse.Action) -> dict:
 
 
 def test_sft_parser_declares_its_flags_as_the_run_parser_does():
-    light = {action.dest for action in sft_cli.make_parser()._actions} - {"help", "help_trl"}
+    light = {action.dest for action in sft_cli.make_parser()._actions} - {
+        "help",
+        "help_trl",
+        "version",
+    }  # parser options, not fields
     full = [hf_declaration(action) for action in sft_cli.make_trl_parser()._actions if action.dest in light]
     own = [hf_declaration(action) for action in sft_cli.make_parser()._actions if action.dest in light]
     by_flag = lambda declarations: sorted(declarations, key=lambda declaration: declaration["options"])  # noqa: E731

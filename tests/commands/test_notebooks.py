@@ -20,6 +20,9 @@ def test_notebook_executes(path: Path, tmp_path, monkeypatch):
     monkeypatch.setenv("IHA_NOTEBOOK_FAST", "1")
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setenv("MPLBACKEND", "Agg")
+    temporary = tmp_path / "tmp"  # the kernel's temporary folder: a notebook must leave nothing behind in it
+    temporary.mkdir()
+    monkeypatch.setenv("TMPDIR", str(temporary))
     notebook = nbformat.read(path, as_version=4)
     client = NotebookClient(
         notebook, timeout=900, kernel_name="python3", resources={"metadata": {"path": str(tmp_path)}}
@@ -35,3 +38,11 @@ def test_notebook_executes(path: Path, tmp_path, monkeypatch):
     assert not errors
     # Every code cell ran (an execution count on each).
     assert all(cell.get("execution_count") for cell in notebook.cells if cell.cell_type == "code")
+    outputs = [output for cell in notebook.cells if cell.cell_type == "code" for output in cell.get("outputs", [])]
+    text = "".join(output.get("text", "") for output in outputs)
+    assert "IProgress not found" not in text  # tqdm's notebook bars need ipywidgets ([dev] installs it)
+    setup_cell = next(cell for cell in notebook.cells if cell.cell_type == "code")
+    assert not setup_cell.get("outputs")  # the setup cell shows nothing (it used to display 'false')
+    assert [entry.name for entry in temporary.iterdir()] == []  # no 0.5 GB converted copy left in /tmp
+    if path.stem == "01_quickstart":  # loaded through remote code, in a process that cannot import iha
+        assert "loaded as transformers_modules." in text

@@ -16,6 +16,11 @@ what earlier ones wrote, as they would for a user who follows the README). Each 
    and the versions `pip install` pins must be the ones installed.
 
 A command that fits none of these fails, so a new README command has to be made runnable or marked.
+
+Every ```python snippet is run as written too, each in a fresh process in a scratch folder that holds what the
+README's commands would have written before it (`smollm2-iha`, `gsm8k_openthoughts.jsonl`), with the same local
+stand-ins for Hub ids (`SNIPPET_COPIES`) and `IHASFTConfig` given tiny settings (`SNIPPET_SFT_SETTINGS`, applied
+over the snippet's own). Last, everything the commands wrote must be ignored by git (and so by ruff's `make lint`).
 """
 
 import importlib.metadata
@@ -124,12 +129,18 @@ def tiny_settings(program: str, arguments: list[str]) -> list[str]:
 @pytest.fixture(scope="module")
 def scratch(tmp_path_factory) -> Path:
     """The folder the commands run in: with `examples/` (configurations the README names) and `tiny-smollm2`."""
+    folder = tmp_path_factory.mktemp("readme")
+    (folder / "examples").symlink_to(REPO_ROOT / "examples")
+    save_tiny_smollm2(folder / "tiny-smollm2")
+    return folder
+
+
+def save_tiny_smollm2(folder: Path) -> None:
+    """A tiny random Llama with SmolLM2's tokenizer, chat template and generation config."""
     from transformers import AutoTokenizer, GenerationConfig, LlamaConfig, LlamaForCausalLM
 
     from iha.builtin import smollm2_dir
 
-    folder = tmp_path_factory.mktemp("readme")
-    (folder / "examples").symlink_to(REPO_ROOT / "examples")
     torch.manual_seed(0)
     tokenizer = AutoTokenizer.from_pretrained(smollm2_dir())
     config = LlamaConfig(
@@ -142,10 +153,9 @@ def scratch(tmp_path_factory) -> Path:
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
     )
-    LlamaForCausalLM(config).save_pretrained(folder / "tiny-smollm2")
-    tokenizer.save_pretrained(folder / "tiny-smollm2")
-    GenerationConfig.from_pretrained(smollm2_dir()).save_pretrained(folder / "tiny-smollm2")
-    return folder
+    LlamaForCausalLM(config).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    GenerationConfig.from_pretrained(smollm2_dir()).save_pretrained(folder)
 
 
 def run_command(program: str, arguments: list[str], scratch: Path) -> subprocess.CompletedProcess:
@@ -229,3 +239,71 @@ def test_readme_command(command, marker, scratch):
         return
     result = run_command(program, arguments + tiny_settings(program, arguments), scratch)
     assert result.returncode == 0, f"{command}\n{result.stdout[-3000:]}\n{result.stderr[-5000:]}"
+
+
+# The files the commands leave in their folder that are the test's own stand-ins, not README outputs.
+STAND_INS = {"examples", "tiny-smollm2", ".hf_modules"}
+
+
+def test_everything_the_commands_wrote_is_ignored_by_git(scratch):
+    """After the README's commands (above; pytest keeps file order), every folder and file they wrote is in
+    .gitignore: a user who runs them in the repository gets a clean `git status` and a passing `make lint`."""
+    written = sorted(entry.name for entry in scratch.iterdir() if entry.name not in STAND_INS)
+    assert written, "run with the README commands above: they write the folders this test checks"
+    ignored = subprocess.run(
+        ["git", "check-ignore", "--no-index", *written], cwd=REPO_ROOT, capture_output=True, text=True
+    ).stdout.split()
+    assert sorted(ignored) == written, f"not in .gitignore: {sorted(set(written) - set(ignored))}"
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The Python snippets
+# ---------------------------------------------------------------------------------------------------------------------
+
+SNIPPET_COPIES = {
+    "HuggingFaceTB/SmolLM2-135M-Instruct": "tiny-smollm2",
+    "open-thoughts/OpenThoughts-114k": "gsm8k_openthoughts.jsonl",  # a local file in the same (OpenThoughts) format
+}
+SNIPPET_SFT_SETTINGS = {"max_steps": 1, "max_length": 512, "per_device_train_batch_size": 1, "report_to": "none"}
+SNIPPET_PRELUDE = f"""
+import iha.sft
+_IHASFTConfig = iha.sft.IHASFTConfig
+iha.sft.IHASFTConfig = lambda **settings: _IHASFTConfig(**{{**settings, **{SNIPPET_SFT_SETTINGS!r}}})
+"""
+
+
+def readme_snippets() -> list[str]:
+    return re.findall(r"^```python\n(.*?)^```", README.read_text(encoding="utf-8"), re.S | re.M)
+
+
+SNIPPETS = readme_snippets()
+
+
+@pytest.fixture(scope="module")
+def snippet_scratch(tmp_path_factory) -> Path:
+    """What the README's commands write before its snippets: a converted `smollm2-iha`, OpenThoughts-format rows."""
+    from iha.convert import convert_checkpoint
+    from iha.data import gsm8k_file_to_openthoughts, write_jsonl
+
+    folder = tmp_path_factory.mktemp("readme-snippets")
+    save_tiny_smollm2(folder / "tiny-smollm2")
+    convert_checkpoint(folder / "tiny-smollm2", folder / "smollm2-iha", show_progress=False)
+    write_jsonl(
+        gsm8k_file_to_openthoughts(SHARED_DATA / "gsm8k" / "train.jsonl", limit=8), folder / "gsm8k_openthoughts.jsonl"
+    )
+    return folder
+
+
+def test_the_readme_has_python_snippets():
+    assert len(SNIPPETS) >= 4 and all("import" in snippet for snippet in SNIPPETS)
+
+
+@pytest.mark.parametrize("snippet", SNIPPETS, ids=[snippet.splitlines()[0][:50] for snippet in SNIPPETS])
+def test_readme_snippet_runs_as_written(snippet, snippet_scratch):
+    code = snippet
+    for hub_id, local_copy in SNIPPET_COPIES.items():
+        code = code.replace(f'"{hub_id}"', f'"{local_copy}"')
+    if "IHASFTConfig" in code:
+        code = SNIPPET_PRELUDE + code
+    result = run_command("python", ["-c", code], snippet_scratch)
+    assert result.returncode == 0, f"{snippet}\n{result.stdout[-3000:]}\n{result.stderr[-5000:]}"

@@ -153,9 +153,7 @@ def test_unwritable_destination_gets_one_line(tiny_source, tmp_path, capsys):
     (tmp_path / "a-file").write_text("")
     assert convert.main([str(tiny_source), str(tmp_path / "a-file" / "out"), "--quiet"]) == 2
     err = capsys.readouterr().err
-    assert (
-        err == f"iha-convert: error: [Errno 20] {tmp_path / 'a-file'} is a file, not a folder; choose another output\n"
-    )
+    assert err == f"iha-convert: error: {tmp_path / 'a-file'} is a file, not a folder; choose another output\n"
     assert len(err.strip().splitlines()) == 1
 
     read_only = tmp_path / "read-only"
@@ -167,7 +165,7 @@ def test_unwritable_destination_gets_one_line(tiny_source, tmp_path, capsys):
             pytest.skip("no read-only folder to write into")
     assert convert.main([str(tiny_source), str(read_only / "out"), "--quiet"]) == 2
     err = capsys.readouterr().err
-    assert err.startswith("iha-convert: error: [Errno") and f"cannot write in {read_only}" in err, err
+    assert err.startswith(f"iha-convert: error: cannot write in {read_only}") and "Errno" not in err, err
     assert len(err.strip().splitlines()) == 1
 
 

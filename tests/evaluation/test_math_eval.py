@@ -169,6 +169,41 @@ def test_converted_model_evaluates_like_its_source(shared_data, tokenizer, llama
     assert tokenizer.padding_side == AutoTokenizer.from_pretrained(smollm2_dir()).padding_side  # restored
 
 
+def test_progress_counts_decoding_steps_and_problems_not_batches(
+    shared_data, tokenizer, llama_and_iha, capsys, monkeypatch
+):
+    import iha.evaluation.math_eval as math_eval
+
+    _, converted = llama_and_iha
+    problems = load_problems(str(shared_data / "gsm8k" / "test.jsonl"), limit=3)
+    prompts = [build_prompt(tokenizer, problem.question) for problem in problems]
+    sampling = SamplingConfig(temperature=0.0, num_samples=1, max_new_tokens=5)
+    steps = []
+
+    class CountingBar:  # stands in for tqdm, to see every update the bar gets
+        def __init__(self, total, **kwargs):
+            self.total, self.n, self.postfix = total, 0, ""
+
+        def update(self, count):
+            self.n += count
+            steps.append(self.n)
+
+        def set_postfix_str(self, text):
+            self.postfix = text
+
+        def close(self):
+            pass
+
+    with monkeypatch.context() as patched:
+        patched.setattr(math_eval, "tqdm", CountingBar)
+        completions = math_eval.generate_completions(converted, tokenizer, prompts, sampling, batch_size=2)
+    assert len(completions) == 3
+    # Two batches of 5 decoding steps: the bar moves within a batch (an ETA from the first step on), ends at 10.
+    assert steps[0] == 1 and steps[-1] == 10 and len(steps) > 2, steps
+    math_eval.generate_completions(converted, tokenizer, prompts, sampling, batch_size=2)
+    assert "3/3 problems" in capsys.readouterr().err  # the real bar names problems, not batches
+
+
 def test_sampling_is_seeded(shared_data, tokenizer, llama_and_iha):
     _, converted = llama_and_iha
     problems = load_problems(str(shared_data / "gsm8k" / "test.jsonl"), limit=2)

@@ -13,7 +13,7 @@ from sft_utils import build_tiny_tokenizer
 from iha.ab import stats
 from iha.ab.cli import main
 from iha.ab.config import preset_config
-from iha.ab.run import StepTrace, prepare_data, run_name, train_run
+from iha.ab.run import StepTrace, prepare_data, prepare_output_dir, run_name, train_run
 from iha.sft import load_model_for_sft
 
 
@@ -133,6 +133,23 @@ def test_other_settings_in_the_same_folder_are_one_line_error(finished, tiny_sou
     error = capsys.readouterr().err.strip()
     assert len(error.splitlines()) == 1
     assert "learning_rate" in error and "--output-dir" in error and "--fresh" in error
+
+
+def test_a_run_that_fails_before_training_leaves_no_state_and_the_corrected_command_goes_on(
+    tiny_source, data_files, tmp_path, capsys
+):
+    output_dir = tmp_path / "out"
+    unreachable = ["--test-data", "someone/gsm8k-that-is-not-here"]  # offline: the Hub cannot be reached
+    assert main(tiny_argv(tiny_source, data_files, output_dir, *unreachable)) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and "someone/gsm8k-that-is-not-here" in err, err
+    assert not output_dir.exists()  # no ab_config.json, no data split: nothing that refuses the corrected command
+    output_dir.mkdir()  # a folder the user made stays, empty
+    assert main(tiny_argv(tiny_source, data_files, output_dir, *unreachable)) == 2
+    assert list(output_dir.iterdir()) == []
+    train, test = data_files
+    config = preset_config("tiny", model=str(tiny_source), train_data=str(train), test_data=str(test))
+    assert prepare_output_dir(output_dir, config) is True  # the corrected settings start a new run there
 
 
 def test_tiny_preset_without_a_model_is_refused(tmp_path, capsys):

@@ -91,6 +91,9 @@ def card_folder(tmp_path):
 
 def test_push_uploads_a_card_for_the_repo_and_leaves_the_folder_alone(tmp_path):
     folder = card_folder(tmp_path)
+    (folder / "checkpoint-2").mkdir()  # training state stays home: it holds pickles and is not the model
+    (folder / "checkpoint-2" / "optimizer.pt").write_bytes(b"")
+    (folder / "training_args.bin").write_bytes(b"")
     card_before = (folder / "README.md").read_bytes()
     operations = {operation.path_in_repo: operation for operation in upload_operations(folder, "someone/tiny-iha")}
     assert set(operations) == {"README.md", "config.json", "generation_config.json", "model.safetensors", *CODE_FILES}

@@ -226,6 +226,9 @@ def test_unknown_schema_and_missing_file_errors(tmp_path):
         to_messages_dataset(Dataset.from_list([{"question": "q", "answer": "a"}]))
     with pytest.raises(FileNotFoundError, match="does not exist"):
         load_sft_dataset(tmp_path / "missing.jsonl")
+    # Offline (the tests run with HF_HUB_OFFLINE=1), a Hub id says that a local file works instead.
+    with pytest.raises(ConnectionError, match=r"someone/not-a-cached-dataset.*a local \.jsonl / \.json / \.parquet"):
+        load_sft_dataset("someone/not-a-cached-dataset")
     bad = tmp_path / "broken.jsonl"
     bad.write_text('{"question": "q", "answer": "a\\n#### 1"}\n{not json\n', encoding="utf-8")
     with pytest.raises(DataFormatError, match=r"broken.jsonl, line 2: not valid JSON"):

@@ -2,6 +2,9 @@
 
 import json
 import math
+import os
+import stat
+import warnings
 
 import pytest
 import torch
@@ -19,6 +22,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import iha
 from iha.data import write_jsonl
+from iha.licenses import package_license_text
 from iha.model_card import read_model_card
 from iha.sft import (
     BASE_RECORD_NAME,
@@ -150,6 +154,22 @@ def test_full_sft_loss_decreases_mixing_moves_and_saves_hub_ready(tokenizer, row
     input_ids = torch.tensor([tokenizer.encode("Natalia sold 48/2 = 24 clips in May.")])
     reloaded = AutoModelForCausalLM.from_pretrained(output_dir)
     torch.testing.assert_close(logits(reloaded, input_ids), logits(model, input_ids), rtol=0, atol=1e-5)
+    assert_shareable_folder(output_dir)
+    assert json.loads((output_dir / "training_args.json").read_text())["learning_rate"] == 3e-3
+
+
+def assert_shareable_folder(folder):
+    """What a folder meant for the Hub holds: no pickle (the training arguments are JSON), files with the user's
+    usual mode (transformers' save_pretrained stages model.safetensors as a private temporary file), the package's
+    LICENSE for the code files and a `license:` in the card."""
+    umask = os.umask(0)
+    os.umask(umask)
+    files = [path for path in folder.rglob("*") if path.is_file()]
+    assert not [path.name for path in files if path.suffix in (".bin", ".pt", ".pth", ".pkl")]
+    modes = {path.name: oct(stat.S_IMODE(path.stat().st_mode)) for path in files}
+    assert set(modes.values()) == {oct(0o666 & ~umask)}, modes
+    assert (folder / "LICENSE").read_text() == package_license_text()
+    assert read_model_card(folder).metadata["license"] == "apache-2.0"
 
 
 def test_lora_adapter_saves_mixing_reloads_and_merges(tokenizer_dir, tokenizer, rows, tmp_path, monkeypatch):
@@ -211,6 +231,8 @@ def test_lora_adapter_saves_mixing_reloads_and_merges(tokenizer_dir, tokenizer, 
     merged_from_folder = AutoModelForCausalLM.from_pretrained(output_dir / "merged")
     torch.testing.assert_close(logits(merged_from_folder, input_ids), expected, rtol=0, atol=1e-5)
     assert (output_dir / "merged" / "modeling_iha.py").is_file()
+    assert_shareable_folder(output_dir)  # the adapter's folder, merged/ included
+    assert_shareable_folder(output_dir / "merged")
     assert "{% generation %}" in AutoTokenizer.from_pretrained(output_dir / "merged").chat_template
     # The merge must differ from the untouched base, or the comparison above would prove nothing.
     base = AutoModelForCausalLM.from_pretrained(base_dir)
@@ -242,6 +264,15 @@ def test_bf16_follows_the_hardware_unless_set(tmp_path):
     assert IHASFTConfig(output_dir=str(tmp_path), use_cpu=True).bf16 is True  # TRL's default, where it can run
     assert IHASFTConfig(output_dir=str(tmp_path), use_cpu=True, bf16=False).bf16 is False
     assert IHASFTConfig(output_dir=str(tmp_path), bf16=False).bf16 is False
+
+
+def test_activation_checkpointing_keeps_trls_default_under_its_current_name_without_a_warning(tmp_path):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FutureWarning)  # transformers: "`gradient_checkpointing` is deprecated"
+        default = IHASFTConfig(output_dir=str(tmp_path), use_cpu=True)
+        off = IHASFTConfig(output_dir=str(tmp_path), use_cpu=True, gradient_checkpointing=False)
+    assert default.activation_checkpointing is True and default.gradient_checkpointing is True  # TRL's default
+    assert off.activation_checkpointing is False and off.gradient_checkpointing is False
 
 
 def test_resume_from_checkpoint_continues_the_same_run(tokenizer, rows, tmp_path):

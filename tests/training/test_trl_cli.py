@@ -102,3 +102,4 @@ def test_trl_sft_cli_trains_a_converted_folder_without_the_iha_package(tmp_path)
     assert "trust_remote_code=True" in card.sections["How to load"] and "Quick start" not in card.sections
     assert "Training procedure" in card.sections and "base_model" not in card.metadata
     assert f"`{model_dir.name}`" in card.intro and "iha" in card.metadata["tags"]
+    assert (output_dir / "LICENSE").is_file() and card.metadata["license"] and "License" in card.sections

@@ -109,7 +109,7 @@ def test_run_command_reports_signals_and_errors_in_one_line(capsys, python_ctrl_
         open("/nonexistent/file")
 
     assert run_command("tool", missing_file) == 2
-    assert capsys.readouterr().err == "tool: error: [Errno 2] No such file or directory: '/nonexistent/file'\n"
+    assert capsys.readouterr().err == "tool: error: No such file or directory: /nonexistent/file\n"
 
     def bad_value():
         raise ValueError("--x must be positive")

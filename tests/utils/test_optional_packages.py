@@ -1,0 +1,36 @@
+"""A missing optional package is one line that names the pip command, with the version the package pins."""
+
+import sys
+
+import pytest
+
+from iha.builtin import smollm2_dir
+from iha.optional_packages import MissingPackageError, missing_package_message, require
+
+
+def test_a_missing_declared_package_is_one_line_with_its_pinned_pip_command():
+    message = missing_package_message(ModuleNotFoundError("No module named 'trl'", name="trl"))
+    assert message == 'this command needs the `trl` package, which is not installed: pip install "trl==1.16.0"'
+    submodule = missing_package_message(ModuleNotFoundError(name="math_verify.parser"))
+    assert submodule.endswith('pip install "math-verify==0.9.0"')
+    # A module the package does not declare is a bug, not a missing extra: it keeps its traceback.
+    assert missing_package_message(ModuleNotFoundError(name="no_such_module_anywhere")) is None
+
+
+def test_require_names_every_missing_package_in_one_error(monkeypatch):
+    monkeypatch.setitem(sys.modules, "gguf", None)  # `import gguf` fails and find_spec sees no module
+    monkeypatch.setitem(sys.modules, "lm_eval", None)
+    with pytest.raises(MissingPackageError) as error:
+        require("torch", "gguf", "lm_eval", purpose="the job")
+    assert str(error.value) == (
+        'the job needs the `gguf`, `lm-eval` packages, which are not installed: pip install "gguf>=0.10" "lm-eval==0.4.13"'
+    )
+
+
+def test_the_builtin_model_without_gguf_says_how_to_install_it(monkeypatch, tmp_path):
+    monkeypatch.setitem(sys.modules, "gguf", None)
+    with pytest.raises(
+        MissingPackageError, match=r'built-in SmolLM2 GGUF file needs the `gguf` package.*"gguf>=0\.10"'
+    ):
+        smollm2_dir(cache_dir=tmp_path)
+    assert list(tmp_path.iterdir()) == []
