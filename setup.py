@@ -23,12 +23,15 @@ extras = {
     "train": [HF_STACK["trl"], HF_STACK["peft"], HF_STACK["accelerate"], HF_STACK["datasets"], "matplotlib>=3.7"],
     "eval": ["math-verify==0.9.0", "lm-eval==0.4.13", HF_STACK["datasets"], "matplotlib>=3.7"],
     "convert": ["gguf>=0.10"],
+    # `iha serve`: what transformers' server needs (transformers' own `serving` extra).
+    "serve": ["fastapi>=0.110", "uvicorn>=0.29", "openai>=1.98", "pydantic>=2"],
 }
 extras["dev"] = sorted(
     {
         *extras["train"],
         *extras["eval"],
         *extras["convert"],
+        *extras["serve"],
         DEVELOPMENT_TRANSFORMERS,
         "pytest>=8",
         "ruff>=0.6",
