@@ -26,7 +26,9 @@ their own transformers. The model files never test a version themselves: they ca
   `get_seq_length()`.
 - Continuous batching's paged cache: `PagedAttentionCache.update` reads the batch's read / write indices from the
   engine's keyword arguments (and returns [1, heads, tokens, d]) in recent releases; earlier ones take the indices as
-  arguments and return [tokens, heads, d]. `paged_cache_update` calls either.
+  arguments and return [tokens, heads, d]. `paged_cache_update` calls either. Before 5.16 its sliding-window pages
+  read back the wrong cached tokens (a stock Mistral decodes other tokens than `generate()`), so sliding layers under
+  continuous batching need 5.16 (`PAGED_SLIDING_WINDOW_RELEASE`).
 
 This file may import only torch and transformers (it travels with the weights), and must import nothing from
 transformers before the version check: an unsupported release may lack any of it.
@@ -122,6 +124,13 @@ def cache_query_offset(cache, layer_idx: int):
 
 # Whether `PagedAttentionCache.update(key, value, layer_idx, kwargs)` takes the engine's keyword arguments.
 PAGED_UPDATE_TAKES_KWARGS = "kwargs" in inspect.signature(PagedAttentionCache.update).parameters
+# The first release whose paged sliding-window cache reads back the right tokens: 5.16.0 fixed the rolling-buffer
+# slot of the first token read and written (on 5.15.1 a Mistral under continuous batching decodes wrongly).
+PAGED_SLIDING_WINDOW_RELEASE = (5, 16, 0)
+
+
+def paged_sliding_window_is_right(version: str = transformers.__version__) -> bool:
+    return release_tuple(version) >= PAGED_SLIDING_WINDOW_RELEASE
 
 
 def paged_cache_update(cache, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, kwargs: dict):

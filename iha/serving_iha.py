@@ -37,6 +37,7 @@ import torch
 from transformers.generation.configuration_utils import ContinuousBatchingConfig
 from transformers.generation.continuous_batching import PagedAttentionCache
 
+from .compat_iha import PAGED_SLIDING_WINDOW_RELEASE, paged_sliding_window_is_right
 from .configuration_iha import is_iha_layer, is_sliding_layer
 
 
@@ -116,6 +117,20 @@ def check_attention_engine(attn_implementation: str | None, paged: bool, kwargs:
         )
 
 
+def check_paged_sliding_window(version: str | None = None) -> None:
+    """Refuse sliding-window layers under continuous batching on releases whose sliding pages read wrong tokens."""
+    import transformers
+
+    version = version or transformers.__version__
+    if not paged_sliding_window_is_right(version):
+        fixed = ".".join(map(str, PAGED_SLIDING_WINDOW_RELEASE))
+        raise ValueError(
+            f"Continuous batching of sliding-window layers reads back the wrong cached tokens on transformers "
+            f"{version} (fixed in {fixed}; a stock Mistral decodes wrongly there too). Upgrade: pip install "
+            f"'transformers>={fixed},<5.25', or generate with `generate()`."
+        )
+
+
 def paged_attention_implementation(attn_implementation: str) -> str:
     """The implementation IHA's layers run under continuous batching, once they have updated the paged cache."""
     return PAGED_ATTENTION_IMPLEMENTATIONS[attn_implementation]
@@ -181,6 +196,8 @@ def create_paged_iha_masks(config, attention_mask, kwargs: dict) -> dict:
     """
     if any(is_iha_layer(attention_type) for attention_type in config.attention_types):
         check_attention_engine(config._attn_implementation, paged=True, kwargs=kwargs)
+    if any(is_sliding_layer(attention_type) for attention_type in config.attention_types):
+        check_paged_sliding_window()
     masks = {}
     for attention_type in config.attention_types:
         if attention_type in masks:

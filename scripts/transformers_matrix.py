@@ -5,7 +5,10 @@ loaded by whatever transformers its user has. For each release this script build
 with torch and only that transformers, and runs `transformers_matrix_check.py` there on folders converted here once:
 a tiny Llama (GQA), a tiny Mistral (sliding window) and the real SmolLM2-135M-Instruct. Per release and model it
 checks that the logits equal the source's on a left-padded batch (within fp32 rounding, measured as the source's own
-sdpa-vs-eager difference) and that greedy tokens with DynamicCache, StaticCache and no cache equal the source's.
+sdpa-vs-eager difference) and that greedy tokens with DynamicCache, StaticCache and no cache equal the source's. The
+tiny folders also run with random head mixing through continuous batching (`generate_batch`) against `generate()`, or
+must refuse where that release's continuous batching cannot be right for them (sliding windows before 5.16); psutil
+sits beside torch there, as continuous batching on CPU reads the free memory through it.
 Below the supported range it checks that loading is refused with one clear message.
 
     python scripts/transformers_matrix.py                      # the default releases (see RELEASES)
@@ -82,6 +85,23 @@ def torch_environment(cache_dir: Path) -> Path:
     return python
 
 
+def psutil_environment(cache_dir: Path, python: Path) -> Path:
+    """A folder with psutil alone (continuous batching on CPU reads the free memory through it), put on PYTHONPATH."""
+    target = cache_dir / "psutil"
+    if (target / ".complete").is_file():
+        return target
+    log(f"installing psutil into {target}")
+    staging = Path(tempfile.mkdtemp(prefix=".psutil-", dir=cache_dir))
+    try:
+        subprocess.run([str(python), "-m", "pip", "install", "--quiet", "--target", str(staging), "psutil"], check=True)
+        (staging / ".complete").touch()
+        shutil.rmtree(target, ignore_errors=True)
+        staging.rename(target)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return target
+
+
 def transformers_environment(cache_dir: Path, python: Path, release: str) -> Path:
     """A folder with one transformers release and its dependencies, put on PYTHONPATH of the torch environment."""
     target = cache_dir / f"transformers-{release}"
@@ -143,12 +163,12 @@ def convert_sources(sources: list[Path], work_dir: Path) -> list[tuple[Path, Pat
     return pairs
 
 
-def run_check(python: Path, site: Path, arguments: list[str]) -> dict:
+def run_check(python: Path, site: str, arguments: list[str]) -> dict:
     """Run the check script in the clean environment, from an empty folder (so `iha` cannot be imported)."""
     environment = {
         key: value for key, value in os.environ.items() if key not in ("PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV")
     }
-    environment.update(PYTHONPATH=str(site), HF_HUB_OFFLINE="1", PYTHONNOUSERSITE="1", TOKENIZERS_PARALLELISM="false")
+    environment.update(PYTHONPATH=site, HF_HUB_OFFLINE="1", PYTHONNOUSERSITE="1", TOKENIZERS_PARALLELISM="false")
     with tempfile.TemporaryDirectory() as empty:
         completed = subprocess.run(
             [str(python), str(CHECK_SCRIPT), *arguments],
@@ -202,6 +222,24 @@ def markdown_table(results: list[dict]) -> str:
                 f"{model['logit_difference']:.1e} ({model['tolerance']:.0e}) | {mark('dynamic_cache')} | "
                 f"{mark('static_cache')} | {mark('no_cache')} |"
             )
+    batched = [(result["transformers"], row) for result in results for row in result.get("continuous_batching", [])]
+    if batched:
+        lines += [
+            "",
+            "Continuous batching (`generate_batch`: 4 prompts of 2-17 tokens, 10 greedy tokens each, a paged cache of "
+            "16 blocks of 16 tokens, at most 32 tokens per batch) of the tiny folders with random head mixing, against "
+            "`generate()` on each prompt alone. Where the release's continuous batching cannot be right for the model "
+            "(sliding-window layers before 5.16, whose pages read back wrong tokens for a stock Mistral too), the model "
+            "must refuse with the fix.",
+            "",
+            "| transformers | model | continuous batching |",
+            "|---|---|---|",
+        ]
+        for release, row in batched:
+            outcome = row["continuous_batching"] if row["passed"] else f"**{row['continuous_batching']}**"
+            if row.get("message"):
+                outcome += f": {row['message'].split('. ')[0]}"
+            lines.append(f"| {release} | {row['folder'].removesuffix('-iha')} | {outcome} |")
     return "\n".join(lines) + "\n"
 
 
@@ -218,12 +256,14 @@ def main(argv=None) -> int:
 
             sources.append(smollm2_dir())
         pairs = convert_sources(sources, work_dir)
+        tiny_folders = [str(converted) for _, converted in pairs[:2]]
         python = torch_environment(args.cache_dir)
+        psutil_site = psutil_environment(args.cache_dir, python)
 
         results = []
         for release in args.refused_releases:
             site = transformers_environment(args.cache_dir, python, release)
-            result = run_check(python, site, ["refuse", str(pairs[0][1])])
+            result = run_check(python, str(site), ["refuse", str(pairs[0][1])])
             result.setdefault("transformers", release)
             result["package_import"] = package_import_error(python, site)
             result["passed"] = result["passed"] and "UnsupportedTransformersError: " in result["package_import"]
@@ -231,8 +271,14 @@ def main(argv=None) -> int:
             results.append(result)
         for release in args.releases:
             site = transformers_environment(args.cache_dir, python, release)
-            result = run_check(python, site, ["check", *[str(path) for pair in pairs for path in pair]])
+            arguments = ["check", *[str(path) for pair in pairs for path in pair], "--batch", *tiny_folders]
+            result = run_check(python, f"{site}{os.pathsep}{psutil_site}", arguments)
             result.setdefault("transformers", release)
+            for batched in result.get("continuous_batching", []):
+                log(
+                    f"transformers {release}, {batched['folder']}, continuous batching: {batched['continuous_batching']} "
+                    f"({'ok' if batched['passed'] else 'FAILED'}, {batched['seconds']} s)"
+                )
             for model in result.get("models", []):
                 log(
                     f"transformers {release}, {Path(model['source']).name}: {'ok' if model['passed'] else 'FAILED'} "

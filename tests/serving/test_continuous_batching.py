@@ -173,3 +173,11 @@ def test_flash_attention_under_continuous_batching_is_refused():
     assert output.generated_tokens == []
     assert "FlashAttention's paged path" in output.error
     assert "attn_implementation='sdpa'" in output.error
+
+
+def test_sliding_windows_under_continuous_batching_need_the_fixed_release():
+    # Before 5.16 the engine's sliding pages read back the wrong tokens (a stock Mistral decodes wrongly too).
+    with pytest.raises(ValueError, match=r"fixed in 5\.16\.0.*pip install 'transformers>=5\.16\.0"):
+        serving_iha.check_paged_sliding_window("5.15.1")
+    serving_iha.check_paged_sliding_window("5.16.0")
+    serving_iha.check_paged_sliding_window("5.24.0")
