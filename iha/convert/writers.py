@@ -42,6 +42,8 @@ CODE_FILES = (
     "modeling_iha.py",
     "masking_iha.py",
     "attention_iha.py",
+    "blocked_local_iha.py",
+    "packed_documents_iha.py",
     "compat_iha.py",
     "serving_iha.py",
 )
