@@ -13,7 +13,9 @@ what earlier ones wrote, as they would for a user who follows the README). Each 
 2. or, when the README marks it "needs the Hub" or "needs GPUs" (and `NOT_RUN` says why), **parsed** by the
    command's own argument parser: its arguments must be valid, nothing runs;
 3. or, for `make` and `pip install`, checked without building or downloading anything: `make -n TARGET` must work,
-   and the versions `pip install` pins must be the ones installed.
+   and the versions `pip install` pins must be the ones installed;
+4. or, for a server (`iha serve`), started in the background on a free port instead of the README's, kept running
+   for the commands after it (`curl` is run against it, with `--fail`) and stopped at the end of the module.
 
 A command that fits none of these fails, so a new README command has to be made runnable or marked.
 """
@@ -22,8 +24,12 @@ import importlib.metadata
 import os
 import re
 import shlex
+import signal
+import socket
 import subprocess
 import sys
+import time
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -79,6 +85,9 @@ NOT_RUN = {
     "lm_eval --model hf": "the lm-eval gsm8k task downloads GSM8K (tests/evaluation/test_lm_eval.py runs lm_eval offline)",
 }
 MARKER = re.compile(r"#.*needs (the Hub|GPUs)")
+# The port the README's server commands use, replaced by a free one; how long a server may take to answer /health.
+README_SERVER_PORT = "8000"
+SERVER_STARTUP_SECONDS = 300
 
 
 def readme_commands() -> list[tuple[str, str]]:
@@ -148,18 +157,64 @@ def scratch(tmp_path_factory) -> Path:
     return folder
 
 
-def run_command(program: str, arguments: list[str], scratch: Path) -> subprocess.CompletedProcess:
-    executable = [sys.executable] if program == "python" else [str(BIN / program)]
-    environment = {
+def command_environment(scratch: Path) -> dict:
+    return {
         **os.environ,
         "PYTHONPATH": str(REPO_ROOT),  # the package of this checkout
         "HF_HUB_OFFLINE": "1",
         "TOKENIZERS_PARALLELISM": "false",
         "HF_MODULES_CACHE": str(scratch / ".hf_modules"),
     }
+
+
+def run_command(program: str, arguments: list[str], scratch: Path) -> subprocess.CompletedProcess:
+    executable = [sys.executable] if program == "python" else [str(BIN / program)]
     return subprocess.run(
-        executable + arguments, cwd=scratch, env=environment, capture_output=True, text=True, timeout=600
+        executable + arguments,
+        cwd=scratch,
+        env=command_environment(scratch),
+        capture_output=True,
+        text=True,
+        timeout=600,
     )
+
+
+@pytest.fixture(scope="module")
+def servers():
+    """The servers the README's commands started: {"port": ...} of the running one; all stopped after the module."""
+    running = {"processes": [], "port": None}
+    yield running
+    for process in running["processes"]:
+        if process.poll() is None:
+            process.send_signal(signal.SIGTERM)
+            try:
+                process.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+
+
+def start_server(program: str, arguments: list[str], scratch: Path, servers: dict) -> None:
+    """`iha serve ...` in the background on a free port, until it answers /health."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = str(probe.getsockname()[1])
+    arguments = [port if argument == README_SERVER_PORT else argument for argument in arguments]
+    log = open(scratch / f"server-{port}.log", "w")  # noqa: SIM115 (the server writes to it until it stops)
+    process = subprocess.Popen(
+        [str(BIN / program), *arguments], cwd=scratch, env=command_environment(scratch), stdout=log, stderr=log
+    )
+    servers["processes"].append(process)
+    deadline = time.monotonic() + SERVER_STARTUP_SECONDS
+    while time.monotonic() < deadline:
+        assert process.poll() is None, (scratch / f"server-{port}.log").read_text()[-3000:]
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2):
+                servers["port"] = port
+                return
+        except OSError:
+            time.sleep(0.5)
+    pytest.fail(f"{program} {' '.join(arguments)} did not answer /health within {SERVER_STARTUP_SECONDS} s")
 
 
 def parse_only(program: str, arguments: list[str]) -> None:
@@ -216,16 +271,27 @@ def test_every_marked_command_is_listed_with_its_reason():
 
 
 @pytest.mark.parametrize("command, marker", COMMANDS, ids=[command[:60] for command, _ in COMMANDS])
-def test_readme_command(command, marker, scratch):
+def test_readme_command(command, marker, scratch, servers):
     program, *arguments = shlex.split(command, comments=True)
     if program in ("make", "pip"):
         check_without_running(program, arguments[1:] if program == "pip" else arguments)
+        return
+    if program == "curl":
+        assert servers["port"], f"no server of the README runs for {command}"
+        url = f"localhost:{README_SERVER_PORT}"
+        arguments = [argument.replace(url, f"127.0.0.1:{servers['port']}") for argument in arguments]
+        result = subprocess.run(["curl", "--fail", "--max-time", "300", *arguments], capture_output=True, text=True)
+        assert result.returncode == 0, f"{command}\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
+        assert '"choices"' in result.stdout, result.stdout[-3000:]
         return
     if program != "python" and program not in CONSOLE_SCRIPTS:
         pytest.fail(f"README command with an unknown program {program!r}: {command}")
     arguments = substitute(arguments, program)
     if marker:
         parse_only(program, arguments)
+        return
+    if program == "iha" and arguments[:1] == ["serve"]:
+        start_server(program, arguments, scratch, servers)
         return
     result = run_command(program, arguments + tiny_settings(program, arguments), scratch)
     assert result.returncode == 0, f"{command}\n{result.stdout[-3000:]}\n{result.stderr[-5000:]}"
