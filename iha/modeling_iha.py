@@ -486,7 +486,7 @@ class IHAModel(IHAPreTrainedModel):
             position_ids = position_ids.unsqueeze(0)
 
         if is_paged_cache(past_key_values):
-            # Continuous batching: one packed row of requests, with the engine's token masks per layer type.
+            # Continuous batching: one packed row of requests; IHA layers attend request by request.
             mask_mapping = create_paged_iha_masks(self.config, attention_mask, kwargs)
         # Masks may come prepared (a dict per attention type, from `create_masks_for_generate`).
         elif isinstance(attention_mask, dict):

@@ -19,9 +19,12 @@ batch's read / write indices and cumulative lengths in the keyword arguments, an
 ([1, 1, new tokens, read tokens]: per request, its cached tokens then its new ones, block-diagonal across requests).
 IHA serves under it in token cache mode: each layer writes its un-mixed keys and values through the paged cache's
 `update` (so the pages hold exactly what a Llama's pages hold, and the engine budgets them in tokens), mixes what it
-reads back, and attends with the engine's token mask widened to pseudo-tokens. The plan (`create_paged_iha_masks`),
-the kernel choice (`paged_attention_implementation`) and the refusals live here; `compat_iha.paged_cache_update` hides
-how the cache's `update` differs between releases.
+reads back, and attends request by request: each request's new pseudo-tokens against its own keys only, with its
+causal pattern widened to pseudo-tokens (the engine's dense block-diagonal mask, widened, would cost P^2 times the base
+model's work on pairs across requests that are thrown away). The plan (`PagedRequestsMask`, built by
+`create_paged_iha_masks`), its kernel (`per_request_attention`), the implementation it runs
+(`paged_attention_implementation`) and the refusals live here; `compat_iha.paged_cache_update` hides how the
+cache's `update` differs between releases.
 
 Other engines run a model's layers with their own paged kernels, whose cache slots hold one key per real token:
 IHA's N * P pseudo-tokens do not fit them, and the output is wrong without any error. `check_attention_engine` stops
@@ -32,10 +35,13 @@ transformers and its siblings.
 """
 
 import copy
+from dataclasses import dataclass
 
 import torch
+from torch import nn
 from transformers.generation.configuration_utils import ContinuousBatchingConfig
 from transformers.generation.continuous_batching import PagedAttentionCache
+from transformers.models.llama.modeling_llama import eager_attention_forward
 
 from .compat_iha import PAGED_SLIDING_WINDOW_RELEASE, paged_sliding_window_is_right
 from .configuration_iha import is_iha_layer, is_sliding_layer
@@ -136,48 +142,135 @@ def paged_attention_implementation(attn_implementation: str) -> str:
     return PAGED_ATTENTION_IMPLEMENTATIONS[attn_implementation]
 
 
-def own_token_key_index(
-    cu_seq_lens_q: torch.Tensor, cu_seq_lens_k: torch.Tensor, num_query_tokens: int
-) -> torch.Tensor:
-    """For every query token of the packed row, the column of its own key among the keys read back from the cache.
+def request_pseudo_mask(
+    query_len: int,
+    key_len: int,
+    num_pseudo_heads: int,
+    flat_causal: bool,
+    sliding_window: int | None,
+    device: torch.device,
+) -> torch.Tensor | None:
+    """The mask [1, 1, q * P, k * P] of one request's new tokens against its keys, or None when it hides nothing.
 
-    A request's keys are its cached tokens followed by its new tokens (the new ones are the last of its key range, on
-    full and sliding layers alike), so query t of request b has its own key at cu_k[b + 1] - (cu_q[b + 1] - t).
-    Padding queries past the last request (CUDA-graph padding) point at the last key; their rows are masked anyway.
+    A request's keys are its cached tokens followed by its new ones (on full and sliding layers alike), so new
+    token t has its own key at k - q + t and sees the keys up to it, the last `sliding_window` tokens only on
+    sliding layers (the window counts tokens, as IHA's does; the engine's sliding pages keep `sliding_window - 1`
+    of them). Pseudo-token (t, p) sees (j, r) wherever token t sees token j: the token-causal pattern. Under the
+    flat-causal mask a pseudo-query also must not see the later pseudo-keys of its own token (r > p): the own-token
+    block is lower triangular.
     """
-    cu_seq_lens_q = cu_seq_lens_q.to(torch.long)
-    cu_seq_lens_k = cu_seq_lens_k.to(device=cu_seq_lens_q.device, dtype=torch.long)
-    query_token = torch.arange(num_query_tokens, device=cu_seq_lens_q.device)
-    num_requests = cu_seq_lens_q.numel() - 1
-    request = torch.searchsorted(cu_seq_lens_q[1:], query_token, right=True).clamp(max=num_requests - 1)
-    own_key = cu_seq_lens_k[request + 1] - (cu_seq_lens_q[request + 1] - query_token)
-    return own_key.clamp(min=0, max=max(int(cu_seq_lens_k[-1]) - 1, 0))
+    own_key = torch.arange(key_len - query_len, key_len, device=device)[:, None]
+    key = torch.arange(key_len, device=device)[None, :]
+    allowed = key <= own_key
+    if sliding_window is not None:
+        allowed = allowed & (key > own_key - sliding_window)
+    own_token = key == own_key
+
+    def widen(token_level: torch.Tensor) -> torch.Tensor:  # [q, k] tokens -> [q * P, k * P] pseudo-tokens
+        return token_level.repeat_interleave(num_pseudo_heads, dim=0).repeat_interleave(num_pseudo_heads, dim=1)
+
+    allowed = widen(allowed)
+    if flat_causal and num_pseudo_heads > 1:
+        pseudo = torch.arange(num_pseudo_heads, device=device)
+        later_pseudo_key = pseudo.repeat(key_len)[None, :] > pseudo.repeat(query_len)[:, None]
+        allowed = allowed & ~(widen(own_token) & later_pseudo_key)
+    if bool(allowed.all()):
+        return None
+    return allowed[None, None]
 
 
-def widen_token_mask(
-    token_mask: torch.Tensor, own_key_index: torch.Tensor, num_pseudo_heads: int, flat_causal: bool
-) -> torch.Tensor:
-    """The engine's token mask [1, 1, T, K] widened to pseudo-tokens, [1, 1, T * P, K * P].
+@dataclass
+class PagedRequestsMask:
+    """The mask of an IHA layer under continuous batching, request by request, for `per_request_attention`.
 
-    Pseudo-token (t, p) sees (k, r) wherever token t sees token k: that is the token-causal pattern, and the sliding
-    window in tokens (`token_window_overlay`) whenever the engine's mask has one. Under the flat-causal mask a
-    pseudo-query also must not see the later pseudo-keys of its own token (r > p): the own-token block is made
-    lower triangular.
+    The engine's own mask is one dense [new tokens, read tokens] product over every request of the batch
+    (block-diagonal, everything across requests thrown away): widened to pseudo-tokens it would cost P^2 times the
+    base model's already wasted work. Here every request attends only its own keys: rows [query_start, query_end)
+    of the packed virtual queries against keys [key_start, key_end), with its own small mask (None when it hides
+    nothing, as when a token-causal request decodes one token).
     """
-    virtual_mask = token_mask.repeat_interleave(num_pseudo_heads, dim=-2).repeat_interleave(num_pseudo_heads, dim=-1)
-    if not flat_causal or num_pseudo_heads == 1:
-        return virtual_mask
-    num_pseudo = num_pseudo_heads
-    device = token_mask.device
-    virtual_row = torch.arange(own_key_index.numel() * num_pseudo, device=device)
-    query_pseudo = virtual_row % num_pseudo
-    key_pseudo = torch.arange(num_pseudo, device=device)
-    later = key_pseudo[None, :] > query_pseudo[:, None]  # [T * P, P]: own-token pseudo-keys after the query's
-    own_columns = own_key_index.to(device).repeat_interleave(num_pseudo)[:, None] * num_pseudo + key_pseudo[None, :]
-    rows = virtual_row[:, None].expand_as(own_columns)[later]
-    hidden = False if token_mask.dtype == torch.bool else torch.finfo(token_mask.dtype).min
-    virtual_mask[..., rows, own_columns[later]] = hidden
-    return virtual_mask
+
+    attention_path = "per_request"
+    query_ranges: list[tuple[int, int]]
+    key_ranges: list[tuple[int, int]]
+    masks: list[torch.Tensor | None]
+
+    def contiguous(self) -> "PagedRequestsMask":
+        return self
+
+
+def create_paged_requests_mask(
+    cu_seq_lens_q: torch.Tensor,
+    cu_seq_lens_k: torch.Tensor,
+    num_pseudo_heads: int,
+    flat_causal: bool,
+    sliding_window: int | None,
+) -> PagedRequestsMask:
+    """Plan one IHA attention type of a continuous batch from its cumulative lengths (in tokens)."""
+    query_bounds = cu_seq_lens_q.tolist()
+    key_bounds = cu_seq_lens_k.tolist()
+    device = cu_seq_lens_q.device
+    plan = PagedRequestsMask(query_ranges=[], key_ranges=[], masks=[])
+    for request in range(len(query_bounds) - 1):
+        query_len = query_bounds[request + 1] - query_bounds[request]
+        key_len = key_bounds[request + 1] - key_bounds[request]
+        if query_len == 0:  # padding requests of static shapes
+            continue
+        plan.query_ranges.append(
+            (query_bounds[request] * num_pseudo_heads, query_bounds[request + 1] * num_pseudo_heads)
+        )
+        plan.key_ranges.append((key_bounds[request] * num_pseudo_heads, key_bounds[request + 1] * num_pseudo_heads))
+        plan.masks.append(
+            request_pseudo_mask(query_len, key_len, num_pseudo_heads, flat_causal, sliding_window, device)
+        )
+    return plan
+
+
+def per_request_attention(
+    module: nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: PagedRequestsMask,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
+    """Attention of every request of a continuous batch against its own keys only.
+
+    query [1, H, T * P, d] (the packed row's new pseudo-tokens), key / value [1, H_kv, K * P, d] (every request's
+    keys read back from the paged cache and mixed); returns [1, T * P, H, d] and no weights, like transformers'
+    attention functions. Eager models run eager attention per request, the others SDPA (reading each KV head for its
+    whole query group).
+    """
+    _, num_heads, virtual_len, head_dim = query.shape
+    output = query.new_zeros(1, virtual_len, num_heads, head_dim)  # rows of padding tokens stay zero
+    eager = module.config._attn_implementation in ("eager", "paged|eager")
+    for (query_start, query_end), (key_start, key_end), mask in zip(
+        attention_mask.query_ranges, attention_mask.key_ranges, attention_mask.masks
+    ):
+        request_query = query[:, :, query_start:query_end]
+        request_key, request_value = key[:, :, key_start:key_end], value[:, :, key_start:key_end]
+        if eager:
+            float_mask = None
+            if mask is not None:
+                float_mask = torch.zeros(mask.shape, dtype=query.dtype, device=query.device)
+                float_mask.masked_fill_(~mask, torch.finfo(query.dtype).min)
+            request_output, _ = eager_attention_forward(
+                module, request_query, request_key, request_value, float_mask, scaling=scaling, dropout=dropout
+            )
+        else:
+            request_output = nn.functional.scaled_dot_product_attention(
+                request_query,
+                request_key,
+                request_value,
+                attn_mask=mask,
+                dropout_p=dropout,
+                scale=scaling,
+                enable_gqa=num_heads != key.shape[1],
+            ).transpose(1, 2)
+        output[:, query_start:query_end] = request_output
+    return output, None
 
 
 def layer_type_entry(value, layer_type: str):
@@ -186,13 +279,11 @@ def layer_type_entry(value, layer_type: str):
 
 
 def create_paged_iha_masks(config, attention_mask, kwargs: dict) -> dict:
-    """One mask per attention type of the model, from the engine's token masks (a dict per layer type or one mask)
-    and the batch's cumulative lengths in the forward's keyword arguments (`cu_seq_lens_q`, `cu_seq_lens_k`).
+    """One mask per attention type of the model under continuous batching, from the engine's token masks (a dict
+    per layer type, or one mask) and the batch's cumulative lengths in the forward's keyword arguments.
 
-    Standard layers take the engine's mask as it is; IHA layers take it widened to pseudo-tokens (`widen_token_mask`)
-    with the own-token block of the flat-causal mask. Sliding IHA layers read the sliding mask: its window is counted
-    in tokens, as IHA's is, and the engine's sliding pages keep the last `sliding_window - 1` tokens, as the sliding
-    caches of `generate` do.
+    Standard layers take the engine's mask as it is (their attention is a Llama's); IHA layers take a
+    `PagedRequestsMask` built from `cu_seq_lens_q` and their layer type's `cu_seq_lens_k`.
     """
     if any(is_iha_layer(attention_type) for attention_type in config.attention_types):
         check_attention_engine(config._attn_implementation, paged=True, kwargs=kwargs)
@@ -203,15 +294,15 @@ def create_paged_iha_masks(config, attention_mask, kwargs: dict) -> dict:
         if attention_type in masks:
             continue
         layer_type = "sliding_attention" if is_sliding_layer(attention_type) else "full_attention"
-        token_mask = layer_type_entry(attention_mask, layer_type)
         if not is_iha_layer(attention_type):
-            masks[attention_type] = token_mask
+            masks[attention_type] = layer_type_entry(attention_mask, layer_type)
             continue
-        own_key = own_token_key_index(
-            kwargs["cu_seq_lens_q"], layer_type_entry(kwargs["cu_seq_lens_k"], layer_type), token_mask.shape[-2]
-        )
-        masks[attention_type] = widen_token_mask(
-            token_mask, own_key, config.num_pseudo_heads, flat_causal=config.iha_mask_mode == "flat_causal"
+        masks[attention_type] = create_paged_requests_mask(
+            kwargs["cu_seq_lens_q"],
+            layer_type_entry(kwargs["cu_seq_lens_k"], layer_type),
+            config.num_pseudo_heads,
+            flat_causal=config.iha_mask_mode == "flat_causal",
+            sliding_window=config.sliding_window if is_sliding_layer(attention_type) else None,
         )
     return masks
 

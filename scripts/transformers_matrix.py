@@ -85,15 +85,19 @@ def torch_environment(cache_dir: Path) -> Path:
     return python
 
 
-def psutil_environment(cache_dir: Path, python: Path) -> Path:
-    """A folder with psutil alone (continuous batching on CPU reads the free memory through it), put on PYTHONPATH."""
-    target = cache_dir / "psutil"
+def package_environment(cache_dir: Path, python: Path, name: str, requirement: str) -> Path:
+    """A folder `cache_dir / name` holding `requirement` and its dependencies (built once), put on PYTHONPATH of the
+    torch environment."""
+    target = cache_dir / name
     if (target / ".complete").is_file():
         return target
-    log(f"installing psutil into {target}")
-    staging = Path(tempfile.mkdtemp(prefix=".psutil-", dir=cache_dir))
+    log(f"installing {requirement} into {target}")
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=cache_dir))
     try:
-        subprocess.run([str(python), "-m", "pip", "install", "--quiet", "--target", str(staging), "psutil"], check=True)
+        subprocess.run(
+            [str(python), "-m", "pip", "install", "--quiet", "--target", str(staging), requirement], check=True
+        )
         (staging / ".complete").touch()
         shutil.rmtree(target, ignore_errors=True)
         staging.rename(target)
@@ -103,24 +107,13 @@ def psutil_environment(cache_dir: Path, python: Path) -> Path:
 
 
 def transformers_environment(cache_dir: Path, python: Path, release: str) -> Path:
-    """A folder with one transformers release and its dependencies, put on PYTHONPATH of the torch environment."""
-    target = cache_dir / f"transformers-{release}"
-    if (target / ".complete").is_file():
-        return target
-    log(f"installing transformers {release} into {target}")
-    cache_dir.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".transformers-{release}-", dir=cache_dir))
-    try:
-        subprocess.run(
-            [str(python), "-m", "pip", "install", "--quiet", "--target", str(staging), f"transformers=={release}"],
-            check=True,
-        )
-        (staging / ".complete").touch()
-        shutil.rmtree(target, ignore_errors=True)
-        staging.rename(target)
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
-    return target
+    """One transformers release and its dependencies."""
+    return package_environment(cache_dir, python, f"transformers-{release}", f"transformers=={release}")
+
+
+def psutil_environment(cache_dir: Path, python: Path) -> Path:
+    """psutil alone: continuous batching on CPU reads the free memory through it (before 5.2x it stops without)."""
+    return package_environment(cache_dir, python, "psutil", "psutil")
 
 
 def tiny_sources(work_dir: Path) -> list[Path]:

@@ -24,17 +24,14 @@ import importlib.metadata
 import os
 import re
 import shlex
-import signal
-import socket
 import subprocess
 import sys
-import time
-import urllib.request
 from pathlib import Path
 
 import pytest
 import torch
 from conftest import REPO_ROOT, SHARED_DATA
+from server_utils import free_port, start_server, stop_server
 
 
 README = REPO_ROOT / "README.md"
@@ -185,36 +182,19 @@ def servers():
     running = {"processes": [], "port": None}
     yield running
     for process in running["processes"]:
-        if process.poll() is None:
-            process.send_signal(signal.SIGTERM)
-            try:
-                process.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait()
+        stop_server(process)
 
 
-def start_server(program: str, arguments: list[str], scratch: Path, servers: dict) -> None:
-    """`iha serve ...` in the background on a free port, until it answers /health."""
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = str(probe.getsockname()[1])
-    arguments = [port if argument == README_SERVER_PORT else argument for argument in arguments]
-    log = open(scratch / f"server-{port}.log", "w")  # noqa: SIM115 (the server writes to it until it stops)
-    process = subprocess.Popen(
-        [str(BIN / program), *arguments], cwd=scratch, env=command_environment(scratch), stdout=log, stderr=log
+def start_readme_server(program: str, arguments: list[str], scratch: Path, servers: dict) -> None:
+    """`iha serve ...` in the background on a free port instead of the README's, until it answers /health."""
+    port = free_port()
+    arguments = [str(port) if argument == README_SERVER_PORT else argument for argument in arguments]
+    log = scratch / f"server-{port}.log"
+    environment = command_environment(scratch)
+    servers["processes"].append(
+        start_server([str(BIN / program), *arguments], scratch, environment, log, port, SERVER_STARTUP_SECONDS)
     )
-    servers["processes"].append(process)
-    deadline = time.monotonic() + SERVER_STARTUP_SECONDS
-    while time.monotonic() < deadline:
-        assert process.poll() is None, (scratch / f"server-{port}.log").read_text()[-3000:]
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2):
-                servers["port"] = port
-                return
-        except OSError:
-            time.sleep(0.5)
-    pytest.fail(f"{program} {' '.join(arguments)} did not answer /health within {SERVER_STARTUP_SECONDS} s")
+    servers["port"] = port
 
 
 def parse_only(program: str, arguments: list[str]) -> None:
@@ -291,7 +271,7 @@ def test_readme_command(command, marker, scratch, servers):
         parse_only(program, arguments)
         return
     if program == "iha" and arguments[:1] == ["serve"]:
-        start_server(program, arguments, scratch, servers)
+        start_readme_server(program, arguments, scratch, servers)
         return
     result = run_command(program, arguments + tiny_settings(program, arguments), scratch)
     assert result.returncode == 0, f"{command}\n{result.stdout[-3000:]}\n{result.stderr[-5000:]}"

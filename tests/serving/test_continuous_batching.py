@@ -1,6 +1,6 @@
 """Continuous batching (`generate_batch`, the manager behind `transformers serve --continuous-batching`) against
 `generate()`: IHA layers write un-mixed keys and values through the paged cache, mix what they read back and attend
-with the engine's token mask widened to pseudo-tokens (iha/serving_iha.py).
+request by request, each request's causal pattern widened to pseudo-tokens (iha/serving_iha.py).
 
 Every run passes a small `ContinuousBatchingConfig`: an unsized paged cache takes about 90% of free memory.
 """
@@ -181,3 +181,24 @@ def test_sliding_windows_under_continuous_batching_need_the_fixed_release():
         serving_iha.check_paged_sliding_window("5.15.1")
     serving_iha.check_paged_sliding_window("5.16.0")
     serving_iha.check_paged_sliding_window("5.24.0")
+
+
+@pytest.mark.parametrize("mask_mode", ["flat_causal", "token_causal"])
+@pytest.mark.parametrize("sliding_window", [None, 3])
+@pytest.mark.parametrize("query_len, key_len", [(1, 1), (1, 7), (4, 4), (3, 9)])
+def test_a_request_mask_is_the_reference_mask_of_its_new_tokens(query_len, key_len, sliding_window, mask_mode):
+    """A request with key_len - query_len cached tokens: its mask is the last query_len tokens' rows of the plain
+    reference mask over all its tokens (None when those rows hide nothing)."""
+    from iha.naive_iha import reference_mask
+
+    num_pseudo = 3
+    mask = serving_iha.request_pseudo_mask(
+        query_len, key_len, num_pseudo, mask_mode == "flat_causal", sliding_window, torch.device("cpu")
+    )
+    expected = reference_mask(key_len, num_pseudo, mask_mode, sliding_window, None)[
+        0, (key_len - query_len) * num_pseudo :
+    ]
+    if mask is None:
+        assert expected.all()
+    else:
+        assert torch.equal(mask[0, 0], expected)

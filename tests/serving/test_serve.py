@@ -3,19 +3,13 @@ requests through the `openai` client, each answer compared with `generate()` on 
 stopped (a fixture with a `finally`). Bounded in count (3 requests of 12 tokens) and time."""
 
 import concurrent.futures
-import json
 import os
-import signal
-import socket
-import subprocess
 import sys
-import time
-import urllib.error
-import urllib.request
 
 import pytest
-import torch
 from conftest import REPO_ROOT, randomize_mixing
+from server_utils import free_port, start_server, stop_server
+from sft_utils import tiny_iha_model
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import iha
@@ -38,47 +32,11 @@ def tiny_iha_dir(tmp_path_factory):
     from iha.builtin import smollm2_dir
 
     tokenizer = AutoTokenizer.from_pretrained(smollm2_dir())
-    config = iha.IHAConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        num_pseudo_heads=2,
-        max_position_embeddings=1024,
-        tie_word_embeddings=True,
-        initializer_range=0.2,
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-    )
-    torch.manual_seed(0)
-    model = randomize_mixing(iha.IHAForCausalLM(config).eval())
+    model = randomize_mixing(tiny_iha_model(tokenizer, max_position_embeddings=1024, initializer_range=0.2).eval())
     folder = tmp_path_factory.mktemp("tiny-iha")
     model.save_pretrained(folder)
     tokenizer.save_pretrained(folder)
     return folder
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
-def wait_until_healthy(process, url: str, log):
-    deadline = time.monotonic() + STARTUP_SECONDS
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise AssertionError(f"iha serve exited with {process.returncode}:\n{log.read_text()}")
-        try:
-            with urllib.request.urlopen(f"{url}/health", timeout=2) as response:
-                if json.load(response)["status"] == "ok":
-                    return
-        except (urllib.error.URLError, ConnectionError, TimeoutError):
-            time.sleep(0.5)
-    raise AssertionError(f"iha serve did not answer /health within {STARTUP_SECONDS} s")
 
 
 @pytest.fixture(params=[True, False], ids=["continuous-batching", "generate"], scope="module")
@@ -90,23 +48,11 @@ def server(request, tiny_iha_dir, tmp_path_factory):
     command += ["--device", "cpu"] + (["--continuous_batching"] if request.param else [])
     environment = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(REPO_ROOT)}
     log = tmp_path_factory.mktemp("serve") / "server.log"
-    with open(log, "w") as log_file:
-        process = subprocess.Popen(
-            command, cwd=REPO_ROOT, env=environment, stdout=log_file, stderr=subprocess.STDOUT, text=True
-        )
-    url = f"http://127.0.0.1:{port}"
+    process = start_server(command, REPO_ROOT, environment, log, port, STARTUP_SECONDS)
     try:
-        wait_until_healthy(process, url, log)
-        yield url, request.param, log
+        yield f"http://127.0.0.1:{port}", request.param, log
     finally:
-        if process.poll() is None:
-            process.send_signal(signal.SIGTERM)
-            try:
-                process.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait()
-                raise AssertionError("iha serve did not stop within 30 s of SIGTERM") from None
+        assert stop_server(process), "iha serve did not stop within 30 s of SIGTERM"
 
 
 def expected_answer(model, tokenizer, question: str) -> str:
