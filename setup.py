@@ -52,12 +52,15 @@ extras = {
     "qlora": [TRAINING_STACK["bitsandbytes"]],
     "eval": [MATH_VERIFY, "lm-eval==0.4.13", TRAINING_STACK["datasets"], "matplotlib>=3.7", GGUF],
     "convert": [GGUF],
+    # `iha serve`: what transformers' server needs (transformers' own `serving` extra).
+    "serve": ["fastapi>=0.110", "uvicorn>=0.29", "openai>=1.98", "pydantic>=2"],
 }
 extras["dev"] = sorted(
     {
         *extras["train"],
         *extras["qlora"],
         *extras["eval"],
+        *extras["serve"],
         DEVELOPMENT_TRANSFORMERS,
         *DEVELOPMENT_TRAINING_STACK,
         "pytest>=8",

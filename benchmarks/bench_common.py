@@ -41,6 +41,18 @@ SMOLLM2_135M_SHAPE = dict(
     rope_parameters={"rope_type": "default", "rope_theta": 100000.0},
     tie_word_embeddings=True,
 )
+# A tiny shape for the benchmarks' seconds-long smoke runs (`--quick`).
+QUICK_SHAPE = dict(
+    vocab_size=256,
+    hidden_size=64,
+    intermediate_size=128,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    max_position_embeddings=1024,
+    rms_norm_eps=1e-5,
+    tie_word_embeddings=True,
+)
 
 
 # --- measuring ------------------------------------------------------------------------------------------------------

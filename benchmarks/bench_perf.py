@@ -38,6 +38,7 @@ from tqdm.auto import tqdm
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_common  # noqa: E402
 from bench_common import (  # noqa: E402
+    QUICK_SHAPE,
     RESULTS_DIR,
     SMOLLM2_135M_SHAPE,
     alternate,
@@ -54,19 +55,6 @@ from perf_report import markdown_report, summarize  # noqa: E402
 import iha  # noqa: E402
 from iha.arguments import ArgumentParser  # noqa: E402
 from iha.atomic_files import write_text_atomic  # noqa: E402
-
-
-QUICK_SHAPE = dict(
-    vocab_size=256,
-    hidden_size=64,
-    intermediate_size=128,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=16,
-    max_position_embeddings=1024,
-    rms_norm_eps=1e-5,
-    tie_word_embeddings=True,
-)
 
 
 def layout_options(layout: str, num_layers: int, num_pseudo_heads: int, seq_len: int) -> dict:

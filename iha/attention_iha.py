@@ -30,6 +30,7 @@ from torch import nn
 
 from .blocked_local_iha import BlockedLocalMask, blocked_local_attention
 from .packed_documents_iha import PackedDocumentsMask, per_document_attention
+from .serving_iha import PagedRequestsMask, per_request_attention
 
 
 def virtual_flash_kwargs(kwargs: dict, position_ids: torch.Tensor | None, num_pseudo_heads: int) -> dict:
@@ -76,6 +77,7 @@ def masked_sdpa_attention_sharing_kv_heads(
 IHA_ATTENTION_PATHS = {
     BlockedLocalMask.attention_path: blocked_local_attention,
     PackedDocumentsMask.attention_path: per_document_attention,
+    PagedRequestsMask.attention_path: per_request_attention,
     "sdpa_sharing_kv_heads": masked_sdpa_attention_sharing_kv_heads,
 }
 
@@ -87,6 +89,8 @@ def choose_attention_path(attention_mask, attn_implementation: str, is_iha: bool
       queries against the keys their window can reach.
     - "per_document": a `PackedDocumentsMask` (full IHA layer on packed rows on SDPA): causal SDPA per group of
       similar-length documents, no mask across documents.
+    - "per_request": a `PagedRequestsMask` (IHA layer under continuous batching): every request of the packed row
+      against its own keys only, sdpa or eager as the model runs (`serving_iha.py`).
     - "sdpa_sharing_kv_heads": a dense mask on an IHA layer with SDPA on CPU (padding, token causal, decoding):
       SDPA reading each KV head for its whole query group.
     - "backend": transformers' function for `attn_implementation`, with whatever mask that backend takes: None for
@@ -94,7 +98,7 @@ def choose_attention_path(attention_mask, attn_implementation: str, is_iha: bool
       documents are skipped), FlashAttention's varlen path over virtual cumulative lengths, or eager's float mask.
       Standard (non-IHA) layers always take this path.
     """
-    if isinstance(attention_mask, (BlockedLocalMask, PackedDocumentsMask)):
+    if isinstance(attention_mask, (BlockedLocalMask, PackedDocumentsMask, PagedRequestsMask)):
         return attention_mask.attention_path  # a fast path's plan names its own kernel
     if is_iha and attn_implementation == "sdpa" and isinstance(attention_mask, torch.Tensor) and device.type == "cpu":
         return "sdpa_sharing_kv_heads"

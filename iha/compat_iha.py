@@ -24,6 +24,11 @@ their own transformers. The model files never test a version themselves: they ca
   ignores it and decodes garbage without any error, so the name is resolved here for every call.
 - The query offset of a cache: `Cache.get_query_offset` exists from 5.14; earlier releases' own mask helpers use
   `get_seq_length()`.
+- Continuous batching's paged cache: `PagedAttentionCache.update` reads the batch's read / write indices from the
+  engine's keyword arguments (and returns [1, heads, tokens, d]) in recent releases; earlier ones take the indices as
+  arguments and return [tokens, heads, d]. `paged_cache_update` calls either. Before 5.16 its sliding-window pages
+  read back the wrong cached tokens (a stock Mistral decodes other tokens than `generate()`), so sliding layers under
+  continuous batching need 5.16 (`PAGED_SLIDING_WINDOW_RELEASE`).
 
 This file may import only torch and transformers (it travels with the weights), and must import nothing from
 transformers before the version check: an unsupported release may lack any of it.
@@ -74,7 +79,10 @@ def is_untested_release(version: str = transformers.__version__) -> bool:
 check_minimum_release()
 
 # Imported only once the release is known to have them.
+import inspect  # noqa: E402
+
 import torch  # noqa: E402
+from transformers.generation.continuous_batching import PagedAttentionCache  # noqa: E402
 from transformers.modeling_outputs import BaseModelOutputWithPast  # noqa: E402
 
 
@@ -112,6 +120,32 @@ def cache_query_offset(cache, layer_idx: int):
         return cache.get_query_offset(layer_idx)
     # Before 5.14 transformers' own mask helpers use the number of cached tokens.
     return cache.get_seq_length()
+
+
+# Whether `PagedAttentionCache.update(key, value, layer_idx, kwargs)` takes the engine's keyword arguments.
+PAGED_UPDATE_TAKES_KWARGS = "kwargs" in inspect.signature(PagedAttentionCache.update).parameters
+# The first release whose paged sliding-window cache reads back the right tokens: 5.16.0 fixed the rolling-buffer
+# slot of the first token read and written (on 5.15.1 a Mistral under continuous batching decodes wrongly).
+PAGED_SLIDING_WINDOW_RELEASE = (5, 16, 0)
+
+
+def paged_sliding_window_is_right(version: str = transformers.__version__) -> bool:
+    return release_tuple(version) >= PAGED_SLIDING_WINDOW_RELEASE
+
+
+def paged_cache_update(cache, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, kwargs: dict):
+    """Write the new keys and values [1, H_kv, T, d] of one layer into continuous batching's paged cache and read
+    back every key and value the batch attends to, [1, H_kv, K, d] (per request its cached tokens, then its new ones).
+
+    `kwargs` are the forward's keyword arguments, where the engine puts the read / write indices; the cache's own
+    `update` selects this layer's entries by replacing them in the dict it is given, so it gets a copy.
+    """
+    if PAGED_UPDATE_TAKES_KWARGS:
+        return cache.update(key_states, value_states, layer_idx, kwargs=dict(kwargs))
+    keys, values = cache.update(
+        key_states, value_states, layer_idx, read_index=kwargs["read_index"], write_index=kwargs["write_index"]
+    )
+    return keys.transpose(0, 1).unsqueeze(0), values.transpose(0, 1).unsqueeze(0)
 
 
 def check_untested_release(config_class, causal_lm_class, version: str = transformers.__version__):

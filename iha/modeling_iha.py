@@ -57,11 +57,20 @@ from .compat_iha import (
     cache_keyword,
     check_untested_release,
     output_cache,
+    paged_cache_update,
     take_cache_argument,
 )
 from .configuration_iha import IHAConfig, is_iha_layer, is_sliding_layer
 from .masking_iha import create_iha_masks
 from .packed_documents_iha import PackedDocumentsMask  # noqa: F401
+from .serving_iha import (
+    PAGED_ATTENTION_IMPLEMENTATIONS,
+    check_attention_engine,
+    continuous_batching_config_for_iha,
+    create_paged_iha_masks,
+    is_paged_cache,
+    paged_attention_implementation,
+)
 
 
 logger = logging.get_logger(__name__)
@@ -308,8 +317,19 @@ class IHAAttention(nn.Module):
             cos, sin = position_embeddings
             query_states, key_states = apply_rotary_pos_emb(query_states, key_states, cos, sin)
 
-        caches_pseudo_states = self.is_iha and self.config.iha_cache_mode == "pseudo"
-        if past_key_values is not None and not caches_pseudo_states:
+        attn_implementation = self.config._attn_implementation
+        paged = is_paged_cache(past_key_values)
+        if self.is_iha:
+            check_attention_engine(attn_implementation, paged, kwargs)
+        if paged:
+            # Continuous batching: the paged cache holds un-mixed keys and values in token units whatever the cache
+            # mode (its pages are sized like a Llama's), and the read-back is mixed below like a token cache.
+            attn_implementation = paged_attention_implementation(attn_implementation)
+            key_states, value_states = paged_cache_update(
+                past_key_values, key_states, value_states, self.layer_idx, kwargs
+            )
+        caches_pseudo_states = self.is_iha and self.config.iha_cache_mode == "pseudo" and not paged
+        if past_key_values is not None and not caches_pseudo_states and not paged:
             # Token cache mode: un-mixed keys and values in token units (Llama's layout and memory), mixed below,
             # so every decoding step re-mixes the whole cache.
             key_states, value_states = past_key_values.update(key_states, value_states, self.layer_idx)
@@ -326,15 +346,13 @@ class IHAAttention(nn.Module):
                 key_states, value_states = update_pseudo_cache(
                     past_key_values, key_states, value_states, self.layer_idx, self.num_pseudo_heads
                 )
-            if self.config._attn_implementation.startswith("flash"):
+            if attn_implementation.startswith("flash"):
                 attention_kwargs = virtual_flash_kwargs(kwargs, kwargs.get("position_ids"), self.num_pseudo_heads)
 
-        attention_path = choose_attention_path(
-            attention_mask, self.config._attn_implementation, self.is_iha, query_states.device
-        )
+        attention_path = choose_attention_path(attention_mask, attn_implementation, self.is_iha, query_states.device)
         if attention_path == "backend":
             attention_interface: Callable = ALL_ATTENTION_FUNCTIONS.get_interface(
-                self.config._attn_implementation, eager_attention_forward
+                attn_implementation, eager_attention_forward
             )
         else:
             attention_interface: Callable = IHA_ATTENTION_PATHS[attention_path]
@@ -474,6 +492,10 @@ class IHAModel(IHAPreTrainedModel):
 
     def _check_attention_implementation(self):
         has_iha_layers = any(is_iha_layer(t) for t in self.config.attention_types)
+        if has_iha_layers:
+            # An engine that builds the model under its own attention name (vLLM, SGLang) stops here, at load time.
+            name = self.config._attn_implementation
+            check_attention_engine(name, paged=name in PAGED_ATTENTION_IMPLEMENTATIONS, kwargs={})
         if not (has_iha_layers and (self.config._attn_implementation or "").startswith("flash")):
             return
         if self.config.iha_mask_mode != "flat_causal":
@@ -522,8 +544,11 @@ class IHAModel(IHAPreTrainedModel):
             position_ids = torch.arange(inputs_embeds.shape[1], device=inputs_embeds.device) + past_seen_tokens
             position_ids = position_ids.unsqueeze(0)
 
+        if is_paged_cache(past_key_values):
+            # Continuous batching: one packed row of requests; IHA layers attend request by request.
+            mask_mapping = create_paged_iha_masks(self.config, attention_mask, kwargs)
         # Masks may come prepared (a dict per attention type, from `create_masks_for_generate`).
-        if isinstance(attention_mask, dict):
+        elif isinstance(attention_mask, dict):
             mask_mapping = attention_mask
         else:
             mask_mapping = create_iha_masks(
@@ -573,6 +598,12 @@ class IHAForCausalLM(IHAPreTrainedModel, GenerationMixin):
         # wrong for IHA layers, so hand over the per-type masks the model itself would build.
         past_key_values = take_cache_argument(past_key_values, kwargs)
         return create_iha_masks(config, inputs_embeds, attention_mask, past_key_values, position_ids)
+
+    def init_continuous_batching(self, generation_config=None, continuous_batching_config=None, *args, **kwargs):
+        # Continuous batching (`generate_batch`, the server) may switch the model to FlashAttention by itself, which
+        # IHA refuses under it: run it with the model's own attention implementation.
+        continuous_batching_config = continuous_batching_config_for_iha(continuous_batching_config, generation_config)
+        return super().init_continuous_batching(generation_config, continuous_batching_config, *args, **kwargs)
 
     def _get_static_cache_init_shape(self):
         # `generate` may allocate a StaticCache ahead of the first forward: in pseudo cache mode an IHA layer stores

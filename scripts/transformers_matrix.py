@@ -10,8 +10,11 @@ per release on 2 cores, so not in CI: its last run is in benchmarks/results/gemm
 checks that the logits equal the source's on a left-padded batch (within fp32 rounding, measured as the source's own
 sdpa-vs-eager difference) and that greedy tokens with DynamicCache, StaticCache and no cache equal the source's; and,
 loaded in bf16, that the mixing loads in fp32, the logits match the bf16 source and a few optimizer steps move the
-mixing entries that start at 1.0 (which bf16 weights would freeze). Below the supported range it checks that loading
-is refused with one clear message.
+mixing entries that start at 1.0 (which bf16 weights would freeze). The tiny Llama and Mistral folders also run with
+random head mixing through continuous batching (`generate_batch`) against `generate()`, or must refuse where that
+release's continuous batching cannot be right for them (sliding windows before 5.16); psutil sits beside torch there,
+as continuous batching on CPU reads the free memory through it. Below the supported range it checks that loading is
+refused with one clear message.
 
     python scripts/transformers_matrix.py                      # the default releases (see RELEASES)
     python scripts/transformers_matrix.py --releases 5.20.0    # others, or several
@@ -89,18 +92,18 @@ def torch_environment(cache_dir: Path) -> Path:
     return python
 
 
-def transformers_environment(cache_dir: Path, python: Path, release: str) -> Path:
-    """A folder with one transformers release and its dependencies, put on PYTHONPATH of the torch environment."""
-    target = cache_dir / f"transformers-{release}"
+def package_environment(cache_dir: Path, python: Path, name: str, requirement: str) -> Path:
+    """A folder `cache_dir / name` holding `requirement` and its dependencies (built once), put on PYTHONPATH of the
+    torch environment."""
+    target = cache_dir / name
     if (target / ".complete").is_file():
         return target
-    log(f"installing transformers {release} into {target}")
+    log(f"installing {requirement} into {target}")
     cache_dir.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".transformers-{release}-", dir=cache_dir))
+    staging = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=cache_dir))
     try:
         subprocess.run(
-            [str(python), "-m", "pip", "install", "--quiet", "--target", str(staging), f"transformers=={release}"],
-            check=True,
+            [str(python), "-m", "pip", "install", "--quiet", "--target", str(staging), requirement], check=True
         )
         (staging / ".complete").touch()
         shutil.rmtree(target, ignore_errors=True)
@@ -108,6 +111,16 @@ def transformers_environment(cache_dir: Path, python: Path, release: str) -> Pat
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     return target
+
+
+def transformers_environment(cache_dir: Path, python: Path, release: str) -> Path:
+    """One transformers release and its dependencies."""
+    return package_environment(cache_dir, python, f"transformers-{release}", f"transformers=={release}")
+
+
+def psutil_environment(cache_dir: Path, python: Path) -> Path:
+    """psutil alone: continuous batching on CPU reads the free memory through it (before 5.2x it stops without)."""
+    return package_environment(cache_dir, python, "psutil", "psutil")
 
 
 def tiny_sources(work_dir: Path) -> list[Path]:
@@ -181,12 +194,12 @@ def convert_sources(sources: list[Path], work_dir: Path) -> list[tuple[Path, Pat
     return pairs
 
 
-def run_check(python: Path, site: Path, arguments: list[str]) -> dict:
+def run_check(python: Path, site: str, arguments: list[str]) -> dict:
     """Run the check script in the clean environment, from an empty folder (so `iha` cannot be imported)."""
     environment = {
         key: value for key, value in os.environ.items() if key not in ("PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV")
     }
-    environment.update(PYTHONPATH=str(site), HF_HUB_OFFLINE="1", PYTHONNOUSERSITE="1", TOKENIZERS_PARALLELISM="false")
+    environment.update(PYTHONPATH=site, HF_HUB_OFFLINE="1", PYTHONNOUSERSITE="1", TOKENIZERS_PARALLELISM="false")
     with tempfile.TemporaryDirectory() as empty:
         completed = subprocess.run(
             [str(python), str(CHECK_SCRIPT), *arguments],
@@ -256,6 +269,24 @@ def markdown_table(results: list[dict]) -> str:
                 f"{model['logit_difference']:.1e} ({model['tolerance']:.0e}) | {mark('dynamic_cache')} | "
                 f"{mark('static_cache')} | {mark('no_cache')} | {bf16_cell(model)} |"
             )
+    batched = [(result["transformers"], row) for result in results for row in result.get("continuous_batching", [])]
+    if batched:
+        lines += [
+            "",
+            "Continuous batching (`generate_batch`: 4 prompts of 2-17 tokens, 10 greedy tokens each, a paged cache of "
+            "16 blocks of 16 tokens, at most 32 tokens per batch) of the tiny folders with random head mixing, against "
+            "`generate()` on each prompt alone. Where the release's continuous batching cannot be right for the model "
+            "(sliding-window layers before 5.16, whose pages read back wrong tokens for a stock Mistral too), the model "
+            "must refuse with the fix.",
+            "",
+            "| transformers | model | continuous batching |",
+            "|---|---|---|",
+        ]
+        for release, row in batched:
+            outcome = row["continuous_batching"] if row["passed"] else f"**{row['continuous_batching']}**"
+            if row.get("message"):
+                outcome += f": {row['message'].split('. ')[0]}"
+            lines.append(f"| {release} | {row['folder'].removesuffix('-iha')} | {outcome} |")
     return "\n".join(lines) + "\n"
 
 
@@ -276,12 +307,14 @@ def main(argv=None) -> int:
 
             sources.append(gemma3_dir())
         pairs = convert_sources(sources, work_dir)
+        tiny_folders = [str(converted) for _, converted in pairs[:2]]
         python = torch_environment(args.cache_dir)
+        psutil_site = psutil_environment(args.cache_dir, python)
 
         results = []
         for release in args.refused_releases:
             site = transformers_environment(args.cache_dir, python, release)
-            result = run_check(python, site, ["refuse", str(pairs[0][1])])
+            result = run_check(python, str(site), ["refuse", str(pairs[0][1])])
             result.setdefault("transformers", release)
             result["package_import"] = package_import_error(python, site)
             result["passed"] = result["passed"] and "UnsupportedTransformersError: " in result["package_import"]
@@ -289,8 +322,14 @@ def main(argv=None) -> int:
             results.append(result)
         for release in args.releases:
             site = transformers_environment(args.cache_dir, python, release)
-            result = run_check(python, site, ["check", *[str(path) for pair in pairs for path in pair]])
+            arguments = ["check", *[str(path) for pair in pairs for path in pair], "--batch", *tiny_folders]
+            result = run_check(python, f"{site}{os.pathsep}{psutil_site}", arguments)
             result.setdefault("transformers", release)
+            for batched in result.get("continuous_batching", []):
+                log(
+                    f"transformers {release}, {batched['folder']}, continuous batching: {batched['continuous_batching']} "
+                    f"({'ok' if batched['passed'] else 'FAILED'}, {batched['seconds']} s)"
+                )
             for model in result.get("models", []):
                 log(
                     f"transformers {release}, {Path(model['source']).name}: {'ok' if model['passed'] else 'FAILED'} "

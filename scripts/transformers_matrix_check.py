@@ -4,8 +4,13 @@ Run by `scripts/transformers_matrix.py` with an interpreter that has torch and o
 else: the IHA model loads through remote code only (the code files in the folder), like a Hub user's would. Prints one
 JSON object on its last line.
 
-    python transformers_matrix_check.py check SOURCE CONVERTED [SOURCE CONVERTED ...]
+    python transformers_matrix_check.py check SOURCE CONVERTED [SOURCE CONVERTED ...] [--batch CONVERTED ...]
     python transformers_matrix_check.py refuse CONVERTED
+
+`--batch` also runs each of those folders with random (trained-looking) head mixing through continuous batching
+(`generate_batch`, several requests of different lengths on a small paged cache) against `generate()` on each prompt
+alone; where this release's continuous batching cannot be right for the model (sliding-window layers before 5.16),
+the check passes only if the model refuses, with the fix in its message.
 """
 
 import json
@@ -138,6 +143,75 @@ def check_bf16(source: str, converted: str, input_ids, attention_mask, steps: in
     return result
 
 
+def continuous_batching_config():
+    """A small paged cache (an unsized one takes about 90% of free memory): 16 blocks of 16 tokens, 32 per batch."""
+    from transformers import ContinuousBatchingConfig
+
+    page_size = "page_size" if "page_size" in ContinuousBatchingConfig.__dataclass_fields__ else "block_size"
+    return ContinuousBatchingConfig(num_blocks=16, max_batch_tokens=32, **{page_size: 16})
+
+
+def check_continuous_batching(converted: str, max_new_tokens: int = 10) -> dict:
+    import logging
+
+    import torch
+    from transformers import AutoModelForCausalLM, GenerationConfig
+
+    started = time.perf_counter()
+    model = AutoModelForCausalLM.from_pretrained(converted, dtype=torch.float32, trust_remote_code=True).eval()
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if ".head_mixing." in name:
+                parameter.add_(0.3 * torch.randn(parameter.shape, generator=generator))
+    vocab_size = model.config.vocab_size
+    prompts = [torch.randint(3, vocab_size, (length,), generator=generator).tolist() for length in (5, 17, 2, 9)]
+    greedy = dict(max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=0)
+    expected = [model.generate(torch.tensor([prompt]), **greedy)[0, len(prompt) :].tolist() for prompt in prompts]
+
+    # Releases before 5.2x report a failed batch only in the engine's log.
+    logged = []
+    handler = logging.Handler()
+    handler.emit = lambda record: logged.append(record.getMessage())
+    engine_logger = logging.getLogger("ContinuousBatchingLogger")
+    engine_logger.addHandler(handler)
+    try:
+        outputs = model.generate_batch(
+            prompts,
+            generation_config=GenerationConfig(**greedy, eos_token_id=-1),
+            continuous_batching_config=continuous_batching_config(),
+            progress_bar=False,
+        )
+        generated = [output.generated_tokens for output in outputs.values()]
+        errors = [output.error for output in outputs.values() if getattr(output, "error", None)]
+    except Exception as error:
+        generated, errors = [], [f"{type(error).__name__}: {error}"]
+    finally:
+        engine_logger.removeHandler(handler)
+
+    sliding = any("sliding" in attention_type for attention_type in model.config.attention_types)
+    import transformers
+
+    must_refuse = sliding and tuple(int(part) for part in transformers.__version__.split(".")[:2]) < (5, 16)
+    refusal = next((message for message in errors + logged if "sliding-window layers" in message), None)
+    if refusal is not None:  # the engine's log line puts its own words before the model's message
+        refusal = refusal[refusal.index("Continuous batching of sliding-window") :]
+    result = {"folder": Path(converted).name, "must_refuse": must_refuse}
+    if must_refuse:
+        result["continuous_batching"] = (
+            "refused" if refusal and "pip install" in refusal and not any(generated) else "NOT refused"
+        )
+        result["passed"] = result["continuous_batching"] == "refused"
+        result["message"] = (refusal or "")[:300]
+    else:
+        result["continuous_batching"] = "equal" if generated == expected else "different"
+        result["passed"] = generated == expected
+        if errors or not result["passed"]:
+            result["error"] = "; ".join((errors or [m for m in logged if "rror" in m]) or ["tokens differ"])[:300]
+    result["seconds"] = round(time.perf_counter() - started, 1)
+    return result
+
+
 def refuse(converted: str) -> dict:
     """Below the supported range, loading must fail at once with the version, the range and the fix."""
     from transformers import AutoConfig
@@ -171,9 +245,17 @@ def main(argv: list[str]) -> int:
         report.update(refuse(argv[1]))
         report["passed"] = report["refused"] and report["clear"] and not report["iha_importable"]
     else:
-        pairs = list(zip(argv[1::2], argv[2::2]))
+        folders, batched = argv[1:], []
+        if "--batch" in folders:
+            folders, batched = folders[: folders.index("--batch")], folders[folders.index("--batch") + 1 :]
+        pairs = list(zip(folders[0::2], folders[1::2]))
         report["models"] = [check_pair(source, converted) for source, converted in pairs]
-        report["passed"] = not report["iha_importable"] and all(m["passed"] for m in report["models"])
+        report["continuous_batching"] = [check_continuous_batching(converted) for converted in batched]
+        report["passed"] = (
+            not report["iha_importable"]
+            and all(m["passed"] for m in report["models"])
+            and all(m["passed"] for m in report["continuous_batching"])
+        )
     print(json.dumps(report))
     return 0 if report["passed"] else 1
 

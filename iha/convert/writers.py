@@ -45,6 +45,7 @@ CODE_FILES = (
     "blocked_local_iha.py",
     "packed_documents_iha.py",
     "compat_iha.py",
+    "serving_iha.py",
 )
 # The further files and the `auto_map` of each IHA model type: Gemma 3's block imports the Llama-family files.
 GEMMA3_CODE_FILES = ("configuration_iha_gemma3.py", "modeling_iha_gemma3.py")

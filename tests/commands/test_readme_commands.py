@@ -13,7 +13,9 @@ what earlier ones wrote, as they would for a user who follows the README). Each 
 2. or, when the README marks it "needs the Hub" or "needs GPUs" (and `NOT_RUN` says why), **parsed** by the
    command's own argument parser: its arguments must be valid, nothing runs;
 3. or, for `make` and `pip install`, checked without building or downloading anything: `make -n TARGET` must work,
-   and the versions `pip install` pins must be the ones installed.
+   and the versions `pip install` pins must be the ones installed;
+4. or, for a server (`iha serve`), started in the background on a free port instead of the README's, kept running
+   for the commands after it (`curl` is run against it, with `--fail`) and stopped at the end of the module.
 
 A command that fits none of these fails, so a new README command has to be made runnable or marked.
 
@@ -34,6 +36,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import REPO_ROOT, SHARED_DATA
+from server_utils import free_port, start_server, stop_server
 
 
 README = REPO_ROOT / "README.md"
@@ -84,6 +87,9 @@ NOT_RUN = {
     "lm_eval --model hf": "the lm-eval gsm8k task downloads GSM8K (tests/evaluation/test_lm_eval.py runs lm_eval offline)",
 }
 MARKER = re.compile(r"#.*needs (the Hub|GPUs)")
+# The port the README's server commands use, replaced by a free one; how long a server may take to answer /health.
+README_SERVER_PORT = "8000"
+SERVER_STARTUP_SECONDS = 300
 
 
 def readme_commands() -> list[tuple[str, str]]:
@@ -158,18 +164,47 @@ def save_tiny_smollm2(folder: Path) -> None:
     GenerationConfig.from_pretrained(smollm2_dir()).save_pretrained(folder)
 
 
-def run_command(program: str, arguments: list[str], scratch: Path) -> subprocess.CompletedProcess:
-    executable = [sys.executable] if program == "python" else [str(BIN / program)]
-    environment = {
+def command_environment(scratch: Path) -> dict:
+    return {
         **os.environ,
         "PYTHONPATH": str(REPO_ROOT),  # the package of this checkout
         "HF_HUB_OFFLINE": "1",
         "TOKENIZERS_PARALLELISM": "false",
         "HF_MODULES_CACHE": str(scratch / ".hf_modules"),
     }
+
+
+def run_command(program: str, arguments: list[str], scratch: Path) -> subprocess.CompletedProcess:
+    executable = [sys.executable] if program == "python" else [str(BIN / program)]
     return subprocess.run(
-        executable + arguments, cwd=scratch, env=environment, capture_output=True, text=True, timeout=600
+        executable + arguments,
+        cwd=scratch,
+        env=command_environment(scratch),
+        capture_output=True,
+        text=True,
+        timeout=600,
     )
+
+
+@pytest.fixture(scope="module")
+def servers():
+    """The servers the README's commands started: {"port": ...} of the running one; all stopped after the module."""
+    running = {"processes": [], "port": None}
+    yield running
+    for process in running["processes"]:
+        stop_server(process)
+
+
+def start_readme_server(program: str, arguments: list[str], scratch: Path, servers: dict) -> None:
+    """`iha serve ...` in the background on a free port instead of the README's, until it answers /health."""
+    port = free_port()
+    arguments = [str(port) if argument == README_SERVER_PORT else argument for argument in arguments]
+    log = scratch / f"server-{port}.log"
+    environment = command_environment(scratch)
+    servers["processes"].append(
+        start_server([str(BIN / program), *arguments], scratch, environment, log, port, SERVER_STARTUP_SECONDS)
+    )
+    servers["port"] = port
 
 
 def parse_only(program: str, arguments: list[str]) -> None:
@@ -226,16 +261,27 @@ def test_every_marked_command_is_listed_with_its_reason():
 
 
 @pytest.mark.parametrize("command, marker", COMMANDS, ids=[command[:60] for command, _ in COMMANDS])
-def test_readme_command(command, marker, scratch):
+def test_readme_command(command, marker, scratch, servers):
     program, *arguments = shlex.split(command, comments=True)
     if program in ("make", "pip"):
         check_without_running(program, arguments[1:] if program == "pip" else arguments)
+        return
+    if program == "curl":
+        assert servers["port"], f"no server of the README runs for {command}"
+        url = f"localhost:{README_SERVER_PORT}"
+        arguments = [argument.replace(url, f"127.0.0.1:{servers['port']}") for argument in arguments]
+        result = subprocess.run(["curl", "--fail", "--max-time", "300", *arguments], capture_output=True, text=True)
+        assert result.returncode == 0, f"{command}\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
+        assert '"choices"' in result.stdout, result.stdout[-3000:]
         return
     if program != "python" and program not in CONSOLE_SCRIPTS:
         pytest.fail(f"README command with an unknown program {program!r}: {command}")
     arguments = substitute(arguments, program)
     if marker:
         parse_only(program, arguments)
+        return
+    if program == "iha" and arguments[:1] == ["serve"]:
+        start_readme_server(program, arguments, scratch, servers)
         return
     result = run_command(program, arguments + tiny_settings(program, arguments), scratch)
     assert result.returncode == 0, f"{command}\n{result.stdout[-3000:]}\n{result.stderr[-5000:]}"
