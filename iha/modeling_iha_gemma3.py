@@ -47,6 +47,7 @@ from .configuration_iha_gemma3 import IHAGemma3Config
 from .masking_iha import create_iha_masks  # noqa: F401
 from .modeling_iha import IHAAttention, IHAForCausalLM, IHAModel, IHAPreTrainedModel, rotary_inputs
 from .packed_documents_iha import PackedDocumentsMask  # noqa: F401
+from .serving_iha import check_attention_engine  # noqa: F401
 
 
 class IHAGemma3RMSNorm(Gemma3RMSNorm):
