@@ -44,7 +44,16 @@ class ABConfig:
         default=None, metadata={"help": "training rows (default: all left after the validation split)"}
     )
     num_validation_rows: int = field(default=200, metadata={"help": "validation rows carved from the training data"})
-    num_test_problems: int | None = field(default=None, metadata={"help": "first N test problems (default: all)"})
+    num_test_problems: int | None = field(
+        default=None, metadata={"help": "first N test problems answered by generation (default: all)"}
+    )
+    num_reference_problems: int | None = field(
+        default=None,
+        metadata={
+            "help": "first N test problems whose reference solutions are scored teacher-forced (per-token loss, "
+            "paired per problem; the headline measure) (default: all)"
+        },
+    )
     split_seed: int = field(default=0, metadata={"help": "seed of the shuffle that carves the validation split"})
     keep_system_prompt: bool = field(
         default=True,
@@ -55,7 +64,10 @@ class ABConfig:
     num_pseudo_heads: int = field(default=2, metadata={"help": "IHA pseudo-heads P of arm B's conversion"})
     mixing_learning_rates: list[float] = field(
         default_factory=lambda: [1e-3, 1e-2],
-        metadata={"help": "candidate learning rates of arm B's mixing coefficients, chosen on validation loss"},
+        metadata={
+            "help": "candidate learning rates of arm B's mixing coefficients, chosen on validation loss (never on "
+            "the test problems the headline loss is measured on)"
+        },
     )
     # Training (TRL SFTConfig fields)
     learning_rate: float = field(default=5e-5, metadata={"help": "peak learning rate of every other weight"})
@@ -89,6 +101,10 @@ class ABConfig:
             (self.num_validation_rows >= 1, "--num-validation-rows must be >= 1"),
             (self.num_train_rows is None or self.num_train_rows >= 1, "--num-train-rows must be >= 1"),
             (self.num_test_problems is None or self.num_test_problems >= 1, "--num-test-problems must be >= 1"),
+            (
+                self.num_reference_problems is None or self.num_reference_problems >= 1,
+                "--num-reference-problems must be >= 1",
+            ),
             (self.num_samples >= 1, "--num-samples must be >= 1"),
             (self.max_new_tokens >= 1, "--max-new-tokens must be >= 1"),
         ]
@@ -154,6 +170,7 @@ TINY = ABConfig(
     num_train_rows=12,
     num_validation_rows=4,
     num_test_problems=4,
+    num_reference_problems=4,
     keep_system_prompt=False,
     seeds=[0, 1],
     mixing_learning_rates=[1e-3, 1e-1],

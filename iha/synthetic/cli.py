@@ -90,6 +90,12 @@ def make_parser() -> argparse.ArgumentParser:
         help="no training: write seeds.md/.json/.png (mean and spread over the seeds of these results.json files)",
     )
     parser.add_argument(
+        "--report",
+        action="store_true",
+        help="no training: write seeds.md/.json/.png in OUTPUT_DIR from the runs the same command (same preset "
+        "and settings) has finished so far, finished or not; the unfinished runs are named as such",
+    )
+    parser.add_argument(
         "--fresh",
         action="store_true",
         help="run everything again: ignore (and replace) the finished runs of an earlier call in OUTPUT_DIR "
@@ -155,6 +161,15 @@ def _run(args: argparse.Namespace) -> int:
     if len(set(seeds)) != len(seeds):
         raise SystemExit(f"--seeds must be distinct, got {seeds}.")
     output_dir = Path(args.output_dir)
+    if args.report:
+        results_per_seed = [
+            _finished_so_far(replace(config, seed=seed), output_dir if len(seeds) == 1 else output_dir / f"seed-{seed}")
+            for seed in seeds
+        ]
+        paths = write_seed_summary(results_per_seed, output_dir)
+        print(paths["table"].read_text(encoding="utf-8"))
+        print("wrote " + ", ".join(str(path) for path in paths.values()))
+        return 0
     if len(seeds) > 1 and not args.fresh:
         _train_cheap_models_first(config, seeds, output_dir, args.device)
     results_per_seed = []
@@ -167,6 +182,23 @@ def _run(args: argparse.Namespace) -> int:
         print("\n" + paths["table"].read_text(encoding="utf-8"))
         print("wrote " + ", ".join(str(path) for path in paths.values()))
     return 0
+
+
+def _finished_so_far(config: SyntheticConfig, seed_dir: Path) -> dict:
+    """The runs of `config` finished in `seed_dir`: its results.json, else its results.partial.json (a running or
+    interrupted call), else none; a file of another configuration is refused."""
+    from .train import config_as_saved
+
+    for name in ("results.json", "results.partial.json"):
+        path = seed_dir / name
+        if path.is_file():
+            results = _read_results(str(path))
+            if results["config"] != config_as_saved(config):
+                raise ValueError(
+                    f"{path} holds runs of another configuration: give --report the preset and settings that made it."
+                )
+            return results
+    return {"config": config_as_saved(config), "runs": []}
 
 
 def _work_in_cost_order(config: SyntheticConfig) -> list[set[tuple[str, str]]]:
