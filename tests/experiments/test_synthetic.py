@@ -504,3 +504,41 @@ def test_two_processes_share_a_comparison_run_by_run(tmp_path, monkeypatch):
     results = json.loads((tmp_path / "seed-0" / "results.json").read_text())
     assert {run["model"]: run["test_accuracy"] for run in results["runs"]}["IHA P=2"] == 0.123
     assert trained == ["binary m=3..4 MHA lr=0.01", "binary m=3..4 IHA P=2 lr=0.01"]  # seed 1's, not seed 0's
+
+
+def test_report_summarizes_unfinished_runs_with_paired_differences(tiny_results, tmp_path, capsys):
+    # Seed 0 finished, seed 1 interrupted before its 2-simplicial runs, seed 2 not started: --report (the training
+    # command's settings) summarizes what is there and names what is not.
+    seed_1 = copy.deepcopy(tiny_results)
+    seed_1["config"]["seed"] = 1
+    for index, run in enumerate(seed_1["runs"]):
+        run["test_accuracy"] = min(1.0, run["test_accuracy"] + 0.01 * index)
+    (tmp_path / "seed-0").mkdir()
+    (tmp_path / "seed-0" / "results.json").write_text(json.dumps(tiny_results))
+    partial = {"config": seed_1["config"], "runs": [run for run in seed_1["runs"] if run["model"] != "2-simplicial"]}
+    (tmp_path / "seed-1").mkdir()
+    (tmp_path / "seed-1" / "results.partial.json").write_text(json.dumps(partial))
+    assert main(["--preset", "tiny", "--seeds", "0", "1", "2", "--output-dir", str(tmp_path), "--report"]) == 0
+    table = (tmp_path / "seeds.md").read_text()
+    assert table.startswith("**Partial results: 10 of 18 runs finished.**")
+    assert "binary 2-simplicial (seeds 1, 2)" in table and "binary MHA (seed 2)" in table
+    summary = json.loads((tmp_path / "seeds.json").read_text())
+    entry = summary["binary/IHA P=2"]
+    assert entry["seeds"] == [0, 1] and entry["unfinished_seeds"] == [2]
+    paired = entry["paired"]["MHA"]["accuracy"]
+    by_seed = [
+        {run["model"]: 100 * run["test_accuracy"] for run in results["runs"] if run["task"] == "binary"}
+        for results in (tiny_results, seed_1)
+    ]
+    assert paired["differences"] == pytest.approx([values["IHA P=2"] - values["MHA"] for values in by_seed])
+    assert paired["labels"] == [0, 1] and paired["smallest_permutation_p_value"] == 0.5
+    exact = entry["paired"]["MHA"]["exact_match"]
+    assert exact["n"] == 2 and "exact match" in table and "| binary | IHA P=2 − MHA | accuracy | 2 |" in table
+    single = summary["binary/IHA P=2"]["paired"]["2-simplicial"]["accuracy"]  # only seed 0 has both
+    assert single["n"] == 1 and single["ci"] is None and single["t_p_value"] is None
+    # Runs of other settings are refused rather than summarized under the wrong name.
+    assert (
+        main(["--preset", "tiny", "--seeds", "0", "1", "--num-train", "8", "--output-dir", str(tmp_path), "--report"])
+        == 2
+    )
+    assert "another configuration" in capsys.readouterr().err
