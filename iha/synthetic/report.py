@@ -103,12 +103,10 @@ def _mean_std(values: list[float]) -> tuple[float, float]:
 def _paired_with_baselines(
     task: str, model: str, baselines: list[str], seeds: list[int], selected: list[dict]
 ) -> dict[str, dict]:
-    """Per baseline: test accuracy and exact match of `model` minus the baseline's, paired by seed (the seeds both
-    have: same data, order and shared initial weights), in points."""
+    """Per baseline listed before `model` (MHA, then 2-simplicial): test accuracy and exact match of `model` minus
+    the baseline's, paired by seed (the seeds both have: same data, order and shared initial weights), in points."""
     paired = {}
-    for baseline in baselines:
-        if baseline == model:
-            continue
+    for baseline in baselines[: baselines.index(model) if model in baselines else len(baselines)]:
         both = [
             (seed, runs) for seed, runs in zip(seeds, selected) if (task, model) in runs and (task, baseline) in runs
         ]
