@@ -17,10 +17,11 @@ An IHA layer projects q/k/v as usual, mixes the heads into P pseudo-heads per he
 interleaves the pseudo-tokens token-major into a sequence of N * P virtual tokens, runs ordinary attention over it
 and folds the H * P pseudo-outputs back to H heads with a learned collapse before `o_proj`.
 
-The masks live in `masking_iha.py` and the attention kernels in `attention_iha.py`; `iha.naive_iha` is the plain
-reference every path is tested against. This file is copied next to the weights by `save_pretrained`, so it imports
-only torch, transformers and its siblings (`configuration_iha.py`, `masking_iha.py`, `attention_iha.py`, and
-`compat_iha.py`, where every difference between transformers releases is handled). Remote-code classes are different objects from the installed package's: nothing here may check
+The masks live in `masking_iha.py`, the choice of kernel in `attention_iha.py`, and the two fast paths on SDPA in
+their own files (`blocked_local_iha.py`, `packed_documents_iha.py`); `iha.naive_iha` is the plain reference every
+path is tested against. This file is copied next to the weights by `save_pretrained`, so it imports only torch,
+transformers and its siblings (those above, `configuration_iha.py`, and `compat_iha.py`, where every difference
+between transformers releases is handled). Remote-code classes are different objects from the installed package's: nothing here may check
 `isinstance(config, IHAConfig)`.
 """
 

@@ -37,7 +37,15 @@ from .safetensors_file import encode_header, write_all
 logger = logging.getLogger(__name__)
 
 # The code files that travel with the weights (from the `iha` package folder), so the folder loads without `iha`.
-CODE_FILES = ("configuration_iha.py", "modeling_iha.py", "masking_iha.py", "attention_iha.py", "compat_iha.py")
+CODE_FILES = (
+    "configuration_iha.py",
+    "modeling_iha.py",
+    "masking_iha.py",
+    "attention_iha.py",
+    "blocked_local_iha.py",
+    "packed_documents_iha.py",
+    "compat_iha.py",
+)
 PACKAGE_DIR = Path(__file__).resolve().parents[1]
 
 

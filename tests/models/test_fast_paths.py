@@ -12,7 +12,8 @@ from test_modeling import greedy_without_cache
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM, StaticCache
 
 import iha
-from iha.masking_iha import BlockedLocalMask, create_iha_masks, local_attention_blocks
+from iha.blocked_local_iha import BlockedLocalMask, local_attention_blocks
+from iha.masking_iha import create_iha_masks
 from iha.naive_iha import reference_forward
 
 
