@@ -30,6 +30,7 @@ features against steps (`python -m iha.synthetic.polynomial --output-dir DIR`).
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import statistics
 import sys
@@ -428,8 +429,6 @@ def run_experiment(config: PolynomialConfig, output_dir: str | Path, command: st
     checkpoint = output_dir / "runs.partial.json"
     runs = []
     if checkpoint.is_file():
-        import json
-
         saved = json.loads(checkpoint.read_text(encoding="utf-8"))
         if saved["config"] == json.loads(json.dumps(asdict(config))):
             runs = saved["runs"]
