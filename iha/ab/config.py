@@ -44,7 +44,16 @@ class ABConfig:
         default=None, metadata={"help": "training rows (default: all left after the validation split)"}
     )
     num_validation_rows: int = field(default=200, metadata={"help": "validation rows carved from the training data"})
-    num_test_problems: int | None = field(default=None, metadata={"help": "first N test problems (default: all)"})
+    num_test_problems: int | None = field(
+        default=None, metadata={"help": "first N test problems answered by generation (default: all)"}
+    )
+    num_reference_problems: int | None = field(
+        default=None,
+        metadata={
+            "help": "first N test problems whose reference solutions are scored teacher-forced (per-token loss, "
+            "paired per problem; the headline measure) (default: all)"
+        },
+    )
     split_seed: int = field(default=0, metadata={"help": "seed of the shuffle that carves the validation split"})
     keep_system_prompt: bool = field(
         default=True,
@@ -55,7 +64,10 @@ class ABConfig:
     num_pseudo_heads: int = field(default=2, metadata={"help": "IHA pseudo-heads P of arm B's conversion"})
     mixing_learning_rates: list[float] = field(
         default_factory=lambda: [1e-3, 1e-2],
-        metadata={"help": "candidate learning rates of arm B's mixing coefficients, chosen on validation loss"},
+        metadata={
+            "help": "candidate learning rates of arm B's mixing coefficients, chosen on validation loss (never on "
+            "the test problems the headline loss is measured on)"
+        },
     )
     # Training (TRL SFTConfig fields)
     learning_rate: float = field(default=5e-5, metadata={"help": "peak learning rate of every other weight"})
@@ -89,6 +101,10 @@ class ABConfig:
             (self.num_validation_rows >= 1, "--num-validation-rows must be >= 1"),
             (self.num_train_rows is None or self.num_train_rows >= 1, "--num-train-rows must be >= 1"),
             (self.num_test_problems is None or self.num_test_problems >= 1, "--num-test-problems must be >= 1"),
+            (
+                self.num_reference_problems is None or self.num_reference_problems >= 1,
+                "--num-reference-problems must be >= 1",
+            ),
             (self.num_samples >= 1, "--num-samples must be >= 1"),
             (self.max_new_tokens >= 1, "--max-new-tokens must be >= 1"),
         ]
@@ -104,17 +120,29 @@ class ABConfig:
 # Sized from measurements on the 2-core CPU machine this project is developed on, shared with other jobs, torch on
 # one thread (`iha ab --threads 1`; two threads on busy cores made generation ~10x slower per CPU-second). Per CPU-
 # second of one core: a training step of ~900 packed tokens (SmolLM2-135M-Instruct, fp32, no activation
-# checkpointing) 15.6 s (A) / 16.8 s (B); validation loss 1.3 s (A) / 1.8 s (B) per row; greedy generation of 16
-# problems 7-9 s of prefill plus 0.19 s (A) / 0.31 s (B) per new token. Rows without the OpenThoughts system prompt
-# (the chat template's own short one instead) are ~280 tokens, not ~510: 1.8x more rows for the same time. So:
-# 5 trainings (2 of A, 2 mixing-lr candidates, 10x and 100x the other weights', and 1 more seed of B) x ~20 steps ~ 1,600 s, validation 5 x 64 rows
-# ~ 510 s, 4 evaluations x 48 problems at up to 320 new tokens (98.9% of GSM8K test reference solutions in this
-# format fit) ~ 1,070 s, loading, saving and the conversion check ~ 200 s: ~3,400 CPU-seconds, which took 1.1-1.5x
-# as long in wall-clock time on the shared cores (about 60-85 minutes). benchmarks/ab/README.md has the figures.
+# checkpointing) 15.6 s (A) / 16.8 s (B); validation loss 1.3 s (A) / 1.8 s (B) per row; teacher-forced scoring of a
+# GSM8K test reference solution (~190 loss tokens, batches of 8, measured under heavier load) 2.2 s (A) / 2.8 s (B);
+# greedy generation of 16 problems 7-9 s of prefill plus 0.19 s (A) / 0.31 s (B) per new token. Rows without the
+# OpenThoughts system prompt (the chat template's own short one instead) are ~280 tokens, not ~510: 1.8x more rows
+# for the same time.
+#
+# The headline is the reference-solution loss, paired per problem, sized to detect 0.0005 nats/token: the earlier
+# cpu run's validation loss (64 rows of ~183 loss tokens, per-row losses averaged over its 2 seeds, after ~20 steps)
+# had a paired standard error of 0.000546, so one row contributes sd ~0.0044 and the detectable difference at alpha
+# 0.05 with power 0.8 is 2.80 * 0.0044 / sqrt(n): 0.0005 needs n >= 600 (`stats.items_needed`); 1,000 problems give
+# ~0.0004 (room for a test set noisier than the validation rows). That is the paired-per-problem test, which holds
+# the trained models fixed; with 2 seeds the seed-by-seed test cannot resolve it (its sign-flip p is at least 0.5).
+# Cost: 5 trainings (2 of A, 2 mixing-lr candidates, 10x and 100x the other weights', and 1 more seed of B) x ~20
+# steps ~ 1,600 s, validation 5 x 64 rows ~ 510 s, reference scoring 4 x 1,000 problems ~ 10,000 s, 4 generations x
+# 48 problems at up to 320 new tokens (98.9% of GSM8K test reference solutions in this format fit) ~ 1,070 s,
+# loading, saving and the conversion check ~ 200 s: ~13,400 CPU-seconds (about 3.7 hours of one core; the run
+# before the reference loss, ~3,400 CPU-s, took 1.1-1.5x as long in wall-clock time on the shared cores).
+# benchmarks/ab/README.md has the figures.
 CPU = ABConfig(
     num_train_rows=64,
     num_validation_rows=64,
     num_test_problems=48,
+    num_reference_problems=1_000,
     keep_system_prompt=False,
     seeds=[0, 1],
     # 10x and 100x the other weights' (`IHASFTConfig.mixing_learning_rate`: the few mixing coefficients start at
@@ -128,12 +156,18 @@ CPU = ABConfig(
     save_steps=10,
 )
 
-# One CUDA device: all of GSM8K train (less 500 validation rows) for one epoch, all 1319 test problems, greedy and
-# the paper's sampling (temperature 0.6, top-p 0.95, 16 samples: pass@1 and maj@16), three seeds per arm.
+# One CUDA device in about an hour (estimated, not measured: this project has no GPU to time it on): all of GSM8K
+# train (less 500 validation rows) for one epoch (~7k rows of ~510 tokens, ~220 packed steps of 4 x 4,096 tokens) in
+# 8 trainings (3 mixing-lr candidates, 3 seeds of A, 2 more of B); every final run scores all 1,319 test reference
+# solutions teacher-forced (the headline; forward passes only, ~0.7M tokens a run) and answers the first 500 test
+# problems greedily (up to 1,024 new tokens). The paper's sampling (temperature 0.6, top-p 0.95, 16 samples: pass@1
+# and maj@16) multiplies the generation by 16 samples per problem: `--num_samples 16` (with all 1,319 problems,
+# ~20x the greedy generation time: several hours on one GPU).
 GPU = ABConfig(
     num_train_rows=None,
     num_validation_rows=500,
-    num_test_problems=None,
+    num_test_problems=500,
+    num_reference_problems=None,
     keep_system_prompt=True,
     seeds=[0, 1, 2],
     mixing_learning_rates=[5e-4, 5e-3, 5e-2],
@@ -144,9 +178,7 @@ GPU = ABConfig(
     validation_batch_size=32,
     max_new_tokens=1024,
     eval_batch_size=64,
-    num_samples=16,
-    temperature=0.6,
-    top_p=0.95,
+    num_samples=1,
 )
 
 # The tests: a tiny model (give --model), a few rows, a few steps, short answers; seconds on a CPU.
@@ -154,6 +186,7 @@ TINY = ABConfig(
     num_train_rows=12,
     num_validation_rows=4,
     num_test_problems=4,
+    num_reference_problems=4,
     keep_system_prompt=False,
     seeds=[0, 1],
     mixing_learning_rates=[1e-3, 1e-1],

@@ -18,8 +18,10 @@
 3. arm B with the first seed once per candidate mixing learning rate; the lowest validation loss wins, and that run
    is arm B's first seed (the test problems play no part in the choice);
 4. arm A with every seed, arm B with the other seeds and the chosen mixing learning rate;
-5. every final run answers the test problems (greedy; sampled too when `num_samples` > 1);
-6. the report: report.json, report.md, curves.png, drift.png.
+5. every final run scores the test problems' reference solutions teacher-forced (the headline: per-token loss,
+   paired per problem, on a split the choice of step 3 never saw);
+6. every final run answers the test problems (greedy; sampled too when `num_samples` > 1);
+7. the report: report.json, report.md, curves.png, drift.png.
 
 Each step reuses what an earlier call of the same command wrote (see `iha.ab.run`).
 """
@@ -43,7 +45,9 @@ from .run import (
     machine_settings,
     prepare_data,
     prepare_output_dir,
+    prepare_reference_rows,
     run_name,
+    score_reference,
     source_model,
     train_run,
 )
@@ -72,6 +76,7 @@ def run_ab(config: ABConfig, output_dir: str | Path, fresh: bool = False, comman
         check_source_is_not_iha(source)
         train_rows, validation_rows = prepare_data(config, output_dir)
         benchmarks = {"gsm8k": load_test_problems(config.test_data, "gsm8k", config.num_test_problems)}
+        reference_rows = prepare_reference_rows(config)
         if config.math500_data is not None:
             benchmarks["math500"] = load_test_problems(config.math500_data, "math500", config.num_test_problems)
     except BaseException:
@@ -83,7 +88,7 @@ def run_ab(config: ABConfig, output_dir: str | Path, fresh: bool = False, comman
     log(
         f"{len(train_rows)} training rows, {len(validation_rows)} validation rows, "
         + ", ".join(f"{len(problems)} {name} test problems" for name, problems in benchmarks.items())
-        + f"; {num_trainings} trainings ({len(config.mixing_learning_rates)} mixing-lr candidates), "
+        + f", {len(reference_rows)} reference solutions; {num_trainings} trainings ({len(config.mixing_learning_rates)} mixing-lr candidates), "
         f"{2 * len(config.seeds)} evaluations on {settings['device']}"
     )
 
@@ -122,6 +127,16 @@ def run_ab(config: ABConfig, output_dir: str | Path, fresh: bool = False, comman
     runs_b = [next(run for run in candidates if run["mixing_learning_rate"] == chosen)]
     runs_b += [train(ARM_B, seed, chosen) for seed in other_seeds]
 
+    references = []
+    for runs in (runs_a, runs_b):
+        scored = []
+        for run in runs:
+            log(f"scoring {run['run']} on {len(reference_rows)} reference solutions (teacher-forced)")
+            result = score_reference(output_dir / run["run"], reference_rows, config, settings)
+            log(f"{run['run']}: reference loss {result['loss']:.4f} nats/token")
+            scored.append(result)
+        references.append(scored)
+
     evaluations, eval_seconds = {}, {}
     modes = [False, True] if config.num_samples > 1 else [False]
     for name, problems in benchmarks.items():
@@ -150,7 +165,7 @@ def run_ab(config: ABConfig, output_dir: str | Path, fresh: bool = False, comman
         "data": {"num_train_rows": len(train_rows), "num_validation_rows": len(validation_rows)},
         "eval_seconds": eval_seconds,
     }
-    report = reporting.summarize(config, runs_a, runs_b, candidates, evaluations, extra)
+    report = reporting.summarize(config, runs_a, runs_b, candidates, evaluations, extra, references=tuple(references))
     report["seconds_this_call"] = time.perf_counter() - started
     reporting.plot_curves(report, output_dir / "curves.png")
     reporting.plot_drift(report, runs_b, output_dir / "drift.png")

@@ -21,12 +21,14 @@ import statistics
 from pathlib import Path
 
 from ..atomic_files import saved_figure
+from ..paired_stats import describe_paired
 from . import stats
 from .run import ARM_A, ARM_B
 
 
 ALPHA = 0.05
 POWER = 0.8
+TARGET_DIFFERENCE = 0.0005  # nats per token: what the cpu preset is sized to detect on the reference loss
 MIXING_NAMES = ("alpha_q", "alpha_k", "alpha_v", "collapse")
 
 
@@ -46,12 +48,12 @@ def compare_per_problem(evals_a: list[dict], evals_b: list[dict], config) -> dic
     result = {"num_problems": num_problems, "num_samples": num_samples, "metrics": {}}
     metric_names = ["pass@1", f"maj@{num_samples}"] if num_samples > 1 else ["pass@1"]
     for metric in [*metric_names, "finish_rate", "no_answer_rate"]:
+        values_a, values_b = [e["metrics"][metric] for e in evals_a], [e["metrics"][metric] for e in evals_b]
         result["metrics"][metric] = {
-            "a": stats.seed_spread([e["metrics"][metric] for e in evals_a]),
-            "b": stats.seed_spread([e["metrics"][metric] for e in evals_b]),
+            "a": stats.seed_spread(values_a),
+            "b": stats.seed_spread(values_b),
+            "paired_over_seeds": stats.paired_over_seeds(values_a, values_b, config.seeds[: len(values_a)]),
         }
-        spread = result["metrics"][metric]
-        spread["exceeds_seed_spread"] = stats.exceeds_seed_spread(spread["a"], spread["b"])
     # Binary per-problem outcomes: greedy correctness (pass@1 with one sample) or the majority vote's correctness.
     binary_metric = "pass@1" if num_samples == 1 else f"maj@{num_samples}"
     key = "correct_fraction" if num_samples == 1 else "majority_correct"
@@ -85,21 +87,48 @@ def compare_per_problem(evals_a: list[dict], evals_b: list[dict], config) -> dic
     return result
 
 
-def summarize(config, runs_a: list[dict], runs_b: list[dict], candidates: list[dict], evaluations: dict, extra: dict):
-    """report.json: `runs_a` / `runs_b` are the train.json of each arm's seeds (same order), `candidates` arm B's
-    seed-0 runs of every mixing learning rate, `evaluations` {benchmark[-sampled]: (evals of A, evals of B)}."""
-    losses_a = [run["validation"]["loss"] for run in runs_a]
-    losses_b = [run["validation"]["loss"] for run in runs_b]
-    tokens = runs_a[0]["validation"]["tokens"]
-    loss = stats.token_loss_bootstrap(
-        _mean_over_seeds([run["validation"]["nll"] for run in runs_a]),
-        _mean_over_seeds([run["validation"]["nll"] for run in runs_b]),
-        tokens,
+def paired_token_loss(config, losses_a: list[dict], losses_b: list[dict]) -> dict:
+    """Per-token loss of both arms on the same rows (each element: one seed's per-row `nll`, `tokens` and `loss`,
+    seeds in the same order in both arms): mean ± std over seeds per arm; B - A paired seed by seed; B - A per
+    token with a paired bootstrap over rows (per-row losses averaged over seeds), the difference it detects at
+    `ALPHA` with `POWER`, and the rows it would take to detect `TARGET_DIFFERENCE`."""
+    values_a, values_b = [entry["loss"] for entry in losses_a], [entry["loss"] for entry in losses_b]
+    paired = stats.token_loss_bootstrap(
+        _mean_over_seeds([entry["nll"] for entry in losses_a]),
+        _mean_over_seeds([entry["nll"] for entry in losses_b]),
+        losses_a[0]["tokens"],
         num_resamples=config.num_bootstrap,
     )
-    z = statistics.NormalDist().inv_cdf(1 - ALPHA / 2) + statistics.NormalDist().inv_cdf(POWER)
-    loss["detectable_difference"] = z * loss["difference"]["standard_error"]
-    spread_a, spread_b = stats.seed_spread(losses_a), stats.seed_spread(losses_b)
+    standard_error = paired["difference"]["standard_error"]
+    paired["detectable_difference"] = stats.detectable_difference(standard_error, ALPHA, POWER)
+    paired["target_difference"] = TARGET_DIFFERENCE
+    paired["rows_for_target"] = (
+        stats.items_needed(standard_error, paired["num_rows"], TARGET_DIFFERENCE, ALPHA, POWER)
+        if standard_error > 0
+        else None
+    )
+    return {
+        "a": stats.seed_spread(values_a),
+        "b": stats.seed_spread(values_b),
+        "paired_over_seeds": stats.paired_over_seeds(values_a, values_b, config.seeds[: len(values_a)]),
+        "paired": paired,
+    }
+
+
+def summarize(
+    config,
+    runs_a: list[dict],
+    runs_b: list[dict],
+    candidates: list[dict],
+    evaluations: dict,
+    extra: dict,
+    references: tuple[list[dict], list[dict]] | None = None,
+):
+    """report.json: `runs_a` / `runs_b` are the train.json of each arm's seeds (same order), `candidates` arm B's
+    seed-0 runs of every mixing learning rate, `evaluations` {benchmark[-sampled]: (evals of A, evals of B)},
+    `references` (A's, B's) reference-solution scores per seed (`run.score_reference`)."""
+    validation = paired_token_loss(config, [run["validation"] for run in runs_a], [run["validation"] for run in runs_b])
+    reference = None if references is None else paired_token_loss(config, *references)
     per_seed_same_data = [
         {
             "seed": run_a["seed"],
@@ -133,12 +162,10 @@ def summarize(config, runs_a: list[dict], runs_b: list[dict], candidates: list[d
         ],
         "chosen_mixing_learning_rate": runs_b[0]["mixing_learning_rate"],
         "same_data": per_seed_same_data,
-        "validation_loss": {
-            "a": spread_a,
-            "b": spread_b,
-            "exceeds_seed_spread": stats.exceeds_seed_spread(spread_a, spread_b),
-            "paired": loss,
-        },
+        # The split the mixing learning rate was chosen on (B's first seed is the candidate that did best on it).
+        "validation_loss": validation,
+        # The headline: held-out test problems, never used for any choice.
+        "reference_loss": reference,
         "benchmarks": {
             name: compare_per_problem(evals_a, evals_b, config) for name, (evals_a, evals_b) in evaluations.items()
         },
@@ -158,14 +185,44 @@ def summarize(config, runs_a: list[dict], runs_b: list[dict], candidates: list[d
 # ---------------------------------------------------------------------------------------------------------------------
 
 
-def _yes_no(value: bool | None) -> str:
-    return "n/a (one seed)" if value is None else "yes" if value else "no"
+def _over_seeds(paired: dict, scale: float = 1.0, digits: int = 4) -> str:
+    """A table cell: B - A paired seed by seed, its t interval and the two p-values (or why there are none)."""
+    if paired["ci"] is None:
+        return "n/a (one seed)"
+    low, high = (scale * bound for bound in paired["ci"])
+    return (
+        f"{scale * paired['mean']:+.{digits}f} [{low:+.{digits}f}, {high:+.{digits}f}]; t p {paired['t_p_value']:.2g}, "
+        f"sign-flip p {paired['permutation_p_value']:.2g}"
+    )
 
 
-def _exceeds(value: bool | None) -> str:
-    if value is None:
-        return "cannot be compared with a seed spread (one seed)"
-    return "exceeds the seed spread" if value else "does not exceed the seed spread"
+def _over_seeds_sentence(paired: dict, scale: float = 1.0, digits: int = 4, unit: str = "") -> str:
+    if paired["ci"] is None:
+        return "With one seed per arm there is no seed-to-seed spread to test it against."
+    excludes = "excludes" if paired["interval_excludes_zero"] else "includes"
+    return (
+        f"Paired seed by seed (same data and order in both arms): {describe_paired(paired, scale, digits, unit)}; the "
+        f"interval {excludes} 0 (with {paired['n']} seeds the sign-flip test cannot go below "
+        f"{paired['smallest_permutation_p_value']:.3g})."
+    )
+
+
+def _loss_sentence(name: str, loss: dict) -> str:
+    paired = loss["paired"]
+    difference = paired["difference"]
+    excludes_zero = difference["ci"][0] > 0 or difference["ci"][1] < 0
+    direction = "lower" if difference["estimate"] < 0 else "higher"
+    needed = paired.get("rows_for_target")
+    needed_text = (
+        f"; detecting {paired['target_difference']} would take about {needed:,} such rows" if needed is not None else ""
+    )
+    return (
+        f"{name}: arm B (IHA) is {direction} by {abs(difference['estimate']):.4f} nats/token over "
+        f"{paired['num_rows']} rows, 95% CI {_interval(difference['ci'])} (paired bootstrap over rows, per-row losses "
+        f"averaged over seeds); the interval {'excludes' if excludes_zero else 'includes'} 0. The smallest difference "
+        f"this measures at alpha {ALPHA} with power {POWER} is {paired['detectable_difference']:.4f}{needed_text}. "
+        + _over_seeds_sentence(loss["paired_over_seeds"])
+    )
 
 
 def _spread(spread: dict, scale: float = 1.0, digits: int = 4) -> str:
@@ -190,15 +247,12 @@ def _exact_floor(power: dict, num_problems: int) -> str:
 def conclusions(report: dict) -> list[str]:
     """What the run shows, sentence by sentence, from the numbers alone."""
     lines = []
-    loss = report["validation_loss"]
-    paired = loss["paired"]["difference"]
-    excludes_zero = paired["ci"][0] > 0 or paired["ci"][1] < 0
-    direction = "lower" if paired["estimate"] < 0 else "higher"
+    if report.get("reference_loss") is not None:
+        lines.append(
+            _loss_sentence("Reference-solution loss on the test problems (the headline)", report["reference_loss"])
+        )
     lines.append(
-        f"Validation loss: arm B (IHA) is {direction} by {abs(paired['estimate']):.4f} nats/token, 95% CI "
-        f"{_interval(paired['ci'])}; the interval {'excludes' if excludes_zero else 'includes'} 0. The difference "
-        f"{_exceeds(loss['exceeds_seed_spread'])} "
-        f"(largest range over seeds {max(loss['a']['range'], loss['b']['range']):.4f})."
+        _loss_sentence("Validation loss (the split the mixing learning rate was chosen on)", report["validation_loss"])
     )
     for name, bench in report["benchmarks"].items():
         test = bench["mcnemar"]
@@ -212,11 +266,11 @@ def conclusions(report: dict) -> list[str]:
         )
         lines.append(
             f"{name} {test['metric']}: B - A = {100 * difference:+.1f} points (mean over seeds); exact McNemar p per "
-            f"seed {p_values}; the difference {_exceeds(metric['exceeds_seed_spread'])}. "
-            f"With {bench['num_problems']} problems and the observed disagreement "
+            f"seed {p_values}. With {bench['num_problems']} problems and the observed disagreement "
             f"({100 * power['mean_discordant_share']:.1f}% of problems), the smallest difference this run detects at "
             f"alpha {power['alpha']} with power {power['power']} is {detectable_text} "
-            f"({_exact_floor(power, bench['num_problems'])})."
+            f"({_exact_floor(power, bench['num_problems'])}). "
+            + _over_seeds_sentence(metric["paired_over_seeds"], 100, 1, " points")
         )
     return lines
 
@@ -249,12 +303,24 @@ def render_markdown(report: dict) -> str:
         "",
         "## Results (mean ± std over seeds)",
         "",
-        "| metric | A (base) | B (IHA) | B - A | 95% CI of B - A (paired bootstrap) | exceeds seed spread |",
+        "The headline is the loss on the test problems' reference solutions: held out, never used for a choice. "
+        "The validation rows are the split arm B's mixing learning rate was chosen on (B's first seed is the "
+        "candidate that did best there), so B's validation loss is biased in its favour.",
+        "",
+        "| metric | A (base) | B (IHA) | B - A | 95% CI of B - A (paired bootstrap over items) | B - A paired seed by "
+        "seed: mean [95% t CI]; paired t p, sign-flip p |",
         "|---|---:|---:|---:|---|---|",
-        f"| validation loss (nats/token) | {_spread(loss['a'])} | {_spread(loss['b'])} | "
-        f"{loss['b']['mean'] - loss['a']['mean']:+.4f} | {_interval(loss['paired']['difference']['ci'])} | "
-        f"{_yes_no(loss['exceeds_seed_spread'])} |",
     ]
+    losses = [("reference-solution loss, test (nats/token)", report.get("reference_loss"))]
+    losses.append(("validation loss, selection split (nats/token)", loss))
+    for label, values in losses:
+        if values is None:
+            continue
+        lines.append(
+            f"| {label} | {_spread(values['a'])} | {_spread(values['b'])} | "
+            f"{values['b']['mean'] - values['a']['mean']:+.4f} | {_interval(values['paired']['difference']['ci'])} | "
+            f"{_over_seeds(values['paired_over_seeds'])} |"
+        )
     for name, bench in report["benchmarks"].items():
         for metric, values in bench["metrics"].items():
             bootstrap = values.get("bootstrap")
@@ -262,15 +328,14 @@ def render_markdown(report: dict) -> str:
             lines.append(
                 f"| {name} {metric} (%) | {_spread(values['a'], 100, 1)} | {_spread(values['b'], 100, 1)} | "
                 f"{100 * (values['b']['mean'] - values['a']['mean']):+.1f} | {ci} | "
-                f"{_yes_no(values['exceeds_seed_spread'])} |"
+                f"{_over_seeds(values['paired_over_seeds'], 100, 1)} |"
             )
     lines += ["", "Per seed:", "", "| metric | " + " | ".join(f"A s{s} | B s{s}" for s in seeds) + " |"]
     lines.append("|---|" + "---:|" * (2 * len(seeds)))
-    lines.append(
-        "| validation loss | "
-        + " | ".join(f"{a:.4f} | {b:.4f}" for a, b in zip(loss["a"]["values"], loss["b"]["values"]))
-        + " |"
-    )
+    for label, values in (("reference-solution loss", report.get("reference_loss")), ("validation loss", loss)):
+        if values is not None:
+            cells = " | ".join(f"{a:.4f} | {b:.4f}" for a, b in zip(values["a"]["values"], values["b"]["values"]))
+            lines.append(f"| {label} | {cells} |")
     for name, bench in report["benchmarks"].items():
         for metric, values in bench["metrics"].items():
             cells = " | ".join(
@@ -278,15 +343,23 @@ def render_markdown(report: dict) -> str:
             )
             lines.append(f"| {name} {metric} (%) | {cells} |")
     lines += ["", "## Paired tests and power", ""]
-    paired = loss["paired"]
-    lines.append(
-        f"- Validation loss, B - A per token over {paired['num_rows']} rows ({paired['num_tokens']} tokens; per-row "
-        f"losses averaged over seeds): {paired['difference']['estimate']:+.4f}, 95% CI "
-        f"{_interval(paired['difference']['ci'])} (half-width {paired['difference']['half_width']:.4f}; "
-        f"{paired['num_resamples']} resamples). A: {paired['a']['estimate']:.4f} {_interval(paired['a']['ci'], signed=False)}, "
-        f"B: {paired['b']['estimate']:.4f} {_interval(paired['b']['ci'], signed=False)}. Smallest difference detectable at alpha "
-        f"{ALPHA} with power {POWER}: {paired['detectable_difference']:.4f} nats/token."
-    )
+    for label, values in (("Reference-solution loss", report.get("reference_loss")), ("Validation loss", loss)):
+        if values is None:
+            continue
+        paired = values["paired"]
+        needed = paired.get("rows_for_target")
+        lines.append(
+            f"- {label}, B - A per token over {paired['num_rows']} rows ({paired['num_tokens']} tokens; per-row "
+            f"losses averaged over seeds): {paired['difference']['estimate']:+.4f}, 95% CI "
+            f"{_interval(paired['difference']['ci'])} (half-width {paired['difference']['half_width']:.4f}; "
+            f"{paired['num_resamples']} resamples). A: {paired['a']['estimate']:.4f} "
+            f"{_interval(paired['a']['ci'], signed=False)}, B: {paired['b']['estimate']:.4f} "
+            f"{_interval(paired['b']['ci'], signed=False)}. Smallest difference detectable at alpha {ALPHA} with power "
+            f"{POWER}: {paired['detectable_difference']:.4f} nats/token"
+            + (f"; {paired['target_difference']} would need about {needed:,} rows" if needed is not None else "")
+            + ". These intervals hold the trained models fixed; the seed-by-seed comparison is what covers training "
+            "noise."
+        )
     for name, bench in report["benchmarks"].items():
         test = bench["mcnemar"]
         per_seed = "; ".join(
@@ -311,8 +384,12 @@ def render_markdown(report: dict) -> str:
         f"{len(seeds)} value(s) per arm, and the conclusion holds for this model, data and budget only.",
         "- Differences smaller than the detectable differences above are not ruled out: a result without "
         "significance here is not evidence of no effect.",
-        "- The validation rows come from the training distribution; test accuracy is the out-of-sample measure, and "
-        "the mixing learning rate was chosen on validation loss only (never on test problems).",
+        "- The validation rows come from the training distribution and chose arm B's mixing learning rate; the "
+        "reference-solution loss and the accuracy on the test problems are the out-of-sample measures (no choice was "
+        "made on them).",
+        "- The paired bootstrap over rows or problems holds the trained models fixed: it says whether these models "
+        "differ, not whether another training seed would; the seed-by-seed comparison covers that, with as few "
+        "degrees of freedom as there are seeds.",
         "",
         f"## Arm B's mixing learning rate (chosen on validation loss, seed {seeds[0]})",
         "",

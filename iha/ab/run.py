@@ -20,9 +20,11 @@ Everything is written into OUTPUT_DIR, one folder per run, each result file atom
     ab_config.json                 the settings; a later call with other settings is refused
     data/{train,validation}.jsonl  the rows each arm trains and validates on, and data/split.json (the indices)
     conversion.json                arm B's model before training against arm A's: max |logit difference|
-    selection.json                 arm B's mixing learning rate, chosen on validation loss (seed 0's candidates)
+    selection.json                 arm B's mixing learning rate, chosen on validation loss (seed 0's candidates;
+                                   never on the test problems)
     base-seed0/train.json          a run's training curve, step trace, validation losses (and drift for iha-...)
     base-seed0/eval-gsm8k.json     its test answers, per problem
+    base-seed0/reference-gsm8k.json  its loss on the test problems' reference solutions, per problem
     base-seed0/training/           the trained model (its checkpoints only while training: they are deleted after)
 
 A later call reuses every result file it finds and resumes an interrupted training from its last checkpoint.
@@ -200,6 +202,16 @@ def prepare_data(config: ABConfig, output_dir: Path) -> tuple[list[dict], list[d
     from ..data import read_jsonl
 
     return read_jsonl(train_path), read_jsonl(validation_path)
+
+
+def prepare_reference_rows(config: ABConfig) -> list[dict]:
+    """The GSM8K test problems with their reference solutions, in the training rows' format (the OpenThoughts
+    conversation, without its system prompt where the training rows have none): what `score_reference` scores
+    teacher-forced. Problem i is the same row for both arms, so their losses pair per problem."""
+    from ..data import gsm8k_file_to_openthoughts
+
+    rows = gsm8k_file_to_openthoughts(config.test_data, limit=config.num_reference_problems, split="test")
+    return rows if config.keep_system_prompt else [without_system_prompt(row) for row in rows]
 
 
 def load_test_problems(source: str, benchmark: str, limit: int | None):
@@ -537,6 +549,26 @@ def evaluate_run(
         ],
         "seconds": seconds,
     }
+    write_json_atomic(result, result_path)
+    del model
+    release_memory()
+    return result
+
+
+def score_reference(run_dir: Path, rows: list[dict], config: ABConfig, settings: dict) -> dict:
+    """A run's trained model scored teacher-forced on the reference solutions `rows` (`prepare_reference_rows`):
+    per problem the summed negative log-likelihood of the solution's tokens and their number, as the training loss
+    counts them, in float32 (bf16 autocast where training used it). Writes `reference-gsm8k.json`; an existing file
+    is returned as is."""
+    from ..evaluation.math_eval import load_model_and_tokenizer
+
+    result_path = run_dir / "reference-gsm8k.json"
+    if result_path.is_file():
+        return json.loads(result_path.read_text(encoding="utf-8"))
+    model, tokenizer = load_model_and_tokenizer(str(run_dir / "training"), dtype="float32", device=settings["device"])
+    started = time.perf_counter()
+    losses = validation_losses(model, tokenizer, rows, config.validation_batch_size, settings)
+    result = {"run": run_dir.name, "num_problems": len(rows), **losses, "seconds": time.perf_counter() - started}
     write_json_atomic(result, result_path)
     del model
     release_memory()

@@ -19,7 +19,9 @@
 - `mcnemar_exact`: the exact two-sided McNemar test on paired correctness (a binomial test on the discordant pairs);
 - `detectable_accuracy_difference`: the smallest accuracy difference the paired design detects at a given level and
   power, given the number of problems and the share of them on which the arms disagree;
-- `seed_spread`: mean, standard deviation and range of a metric over seeds.
+- `seed_spread`: mean, standard deviation and range of a metric over seeds;
+- `paired_over_seeds`: B - A seed by seed, with the paired t-test and the exact sign-flip permutation test;
+- `detectable_difference`, `items_needed`: the power of a paired difference with a known standard error.
 """
 
 import math
@@ -28,20 +30,19 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from ..paired_stats import paired_differences, sign_test
+
 
 def mcnemar_exact(b: int, c: int) -> float:
     """Two-sided exact McNemar p-value for `b` pairs where only A is right and `c` where only B is right.
 
     Under the null hypothesis each discordant pair goes either way with probability 1/2, so min(b, c) is binomial
-    (b + c, 1/2); the p-value doubles its lower tail (capped at 1). No discordant pair gives p = 1.
+    (b + c, 1/2): the sign test of the discordant pairs (`iha.paired_stats.sign_test`). No discordant pair gives
+    p = 1.
     """
     if b < 0 or c < 0:
         raise ValueError(f"Discordant counts must be >= 0, got b={b}, c={c}.")
-    n = b + c
-    if n == 0:
-        return 1.0
-    tail = sum(math.comb(n, i) for i in range(min(b, c) + 1))
-    return min(1.0, 2 * tail / 2**n)
+    return sign_test(b, c)
 
 
 def discordant_counts(correct_a: Sequence[bool], correct_b: Sequence[bool]) -> tuple[int, int]:
@@ -191,21 +192,39 @@ def seed_spread(values: Sequence[float]) -> dict:
     }
 
 
-def exceeds_seed_spread(spread_a: dict, spread_b: dict) -> bool | None:
-    """Whether the difference of the arms' means is larger than the larger of the two arms' seed ranges; None when
-    neither arm has two seeds (no spread to compare with)."""
-    if len(spread_a["values"]) < 2 and len(spread_b["values"]) < 2:
-        return None
-    return abs(spread_b["mean"] - spread_a["mean"]) > max(spread_a["range"], spread_b["range"])
+def paired_over_seeds(values_a: Sequence[float], values_b: Sequence[float], seeds: Sequence[int]) -> dict:
+    """B - A seed by seed (the arms of one seed share data, order and steps): `iha.paired_stats.paired_differences`
+    plus `interval_excludes_zero` (None with one seed: no spread to compare the difference with)."""
+    paired = paired_differences(values_a, values_b, labels=list(seeds))
+    ci = paired["ci"]
+    paired["interval_excludes_zero"] = None if ci is None else bool(ci[0] > 0 or ci[1] < 0)
+    return paired
+
+
+def detectable_difference(standard_error: float, alpha: float = 0.05, power: float = 0.8) -> float:
+    """The smallest difference a two-sided z-test at level `alpha` detects with probability `power`, given the
+    standard error of the difference: (z_{1-alpha/2} + z_power) * SE."""
+    normal = statistics.NormalDist()
+    return (normal.inv_cdf(1 - alpha / 2) + normal.inv_cdf(power)) * standard_error
+
+
+def items_needed(standard_error: float, num_items: int, target: float, alpha: float = 0.05, power: float = 0.8) -> int:
+    """How many items (problems, rows) make `target` the detectable difference, when `num_items` of them gave
+    `standard_error` (which falls as 1 / sqrt(items))."""
+    if target <= 0:
+        raise ValueError(f"`target` must be > 0, got {target}.")
+    return math.ceil(num_items * (detectable_difference(standard_error, alpha, power) / target) ** 2)
 
 
 __all__ = [
     "detectable_accuracy_difference",
+    "detectable_difference",
     "discordant_counts",
-    "exceeds_seed_spread",
+    "items_needed",
     "mcnemar_exact",
     "mean_bootstrap",
     "minimum_discordant_pairs",
+    "paired_over_seeds",
     "seed_spread",
     "token_loss_bootstrap",
 ]

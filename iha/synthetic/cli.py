@@ -40,7 +40,9 @@ def make_parser() -> argparse.ArgumentParser:
         choices=sorted(PRESETS),
         default="cpu",
         help="cpu: the full comparison shrunk for 2 CPU cores (75-107 min of one thread a seed; default); "
-        "paper: the paper's scale (for a GPU); fixed: every example at m = 6 / 5, MHA and IHA only; tiny: seconds",
+        "paper: the paper's scale (for a GPU); paper-ternary: the paper's data and width for ternary at m = 5 "
+        "(hours of one thread a run; start the same command twice to share the runs between two processes); "
+        "fixed: every example at m = 6 / 5, MHA and IHA only; tiny: seconds",
     )
     parser.add_argument(
         "--output-dir", default="runs/synthetic", help="writes results.json/.md and accuracy.png (default: %(default)s)"
@@ -86,6 +88,12 @@ def make_parser() -> argparse.ArgumentParser:
         default=None,
         metavar="RESULTS_JSON",
         help="no training: write seeds.md/.json/.png (mean and spread over the seeds of these results.json files)",
+    )
+    parser.add_argument(
+        "--report",
+        action="store_true",
+        help="no training: write seeds.md/.json/.png in OUTPUT_DIR from the runs the same command (same preset "
+        "and settings) has finished so far, finished or not; the unfinished runs are named as such",
     )
     parser.add_argument(
         "--fresh",
@@ -153,6 +161,15 @@ def _run(args: argparse.Namespace) -> int:
     if len(set(seeds)) != len(seeds):
         raise SystemExit(f"--seeds must be distinct, got {seeds}.")
     output_dir = Path(args.output_dir)
+    if args.report:
+        results_per_seed = [
+            _finished_so_far(replace(config, seed=seed), output_dir if len(seeds) == 1 else output_dir / f"seed-{seed}")
+            for seed in seeds
+        ]
+        paths = write_seed_summary(results_per_seed, output_dir)
+        print(paths["table"].read_text(encoding="utf-8"))
+        print("wrote " + ", ".join(str(path) for path in paths.values()))
+        return 0
     if len(seeds) > 1 and not args.fresh:
         _train_cheap_models_first(config, seeds, output_dir, args.device)
     results_per_seed = []
@@ -167,18 +184,45 @@ def _run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _train_cheap_models_first(config: SyntheticConfig, seeds: list[int], output_dir: Path, device: str | None) -> None:
-    """Several seeds: train every seed's MHA and IHA P = 2 first, then the costly models (IHA with P > 2 attends
-    P m^2 pseudo-tokens, 2-simplicial m^4 pairs of keys), the cheaper task first, so that an interrupted call has
-    whole models over all seeds. Runs go to each seed's checkpoint; the outputs are written afterwards."""
-    from .train import config_as_saved, model_variants, run_comparison
+def _finished_so_far(config: SyntheticConfig, seed_dir: Path) -> dict:
+    """The runs of `config` finished in `seed_dir`: its results.json, else its results.partial.json (a running or
+    interrupted call), else none; a file of another configuration is refused."""
+    from .train import config_as_saved
+
+    for name in ("results.json", "results.partial.json"):
+        path = seed_dir / name
+        if path.is_file():
+            results = _read_results(str(path))
+            if results["config"] != config_as_saved(config):
+                raise ValueError(
+                    f"{path} holds runs of another configuration: give --report the preset and settings that made it."
+                )
+            return results
+    return {"config": config_as_saved(config), "runs": []}
+
+
+def _work_in_cost_order(config: SyntheticConfig) -> list[set[tuple[str, str]]]:
+    """The (task, model) runs of a comparison in passes, cheapest first: MHA and IHA with P <= 2 of every task;
+    then per task (the smallest largest m first) IHA with P > 2 (P m^2 pseudo-tokens), then 2-simplicial (m^4 pairs
+    of keys per query)."""
+    from .train import model_variants
 
     cheap = {"MHA", "IHA P=1", "IHA P=2"}
-    tasks_by_cost = sorted(config.tasks, key=lambda task: config.m[task][1])  # the largest m costs the most
-    passes = [{(task, name) for task in config.tasks for name, _, _ in model_variants(config) if name in cheap}]
-    for task in tasks_by_cost:
-        passes.append({(task, name) for name, _, _ in model_variants(config) if name not in cheap})
-    for only in passes:
+    names = [name for name, _, _ in model_variants(config)]
+    passes = [{(task, name) for task in config.tasks for name in names if name in cheap}]
+    for task in sorted(config.tasks, key=lambda task: config.m[task][1]):
+        passes += [{(task, name)} for name in names if name not in cheap and name != "2-simplicial"]
+        passes += [{(task, name)} for name in names if name == "2-simplicial"]
+    return passes
+
+
+def _train_cheap_models_first(config: SyntheticConfig, seeds: list[int], output_dir: Path, device: str | None) -> None:
+    """Several seeds: train every seed's MHA and IHA P = 2 first, then the costly models (`_work_in_cost_order`),
+    so that an interrupted call has whole models over all seeds. Runs go to each seed's checkpoint; the outputs are
+    written afterwards. A run another process is training (the same command started twice) is left to it."""
+    from .train import config_as_saved, run_comparison
+
+    for only in _work_in_cost_order(config):
         for seed in seeds:
             seed_config = replace(config, seed=seed)
             seed_dir = output_dir / f"seed-{seed}"
@@ -188,7 +232,13 @@ def _train_cheap_models_first(config: SyntheticConfig, seeds: list[int], output_
                 if saved.get("config") == config_as_saved(seed_config):
                     continue  # done; another configuration is refused by _run_and_write
                 return
-            run_comparison(seed_config, checkpoint=seed_dir / "results.partial.json", device=device, only=only)
+            run_comparison(
+                seed_config,
+                checkpoint=seed_dir / "results.partial.json",
+                device=device,
+                only=only,
+                wait_for_others=False,
+            )
 
 
 def _run_and_write(config: SyntheticConfig, output_dir: Path, fresh: bool, device: str | None = None) -> dict:
@@ -198,6 +248,18 @@ def _run_and_write(config: SyntheticConfig, output_dir: Path, fresh: bool, devic
     `--seeds` picks up where an interrupted call stopped); one of another configuration is never overwritten
     unless `fresh`.
     """
+    from filelock import FileLock
+
+    from .train import lock_path
+
+    checkpoint = output_dir / "results.partial.json"
+    # One process at a time finishes a comparison (another one running the same command waits, then reuses it).
+    lock_path(checkpoint, "finish").parent.mkdir(parents=True, exist_ok=True)
+    with FileLock(lock_path(checkpoint, "finish")):
+        return _finish_comparison(config, output_dir, fresh, device)
+
+
+def _finish_comparison(config: SyntheticConfig, output_dir: Path, fresh: bool, device: str | None) -> dict:
     from .report import results_table, write_outputs
     from .train import config_as_saved, run_comparison
 

@@ -13,6 +13,18 @@ from .simplicial_attention import TwoSimplicialAttention
 from .task import valid_positions
 
 
+def reset_mixing_random(mixing: IHAHeadMixing, generator: torch.Generator) -> None:
+    """Random mixing for training from scratch: alphas N(0, 1/H) (fan-in H), collapse N(0, 1/P). (An identity
+    start would keep every pseudo-copy of a key identical forever under a mask-free attention.)"""
+    with torch.no_grad():
+        for name in ("alpha_q", "alpha_k", "alpha_v"):
+            parameter = getattr(mixing, name)
+            parameter.copy_(torch.randn(parameter.shape, generator=generator) / math.sqrt(mixing.num_heads))
+        mixing.collapse.copy_(
+            torch.randn(mixing.collapse.shape, generator=generator) / math.sqrt(mixing.num_pseudo_heads)
+        )
+
+
 class BidirectionalAttention(nn.Module):
     """Mask-free softmax attention: multi-head (`num_pseudo_heads=None`) or Interleaved Head Attention.
 
@@ -35,17 +47,8 @@ class BidirectionalAttention(nn.Module):
             self.head_mixing = IHAHeadMixing(num_heads, num_heads, num_pseudo_heads, collapse_mode="per_head")
 
     def reset_mixing_random(self, generator: torch.Generator) -> None:
-        """Random mixing for training from scratch: alphas N(0, 1/H) (fan-in H), collapse N(0, 1/P)."""
-        if self.head_mixing is None:
-            return
-        mixing = self.head_mixing
-        with torch.no_grad():
-            for name in ("alpha_q", "alpha_k", "alpha_v"):
-                parameter = getattr(mixing, name)
-                parameter.copy_(torch.randn(parameter.shape, generator=generator) / math.sqrt(mixing.num_heads))
-            mixing.collapse.copy_(
-                torch.randn(mixing.collapse.shape, generator=generator) / math.sqrt(mixing.num_pseudo_heads)
-            )
+        if self.head_mixing is not None:
+            reset_mixing_random(self.head_mixing, generator)
 
     def forward(self, hidden_states: torch.Tensor, key_padding_mask: torch.Tensor | None = None) -> torch.Tensor:
         batch_size, seq_len, _ = hidden_states.shape

@@ -7,6 +7,7 @@ import os
 from pathlib import Path
 
 from ..atomic_files import saved_figure, write_json_atomic, write_text_atomic
+from ..paired_stats import paired_differences
 from .config import SyntheticConfig, describe_m
 from .train import model_variants
 
@@ -22,8 +23,9 @@ def best_runs(results: dict) -> dict[tuple[str, str], dict]:
 
 
 def _saved_config(config: dict) -> SyntheticConfig:
-    """A results file's config; those written before the 2-simplicial baseline existed ran without it."""
-    return SyntheticConfig(**{"simplicial": False, **config})
+    """A results file's config; those written before the 2-simplicial baseline existed ran without it, those
+    written before batches were grouped by m trained on mixed batches."""
+    return SyntheticConfig(**{"simplicial": False, "group_by_m": False, **config})
 
 
 def _model_names(config: dict) -> list[str]:
@@ -98,6 +100,89 @@ def _mean_std(values: list[float]) -> tuple[float, float]:
     return mean, std
 
 
+def _paired_with_baselines(
+    task: str, model: str, baselines: list[str], seeds: list[int], selected: list[dict]
+) -> dict[str, dict]:
+    """Per baseline listed before `model` (MHA, then 2-simplicial): test accuracy and exact match of `model` minus
+    the baseline's, paired by seed (the seeds both have: same data, order and shared initial weights), in points."""
+    paired = {}
+    for baseline in baselines[: baselines.index(model) if model in baselines else len(baselines)]:
+        both = [
+            (seed, runs) for seed, runs in zip(seeds, selected) if (task, model) in runs and (task, baseline) in runs
+        ]
+        if not both:
+            continue
+        paired[baseline] = {
+            metric: paired_differences(
+                [100 * runs[(task, baseline)][key] for _, runs in both],
+                [100 * runs[(task, model)][key] for _, runs in both],
+                labels=[seed for seed, _ in both],
+            )
+            for metric, key in (("accuracy", "test_accuracy"), ("exact_match", "test_exact_match"))
+        }
+    return paired
+
+
+def _exact_match_lines(config: dict, summary: dict, seeds: list[int]) -> list[str]:
+    lines = ["", "Exact match (every entry of the composed relation right), test, validation-selected lr (%):", ""]
+    lines += ["| Task | Model | mean ± std | " + " | ".join(f"seed {seed}" for seed in seeds) + " |"]
+    lines += ["|---|---|---:|" + "---:|" * len(seeds)]
+    for entry in summary.values():
+        by_seed = dict(zip(entry["seeds"], entry["test_exact_match"]))
+        cells = [f"{by_seed[seed]:.2f}" if seed in by_seed else "–" for seed in seeds]
+        mean = f"{entry['exact_match_mean']:.2f} ± {entry['exact_match_std']:.2f}"
+        if len(entry["seeds"]) < len(seeds):
+            mean += f" ({len(entry['seeds'])} of {len(seeds)} seeds)"
+        lines.append(f"| {entry['task']} | {entry['model']} | {mean} | " + " | ".join(cells) + " |")
+    return lines
+
+
+def _paired_lines(config: dict, summary: dict, baselines: list[str]) -> list[str]:
+    """The paired table: model minus baseline per seed; mean, t interval, paired t and sign-flip permutation p."""
+    rows = [
+        (entry, baseline, metric, paired)
+        for entry in summary.values()
+        for baseline, metrics in entry["paired"].items()
+        for metric, paired in metrics.items()
+    ]
+    if not rows:
+        return []
+    lines = [
+        "",
+        "Paired by seed (the seeds share data, order and initial weights), model − baseline in points: mean, 95% "
+        "Student-t interval, paired t-test p, exact sign-flip permutation p (with n seeds it cannot fall below "
+        "2 / 2^n: 0.25 for 3 seeds), how many seeds came out positive:",
+        "",
+        "| Task | Model − baseline | metric | seeds | mean | 95% CI | paired t p | permutation p | positive |",
+        "|---|---|---|---:|---:|---|---:|---:|---:|",
+    ]
+    for entry, baseline, metric, paired in rows:
+        ci = "–" if paired["ci"] is None else f"[{paired['ci'][0]:+.2f}, {paired['ci'][1]:+.2f}]"
+        t_p = "–" if paired["t_p_value"] is None else f"{paired['t_p_value']:.3g}"
+        permutation_p = "–" if paired["permutation_p_value"] is None else f"{paired['permutation_p_value']:.3g}"
+        lines.append(
+            f"| {entry['task']} | {entry['model']} − {baseline} | {metric.replace('_', ' ')} | {paired['n']} | "
+            f"{paired['mean']:+.2f} | {ci} | {t_p} | {permutation_p} | {paired['positive']} of {paired['n']} |"
+        )
+    return lines
+
+
+def unfinished_runs(results_per_seed: list[dict]) -> list[tuple[str, str, list[int]]]:
+    """(task, model, seeds) for every (task, model) of the comparison that some seeds have not finished."""
+    config = results_per_seed[0]["config"]
+    unfinished = []
+    for task in config["tasks"]:
+        for model in _model_names(config):
+            missing = [
+                results["config"]["seed"]
+                for results in results_per_seed
+                if not any(run["task"] == task and run["model"] == model for run in results["runs"])
+            ]
+            if missing:
+                unfinished.append((task, model, missing))
+    return unfinished
+
+
 def seed_summary(results_per_seed: list[dict]) -> tuple[str, dict]:
     """Test accuracy over several seeds: mean ± std per task, model and learning rate, for the validation-selected
     learning rate (with every seed's value and the gap to each baseline), and per m; a markdown table and its numbers.
@@ -143,6 +228,7 @@ def seed_summary(results_per_seed: list[dict]) -> tuple[str, dict]:
                 per_seed = [run.get("test_accuracy_by_m", {}).get(str(size)) for _, run in having]
                 if None not in per_seed:
                     by_m[str(size)] = dict(zip(("mean", "std"), _mean_std([100 * value for value in per_seed])))
+            exact_match = [100 * run["test_exact_match"] for _, run in having]
             summary[f"{task}/{model}"] = {
                 "task": task,
                 "m": first["m"][task],
@@ -150,7 +236,12 @@ def seed_summary(results_per_seed: list[dict]) -> tuple[str, dict]:
                 "test_accuracy": values,
                 "mean": mean,
                 "std": std,
+                "test_exact_match": exact_match,
+                "exact_match_mean": _mean_std(exact_match)[0],
+                "exact_match_std": _mean_std(exact_match)[1],
                 "seeds": [seed for seed, _ in having],
+                "unfinished_seeds": [seed for seed, runs in zip(seeds, selected) if (task, model) not in runs],
+                "paired": _paired_with_baselines(task, model, baselines, seeds, selected),
                 "learning_rates": [run["learning_rate"] for _, run in having],
                 "by_learning_rate": per_rate,
                 "by_m": by_m,
@@ -182,6 +273,8 @@ def seed_summary(results_per_seed: list[dict]) -> tuple[str, dict]:
                 reference = summary.get(f"{task}/{name}")
                 row.append("–" if name == model or reference is None else f"{mean - reference['mean']:+.2f}")
             lines.append("| " + " | ".join(row) + " |")
+    lines += _exact_match_lines(first, summary, seeds)
+    lines += _paired_lines(first, summary, baselines)
     lines += ["", "Test accuracy per m, mean ± std over seeds (validation-selected learning rate):", ""]
     for task in first["tasks"]:
         sizes = _sizes(first, task)
@@ -198,6 +291,20 @@ def seed_summary(results_per_seed: list[dict]) -> tuple[str, dict]:
             lines.append("| " + " | ".join([model, *cells]) + " |")
         lines.append("")
     lines.append(_stopping_line([run for results in results_per_seed for run in results["runs"]]))
+    unfinished = unfinished_runs(results_per_seed)
+    if unfinished:
+        total = len(first["tasks"]) * len(models) * len(seeds)
+        finished = total - sum(len(missing) for _, _, missing in unfinished)
+        missing_text = "; ".join(
+            f"{task} {model} (seed{'s' if len(missing) > 1 else ''} {', '.join(map(str, missing))})"
+            for task, model, missing in unfinished
+        )
+        lines = [
+            f"**Partial results: {finished} of {total} runs finished.** Not finished, so not in the tables: "
+            f"{missing_text}.",
+            "",
+            *lines,
+        ]
     return "\n".join(lines), summary
 
 
@@ -326,7 +433,11 @@ def write_seed_summary(results_per_seed: list[dict], output_dir: str | os.PathLi
     paths = {"table": output_dir / "seeds.md", "json": output_dir / "seeds.json", "plot": output_dir / "seeds.png"}
     write_text_atomic(table + "\n", paths["table"])
     write_json_atomic(summary, paths["json"])
-    plot_seed_summary(summary, paths["plot"])
+    if summary:
+        plot_seed_summary(summary, paths["plot"])
+    else:  # nothing finished yet: no picture (and none left from an earlier call that would disagree with the table)
+        paths["plot"].unlink(missing_ok=True)
+        del paths["plot"]
     return paths
 
 

@@ -6,12 +6,14 @@ import copy
 import json
 import os
 import time
-from collections.abc import Collection
+from collections.abc import Collection, Iterator
+from contextlib import contextmanager
 from dataclasses import asdict
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from filelock import FileLock, Timeout
 from torch import nn
 from tqdm.auto import tqdm
 
@@ -68,6 +70,23 @@ def masked_loss(logits: torch.Tensor, batch: CompositionData) -> torch.Tensor:
     return F.binary_cross_entropy_with_logits(logits[is_real], batch.labels[is_real])
 
 
+def epoch_batches(
+    sizes: torch.Tensor, batch_size: int, generator: torch.Generator, group_by_m: bool = True
+) -> list[torch.Tensor]:
+    """The example indices of one epoch's training batches: every example exactly once, in a random order.
+
+    `group_by_m`: each batch holds examples of a single m (a random permutation, sorted stably by m, cut into
+    batches within each m, then the batches shuffled), so no batch pads to a larger m than its own; otherwise
+    consecutive slices of the permutation (padded to their largest m).
+    """
+    order = torch.randperm(len(sizes), generator=generator)
+    if not group_by_m:
+        return list(order.split(batch_size))
+    by_m = order[torch.argsort(sizes[order].cpu(), stable=True)]
+    batches = [batch for size in sizes.unique().tolist() for batch in by_m[sizes[by_m].cpu() == size].split(batch_size)]
+    return [batches[index] for index in torch.randperm(len(batches), generator=generator).tolist()]
+
+
 def train_one(
     model: nn.Module,
     data: dict[str, CompositionData],
@@ -87,10 +106,9 @@ def train_one(
     with tqdm(range(1, config.max_epochs + 1), desc=description, unit="epoch", leave=False) as progress:
         for epoch in progress:
             model.train()
-            order = torch.randperm(len(train_data), generator=generator).to(device)
             total_loss = 0.0
-            for start in range(0, len(order), config.batch_size):
-                batch = train_data.subset(order[start : start + config.batch_size])  # padded to this batch's largest m
+            for index in epoch_batches(train_data.sizes.cpu(), config.batch_size, generator, config.group_by_m):
+                batch = train_data.subset(index.to(device))  # padded to this batch's largest m
                 loss = masked_loss(model(batch.bits, batch.sizes), batch)
                 optimizer.zero_grad(set_to_none=True)
                 loss.backward()
@@ -98,9 +116,9 @@ def train_one(
                 total_loss += loss.item() * len(batch)
             validation = evaluate(model, data["val"], config.batch_size)
             history.append(
-                {"epoch": epoch, "train_loss": total_loss / len(order), "val_accuracy": validation["accuracy"]}
+                {"epoch": epoch, "train_loss": total_loss / len(train_data), "val_accuracy": validation["accuracy"]}
             )
-            progress.set_postfix(loss=f"{total_loss / len(order):.4f}", val_acc=f"{validation['accuracy']:.4f}")
+            progress.set_postfix(loss=f"{total_loss / len(train_data):.4f}", val_acc=f"{validation['accuracy']:.4f}")
             if validation["accuracy"] > best_accuracy:
                 best_accuracy, best_epoch, epochs_without_gain = validation["accuracy"], epoch, 0
                 best_state = copy.deepcopy(model.state_dict())
@@ -152,6 +170,50 @@ def _load_checkpoint(path: Path | None, config: SyntheticConfig) -> list[dict]:
     return saved["runs"]
 
 
+def run_key(run: dict) -> tuple[str, str, float]:
+    return run["task"], run["model"], run["learning_rate"]
+
+
+def lock_path(checkpoint: Path, name: str) -> Path:
+    """A lock file beside `checkpoint`, in a hidden `.locks` folder (the files stay; they are empty)."""
+    return checkpoint.parent / ".locks" / f"{checkpoint.name}.{name}.lock"
+
+
+@contextmanager
+def claim(checkpoint: Path | None, key: tuple[str, str, float], wait: bool) -> Iterator[bool]:
+    """Hold the run `key` of `checkpoint` for this process while the block trains it, so that another process
+    running the same comparison trains something else. Yields False when another process holds it and `wait` is
+    False; with `wait`, blocks until that process lets go (it has finished the run, or died).
+    """
+    if checkpoint is None:
+        yield True
+        return
+    task, model, learning_rate = key
+    name = f"{task}-{model}-lr{learning_rate:g}".replace(" ", "").replace("=", "")
+    path = lock_path(checkpoint, name)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    lock = FileLock(path, timeout=-1 if wait else 0)
+    try:
+        lock.acquire()
+    except Timeout:
+        yield False
+        return
+    try:
+        yield True
+    finally:
+        lock.release()
+
+
+def save_run(checkpoint: Path, config: SyntheticConfig, run: dict) -> list[dict]:
+    """Add a finished run to the checkpoint, merged with what other processes wrote there meanwhile; returns the
+    checkpoint's runs."""
+    with FileLock(lock_path(checkpoint, "write")):
+        runs = [saved for saved in _load_checkpoint(checkpoint, config) if run_key(saved) != run_key(run)]
+        runs.append(run)
+        write_json_atomic({"config": asdict(config), "runs": runs}, checkpoint)
+    return runs
+
+
 def majority_baseline(data: CompositionData) -> dict:
     """Accuracy of always predicting the more frequent label, over all real positions and per m."""
     is_real = valid_positions(data.sizes, data.bits.shape[1])
@@ -173,17 +235,21 @@ def run_comparison(
     checkpoint: str | os.PathLike | None = None,
     device: str | torch.device | None = None,
     only: Collection[tuple[str, str]] | None = None,
+    wait_for_others: bool = True,
 ) -> dict:
     """Every task x model x learning rate; returns a JSON-ready dict (config, baselines, runs).
 
     With `checkpoint`, every finished run is saved there at once, and a later call with the same config skips the
     runs it finds: an interrupted comparison resumes where it stopped (each run is deterministic in the seed).
-    `device` defaults to CUDA when there is one. `only` ((task, model) pairs) trains just those runs now, keeping
-    the checkpoint's other runs, so that a caller can order the work across seeds (cheap models first).
+    Several processes may work on one checkpoint: each run is claimed by the process that trains it (a lock beside
+    the checkpoint), and the others skip it (`wait_for_others=False`: the returned runs then lack it) or wait for
+    it and take its result (the default). `device` defaults to CUDA when there is one. `only` ((task, model) pairs)
+    trains just those runs now, keeping the checkpoint's other runs, so that a caller can order the work across
+    seeds (cheap models first).
     """
     device = torch.device(device) if device is not None else default_device()
     checkpoint = Path(checkpoint) if checkpoint is not None else None
-    finished = {(run["task"], run["model"], run["learning_rate"]): run for run in _load_checkpoint(checkpoint, config)}
+    finished = {run_key(run): run for run in _load_checkpoint(checkpoint, config)}
     runs = []
     baselines = {}
     variants = model_variants(config)
@@ -204,18 +270,26 @@ def run_comparison(
                     overall.update(len(config.learning_rates))
                     continue
                 for learning_rate in config.learning_rates:
+                    key = (task, name, learning_rate)
                     description = f"{task} m={describe_m(m)} {name} lr={learning_rate:g}"
-                    if (task, name, learning_rate) in finished:
-                        runs.append(finished[(task, name, learning_rate)])
-                        overall.update(1)
-                        overall.set_postfix_str(f"{description}: done before")
-                        continue
-                    model = build_model(
-                        m[1], config.hidden_size, config.num_heads, num_pseudo_heads, config.seed, attention
-                    ).to(device)
-                    result = train_one(model, data, learning_rate, config, description)
-                    runs.append(
-                        {
+                    with claim(checkpoint, key, wait=wait_for_others) as claimed:
+                        if checkpoint is not None and key not in finished:
+                            # Another process may have finished it since this call started.
+                            finished = {run_key(run): run for run in _load_checkpoint(checkpoint, config)}
+                        if key in finished:
+                            runs.append(finished[key])
+                            overall.update(1)
+                            overall.set_postfix_str(f"{description}: done before")
+                            continue
+                        if not claimed:
+                            overall.update(1)
+                            overall.set_postfix_str(f"{description}: another process is training it")
+                            continue
+                        model = build_model(
+                            m[1], config.hidden_size, config.num_heads, num_pseudo_heads, config.seed, attention
+                        ).to(device)
+                        result = train_one(model, data, learning_rate, config, description)
+                        run = {
                             "task": task,
                             "m": m,
                             "model": name,
@@ -225,11 +299,9 @@ def run_comparison(
                             "parameters": count_parameters(model),
                             **result,
                         }
-                    )
-                    if checkpoint is not None:
-                        done = {(run["task"], run["model"], run["learning_rate"]) for run in runs}
-                        kept = [run for key, run in finished.items() if key not in done]  # runs outside `only`
-                        write_json_atomic({"config": asdict(config), "runs": runs + kept}, checkpoint)
+                        runs.append(run)
+                        if checkpoint is not None:
+                            finished = {run_key(saved): saved for saved in save_run(checkpoint, config, run)}
                     overall.update(1)
                     overall.set_postfix_str(f"{description}: test acc {result['test_accuracy']:.4f}")
     return {

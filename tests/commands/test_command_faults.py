@@ -134,7 +134,9 @@ def test_interrupted_synthetic_keeps_its_finished_runs_to_resume(paused_command,
     out, err = finish(process)
     last = assert_one_line_interruption(process, "iha synthetic", signal.SIGINT, out, err)
     assert last.endswith(f"the runs finished so far are kept in {output}: the same command resumes from them")
-    assert listing(output) == ["results.partial.json"]
+    # Beside the checkpoint: the empty lock files with which several processes share a comparison's runs.
+    assert listing(output) == [".locks", "results.partial.json"]
+    assert all(path.stat().st_size == 0 for path in (output / ".locks").iterdir())
     assert len(json.loads((output / "results.partial.json").read_text())["runs"]) == 1
 
 

@@ -13,7 +13,8 @@ from sft_utils import build_tiny_tokenizer
 from iha.ab import stats
 from iha.ab.cli import main
 from iha.ab.config import preset_config
-from iha.ab.run import StepTrace, prepare_data, prepare_output_dir, run_name, train_run
+from iha.ab.run import StepTrace, prepare_data, prepare_output_dir, prepare_reference_rows, run_name, train_run
+from iha.data import read_jsonl
 from iha.sft import load_model_for_sft
 
 
@@ -233,10 +234,60 @@ def test_detectable_difference_solves_the_paired_sample_size():
     assert stats.detectable_accuracy_difference(4, 0.5) == 0.5  # too few problems: only the largest difference
 
 
-def test_seed_spread_and_its_comparison():
-    spread_a, spread_b = stats.seed_spread([0.30, 0.34]), stats.seed_spread([0.40, 0.41])
+def test_seed_spread_and_the_paired_comparison_over_seeds():
+    spread_a = stats.seed_spread([0.30, 0.34])
     assert spread_a["mean"] == pytest.approx(0.32) and spread_a["range"] == pytest.approx(0.04)
     assert spread_a["std"] == pytest.approx(0.04 / math.sqrt(2))
-    assert stats.exceeds_seed_spread(spread_a, spread_b)
-    assert not stats.exceeds_seed_spread(spread_a, stats.seed_spread([0.31, 0.36]))
-    assert stats.exceeds_seed_spread(stats.seed_spread([0.3]), stats.seed_spread([0.4])) is None  # no spread known
+    # The seeds' spreads overlap (0.30-0.34 against 0.31-0.36), but B is above A on every seed by 0.01-0.02: the
+    # paired comparison sees the consistent difference the unpaired spreads hide.
+    a, b = [0.30, 0.34, 0.32, 0.36], [0.315, 0.355, 0.33, 0.38]
+    paired = stats.paired_over_seeds(a, b, [0, 1, 2, 3])
+    assert paired["mean"] == pytest.approx(0.015) and paired["labels"] == [0, 1, 2, 3]
+    assert paired["interval_excludes_zero"] and paired["t_p_value"] < 0.01
+    assert paired["permutation_p_value"] == 2 / 16  # all four positive: the smallest it can be with 4 seeds
+    noisy = stats.paired_over_seeds([0.30, 0.34], [0.31, 0.33], [0, 1])
+    assert noisy["interval_excludes_zero"] is False and noisy["permutation_p_value"] == 1.0
+    assert stats.paired_over_seeds([0.3], [0.4], [0])["interval_excludes_zero"] is None  # one seed: no spread
+
+
+def test_detectable_difference_and_items_needed():
+    # (z_0.975 + z_0.8) = 2.8016 standard errors; the standard error falls as 1 / sqrt(items).
+    assert stats.detectable_difference(0.001) == pytest.approx(2.801585218e-3, rel=1e-8)
+    # The cpu run's validation loss: SE 0.000546 over 64 rows -> 0.0005 nats/token needs 600 rows.
+    needed = stats.items_needed(0.000546, 64, 0.0005)
+    assert needed == math.ceil(64 * (2.801585218 * 0.000546 / 0.0005) ** 2) == 600
+    assert stats.detectable_difference(0.000546 * math.sqrt(64 / needed)) <= 0.0005
+
+
+def test_reference_solutions_are_scored_and_paired_per_problem(finished, data_files):
+    output_dir, report = finished
+    config = preset_config("tiny", test_data=str(data_files[1]))
+    rows = prepare_reference_rows(config)
+    test_rows = [json.loads(line) for line in data_files[1].read_text().splitlines()[: config.num_reference_problems]]
+    assert len(rows) == config.num_reference_problems == 4
+    assert all(row["conversations"][0]["value"].endswith(test["question"]) for row, test in zip(rows, test_rows))
+    assert all("system" not in row for row in rows)  # as the tiny preset's training rows
+    scored = {
+        arm: [
+            json.loads((output_dir / run / "reference-gsm8k.json").read_text()) for run in report["arms"][arm]["runs"]
+        ]
+        for arm in ("a", "b")
+    }
+    tokens = scored["a"][0]["tokens"]
+    assert len(tokens) == 4 and all(count > 0 for count in tokens)
+    assert all(entry["tokens"] == tokens for entry in scored["a"] + scored["b"])  # the same tokens in every run
+    reference = report["reference_loss"]
+    assert reference["a"]["values"] == pytest.approx([entry["loss"] for entry in scored["a"]])
+    # Per problem, averaged over seeds, then per token: the headline difference.
+    nll = {arm: [sum(values) / len(values) for values in zip(*(e["nll"] for e in scored[arm]))] for arm in scored}
+    assert reference["paired"]["difference"]["estimate"] == pytest.approx((sum(nll["b"]) - sum(nll["a"])) / sum(tokens))
+    assert reference["paired_over_seeds"]["differences"] == pytest.approx(
+        [b["loss"] - a["loss"] for a, b in zip(scored["a"], scored["b"])]
+    )
+    # The mixing learning rate was chosen on the validation rows, which are training rows, not test problems.
+    validation_questions = [
+        row["conversations"][0]["value"] for row in read_jsonl(output_dir / "data" / "validation.jsonl")
+    ]
+    assert not set(validation_questions) & {row["conversations"][0]["value"] for row in rows}
+    markdown = (output_dir / "report.md").read_text()
+    assert markdown.index("reference-solution loss, test") < markdown.index("validation loss, selection split")

@@ -423,3 +423,122 @@ def test_several_seeds_train_the_cheap_models_first_and_resume_after_an_interrup
         results = json.loads((tmp_path / f"seed-{seed}" / "results.json").read_text())
         assert len(results["runs"]) == 6 and not (tmp_path / f"seed-{seed}" / "results.partial.json").exists()
     assert (tmp_path / "seeds.md").is_file()
+
+
+@pytest.mark.parametrize("group_by_m", [True, False])
+def test_epoch_batches_cover_every_example_once_and_group_by_m(group_by_m):
+    from iha.synthetic import epoch_batches
+
+    data = make_composition_data("binary", [3, 6], 203, seed=5)
+    batches = epoch_batches(data.sizes, 16, torch.Generator().manual_seed(0), group_by_m)
+    assert sorted(torch.cat(batches).tolist()) == list(range(203))
+    assert all(len(batch) <= 16 for batch in batches)
+    sizes_per_batch = [set(data.sizes[batch].tolist()) for batch in batches]
+    if group_by_m:
+        assert all(len(sizes) == 1 for sizes in sizes_per_batch)  # nothing is padded
+        # Batches of different m are interleaved, not one m after another.
+        firsts = [min(sizes) for sizes in sizes_per_batch]
+        assert firsts != sorted(firsts)
+    else:
+        # The order the results written before grouping were trained in: slices of one permutation.
+        expected = torch.randperm(203, generator=torch.Generator().manual_seed(0)).split(16)
+        assert all(torch.equal(a, b) for a, b in zip(batches, expected))
+        assert any(len(sizes) > 1 for sizes in sizes_per_batch)
+
+
+def test_grouped_batches_train_on_the_loss_of_each_relation_alone():
+    # A grouped batch is unpadded, and its loss is the mean over its relations computed one at a time.
+    from iha.synthetic import epoch_batches
+
+    model = build_model(5, 16, 4, 2, seed=0).double()
+    data = make_composition_data("ternary", [3, 5], 40, seed=2)
+    for index in epoch_batches(data.sizes, 8, torch.Generator().manual_seed(1)):
+        bits, labels, sizes = data.subset(index)
+        batch = CompositionData(bits, labels.double(), sizes)
+        m = int(batch.sizes[0])
+        assert batch.bits.shape == (len(index), m * m)
+        alone = [
+            F.binary_cross_entropy_with_logits(model(batch.bits[i : i + 1])[0], batch.labels[i])
+            for i in range(len(index))
+        ]
+        torch.testing.assert_close(
+            masked_loss(model(batch.bits, batch.sizes), batch), torch.stack(alone).mean(), rtol=0, atol=1e-12
+        )
+
+
+def test_two_processes_share_a_comparison_run_by_run(tmp_path, monkeypatch):
+    # Another process holding a run's claim: this one skips it while ordering the work, and when finishing takes
+    # the result the other process wrote instead of training it again.
+    from filelock import FileLock
+
+    import iha.synthetic.train as synthetic_training
+    from iha.synthetic.cli import _train_cheap_models_first
+    from iha.synthetic.train import lock_path, save_run
+
+    config = replace(TINY, tasks=["binary"], max_epochs=1, simplicial=False)
+    checkpoint = tmp_path / "seed-0" / "results.partial.json"
+    claim_file = lock_path(checkpoint, "binary-IHAP2-lr0.01")
+    claim_file.parent.mkdir(parents=True)
+    trained = []
+    real_train_one = synthetic_training.train_one
+
+    def record(*args, **kwargs):
+        trained.append(args[4])
+        return real_train_one(*args, **kwargs)
+
+    monkeypatch.setattr(synthetic_training, "train_one", record)
+    other_process = FileLock(claim_file, timeout=0)
+    other_process.acquire()
+    _train_cheap_models_first(config, [0], tmp_path, "cpu")
+    assert trained == ["binary m=3..4 MHA lr=0.01"]
+    # The other process finishes its run and lets go; this process's call then reuses it.
+    their_run = run_comparison(config, progress=False, only={("binary", "IHA P=2")})["runs"][0]
+    their_run["test_accuracy"] = 0.123  # a mark: the result is the one the other process wrote
+    save_run(checkpoint, config, their_run)
+    other_process.release()
+    trained.clear()
+    main(
+        ["--preset", "tiny", "--tasks", "binary", "--max-epochs", "1", "--no-simplicial", "--seeds", "0", "1"]
+        + ["--output-dir", str(tmp_path)]
+    )
+    results = json.loads((tmp_path / "seed-0" / "results.json").read_text())
+    assert {run["model"]: run["test_accuracy"] for run in results["runs"]}["IHA P=2"] == 0.123
+    assert trained == ["binary m=3..4 MHA lr=0.01", "binary m=3..4 IHA P=2 lr=0.01"]  # seed 1's, not seed 0's
+
+
+def test_report_summarizes_unfinished_runs_with_paired_differences(tiny_results, tmp_path, capsys):
+    # Seed 0 finished, seed 1 interrupted before its 2-simplicial runs, seed 2 not started: --report (the training
+    # command's settings) summarizes what is there and names what is not.
+    seed_1 = copy.deepcopy(tiny_results)
+    seed_1["config"]["seed"] = 1
+    for index, run in enumerate(seed_1["runs"]):
+        run["test_accuracy"] = min(1.0, run["test_accuracy"] + 0.01 * index)
+    (tmp_path / "seed-0").mkdir()
+    (tmp_path / "seed-0" / "results.json").write_text(json.dumps(tiny_results))
+    partial = {"config": seed_1["config"], "runs": [run for run in seed_1["runs"] if run["model"] != "2-simplicial"]}
+    (tmp_path / "seed-1").mkdir()
+    (tmp_path / "seed-1" / "results.partial.json").write_text(json.dumps(partial))
+    assert main(["--preset", "tiny", "--seeds", "0", "1", "2", "--output-dir", str(tmp_path), "--report"]) == 0
+    table = (tmp_path / "seeds.md").read_text()
+    assert table.startswith("**Partial results: 10 of 18 runs finished.**")
+    assert "binary 2-simplicial (seeds 1, 2)" in table and "binary MHA (seed 2)" in table
+    summary = json.loads((tmp_path / "seeds.json").read_text())
+    entry = summary["binary/IHA P=2"]
+    assert entry["seeds"] == [0, 1] and entry["unfinished_seeds"] == [2]
+    paired = entry["paired"]["MHA"]["accuracy"]
+    by_seed = [
+        {run["model"]: 100 * run["test_accuracy"] for run in results["runs"] if run["task"] == "binary"}
+        for results in (tiny_results, seed_1)
+    ]
+    assert paired["differences"] == pytest.approx([values["IHA P=2"] - values["MHA"] for values in by_seed])
+    assert paired["labels"] == [0, 1] and paired["smallest_permutation_p_value"] == 0.5
+    exact = entry["paired"]["MHA"]["exact_match"]
+    assert exact["n"] == 2 and "exact match" in table and "| binary | IHA P=2 − MHA | accuracy | 2 |" in table
+    single = summary["binary/IHA P=2"]["paired"]["2-simplicial"]["accuracy"]  # only seed 0 has both
+    assert single["n"] == 1 and single["ci"] is None and single["t_p_value"] is None
+    # Runs of other settings are refused rather than summarized under the wrong name.
+    assert (
+        main(["--preset", "tiny", "--seeds", "0", "1", "--num-train", "8", "--output-dir", str(tmp_path), "--report"])
+        == 2
+    )
+    assert "another configuration" in capsys.readouterr().err
