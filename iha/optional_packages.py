@@ -3,8 +3,8 @@
 `require` checks, before a job starts, that the packages it will import are installed, and names every missing one
 in one error. `missing_package_message` turns an import that failed on one of the package's declared requirements
 into that same line, for the `iha` commands (`iha.cli`); a module the package does not declare is a real bug and
-keeps its traceback. The pip command pins what the package's own metadata pins (`trl==1.16.0`), so it installs the
-release the package was tested with.
+keeps its traceback. The pip command asks for what the package's own metadata declares (`trl>=1.7.0,<1.17`), so it
+installs a release inside the supported range.
 """
 
 import importlib.metadata
@@ -23,7 +23,7 @@ def _canonical(name: str) -> str:
 
 
 def declared_requirements() -> dict[str, str]:
-    """Canonical distribution name -> the requirement the package declares for it (`trl` -> `trl==1.16.0`)."""
+    """Canonical distribution name -> the requirement the package declares for it (`trl` -> `trl<1.17,>=1.7.0`)."""
     from packaging.requirements import Requirement
 
     try:
@@ -38,7 +38,7 @@ def declared_requirements() -> dict[str, str]:
 
 
 def pip_command(modules: list[str]) -> str:
-    """`pip install "trl==1.16.0" "gguf>=0.10"` for the top-level modules `trl` and `gguf`."""
+    """`pip install "trl<1.17,>=1.7.0" "gguf>=0.10"` for the top-level modules `trl` and `gguf`."""
     requirements = declared_requirements()
     names = [requirements.get(_canonical(module), _canonical(module)) for module in modules]
     return "pip install " + " ".join(f'"{name}"' if any(c in name for c in "<>=!~") else name for name in names)

@@ -132,9 +132,10 @@ def test_gemma3_build_writes_the_notice_and_a_card_with_the_license(tmp_path, mo
     the card next to the weights, the stamp last, nothing else left in the cache."""
     built = {}
 
-    def fake_build(target, gguf_path, model_class_name, stamp, needs_chat_template, extra_files=None):
+    def fake_build(target, gguf_path, model_class_name, stamp, needs_chat_template, card, extra_files=None):
         built.update(gguf=gguf_path, exists=gguf_path.is_file(), model_class_name=model_class_name, stamp=stamp)
         target.mkdir()
+        builtin.write_model_card(target, card)
         for name, text in extra_files.items():
             (target / name).write_text(text)
         (target / builtin.STAMP_NAME).write_text(json.dumps(stamp))
@@ -158,6 +159,6 @@ def test_gemma3_build_writes_the_notice_and_a_card_with_the_license(tmp_path, mo
     assert folder == tmp_path / builtin.GEMMA3_FOLDER_NAME and built["exists"] and not built["gguf"].exists()
     assert built["model_class_name"] == "Gemma3ForCausalLM" and built["stamp"]["license"] == "gemma"
     assert "Gemma Terms of Use" in (folder / "NOTICE").read_text()
-    assert (folder / "README.md").read_text().startswith("---\nlicense: gemma\nbase_model: google/gemma-3-270m\n---")
+    assert (folder / "README.md").read_text().startswith("---\nbase_model: google/gemma-3-270m\nlicense: gemma\n---")
     assert [path.name for path in tmp_path.iterdir()] == [builtin.GEMMA3_FOLDER_NAME]
     assert builtin.gemma3_dir(cache_dir=tmp_path) == folder  # cached

@@ -14,6 +14,7 @@ from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
 import iha
 from iha.cli import main as iha_main
 from iha.convert import CODE_FILES
+from iha.convert.cli import main as convert_main
 from iha.hub import upload_operations
 from iha.model_card import how_to_load_section, update_model_card
 
@@ -114,11 +115,16 @@ def test_iha_push_offline_names_itself_and_changes_nothing(tmp_path, capsys):
 
 
 @pytest.mark.parametrize(
-    "argv, usage", [(["push"], "usage: iha push"), (["convert", "push"], "usage: iha-convert push")]
+    "main, argv, usage",
+    [
+        (iha_main, ["push"], "usage: iha push"),
+        (iha_main, ["convert", "push"], "usage: iha convert push"),
+        (convert_main, ["push"], "usage: iha-convert push"),
+    ],
 )
-def test_push_help_names_the_command_that_was_run(argv, usage, capsys):
+def test_push_help_names_the_command_that_was_run(main, argv, usage, capsys):
     with pytest.raises(SystemExit) as exit_info:
-        iha_main([*argv, "--help"])
+        main([*argv, "--help"])
     assert exit_info.value.code == 0
     assert capsys.readouterr().out.startswith(usage)
 

@@ -5,12 +5,14 @@ import sys
 import pytest
 
 from iha.builtin import smollm2_dir
-from iha.optional_packages import MissingPackageError, missing_package_message, require
+from iha.optional_packages import MissingPackageError, declared_requirements, missing_package_message, require
 
 
 def test_a_missing_declared_package_is_one_line_with_its_pinned_pip_command():
     message = missing_package_message(ModuleNotFoundError("No module named 'trl'", name="trl"))
-    assert message == 'this command needs the `trl` package, which is not installed: pip install "trl==1.16.0"'
+    trl_requirement = declared_requirements()["trl"]  # the supported range setup.py declares, e.g. trl<1.17,>=1.7.0
+    assert any(operator in trl_requirement for operator in "<>=")
+    assert message == f'this command needs the `trl` package, which is not installed: pip install "{trl_requirement}"'
     submodule = missing_package_message(ModuleNotFoundError(name="math_verify.parser"))
     assert submodule.endswith('pip install "math-verify==0.9.0"')
     # A module the package does not declare is a bug, not a missing extra: it keeps its traceback.
@@ -30,7 +32,7 @@ def test_require_names_every_missing_package_in_one_error(monkeypatch):
 def test_the_builtin_model_without_gguf_says_how_to_install_it(monkeypatch, tmp_path):
     monkeypatch.setitem(sys.modules, "gguf", None)
     with pytest.raises(
-        MissingPackageError, match=r'built-in SmolLM2 GGUF file needs the `gguf` package.*"gguf>=0\.10"'
+        MissingPackageError, match=r'built-in model\'s GGUF file needs the `gguf` package.*"gguf>=0\.10"'
     ):
         smollm2_dir(cache_dir=tmp_path)
     assert list(tmp_path.iterdir()) == []
