@@ -9,8 +9,8 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from iha.convert import CheckpointOptions, ConversionError, IHAConversionOptions, llama_to_iha, make_parser
 from iha.arguments import dataclass_values
+from iha.convert import CheckpointOptions, ConversionError, IHAConversionOptions, llama_to_iha, make_parser
 from iha.convert.plan import plan_conversion
 
 
