@@ -30,8 +30,10 @@ from ..atomic_folders import run_command
 from ..hub import HubUploadError, push_to_hub
 from ..hub import main as push_main
 from .architectures import SUPPORTED_DESCRIPTION, SUPPORTED_FAMILIES
+from .checkpoint import convert_checkpoint
 from .errors import ConversionError, VerificationFailedError
 from .options import CheckpointOptions, IHAConversionOptions
+from .plan import describe_layers
 
 
 SUMMARY = f"convert a {SUPPORTED_FAMILIES} checkpoint to IHA"
@@ -60,8 +62,6 @@ def make_parser(subparsers=None) -> argparse.ArgumentParser:
 
 
 def print_report(report, write: Callable[[str], None]) -> None:
-    from .plan import describe_layers
-
     write(f"Converted {report.source} ({report.architecture}) -> {report.output_dir}")
     write(
         f"  P={report.num_pseudo_heads}, IHA layers {describe_layers(report.iha_layers) or 'none'} of "
@@ -76,8 +76,6 @@ def print_report(report, write: Callable[[str], None]) -> None:
 
 def run_conversion(args: argparse.Namespace) -> int:
     """What `iha-convert SRC DST` does once its arguments are parsed; failures propagate to `run_command`."""
-    from .checkpoint import convert_checkpoint
-
     options = IHAConversionOptions(**dataclass_values(args, IHAConversionOptions))
     checkpoint_options = CheckpointOptions(**dataclass_values(args, CheckpointOptions))
     handler = logging.StreamHandler(sys.stderr)
