@@ -67,6 +67,7 @@ TINY_SETTINGS = {
     ("iha-eval", "math"): ["--limit", "1", "--num-samples", "2", "--max-new-tokens", "8"],
     ("iha-eval", "needle"): ["--num-examples", "1", "--lengths", "256", "--max-new-tokens", "8"],
     ("iha", "synthetic"): ["--preset", "tiny", "--tasks", "binary", "--max-epochs", "1", "--num-train", "128"],
+    ("python", "-m iha.synthetic.polynomial"): ["--steps", "100", "--seeds", "0", "1", "--attentions", "linear"],
     ("iha", "ab"): [
         "--preset",
         "tiny",
