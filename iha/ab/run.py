@@ -47,13 +47,8 @@ from transformers.trainer_utils import get_last_checkpoint
 
 from .. import IHA_MODEL_TYPES
 from ..atomic_files import write_json_atomic, write_jsonl_atomic
-from ..data import (
-    BOXED_INSTRUCTION,
-    OPENTHOUGHTS_SYSTEM_PROMPT,
-    gsm8k_to_openthoughts,
-    load_sft_dataset,
-    read_gsm8k_rows,
-)
+from ..data import BOXED_INSTRUCTION, OPENTHOUGHTS_SYSTEM_PROMPT, load_sft_dataset
+from ..gsm8k import gsm8k_file_to_openthoughts, gsm8k_to_openthoughts, read_gsm8k_rows
 from .config import ABConfig
 
 
@@ -208,8 +203,6 @@ def prepare_reference_rows(config: ABConfig) -> list[dict]:
     """The GSM8K test problems with their reference solutions, in the training rows' format (the OpenThoughts
     conversation, without its system prompt where the training rows have none): what `score_reference` scores
     teacher-forced. Problem i is the same row for both arms, so their losses pair per problem."""
-    from ..data import gsm8k_file_to_openthoughts
-
     rows = gsm8k_file_to_openthoughts(config.test_data, limit=config.num_reference_problems, split="test")
     return rows if config.keep_system_prompt else [without_system_prompt(row) for row in rows]
 
