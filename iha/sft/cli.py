@@ -15,8 +15,8 @@
 
 Two parsers of the same dataclasses. `make_parser()` holds the flags of `iha.sft.arguments` (model, data, IHA
 training), made by `iha.arguments.add_dataclass_arguments` as transformers' `HfArgumentParser` declares them, and is
-built without TRL: `--help` lists them first and without loading TRL, and the `iha` dispatcher checks a command
-line with it before the run. `make_trl_parser()` is the `HfArgumentParser` over them and TRL's `SFTConfig` (~200 flags more:
+built without TRL: `--help` lists them without loading TRL, and the `iha` dispatcher checks a command line with it
+before the run. `make_trl_parser()` is the `HfArgumentParser` over them and TRL's `SFTConfig` (~200 flags more:
 `--learning_rate`, `--max_length`, `--packing`, ...); the run parses its command line with it, and `--help_trl`
 prints the package's flags, then the training ones.
 """
