@@ -145,7 +145,7 @@ def test_sft_config_file_missing_a_required_setting_is_one_line(tmp_path, capsys
 
 def test_conversion_choices_are_the_configs():
     for name in ("MASK_MODES", "POSITION_MODES", "COLLAPSE_MODES", "COLLAPSE_INITS"):
-        assert getattr(options, name) == getattr(configuration_iha, name), name
+        assert getattr(options, name) is getattr(configuration_iha, name), name
 
 
 IMPORT_REGISTERS = """
