@@ -362,6 +362,7 @@ def run_comparison(
                         runs.append(run)
                         if checkpoint is not None:
                             finished = {run_key(saved): saved for saved in save_run(checkpoint, config, run)}
+                            # The folder stays (like `.locks`): another process may be writing its run's state there.
                             resume_path.unlink(missing_ok=True)
                     overall.update(1)
                     overall.set_postfix_str(f"{description}: test acc {result['test_accuracy']:.4f}")

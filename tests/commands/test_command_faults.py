@@ -134,9 +134,11 @@ def test_interrupted_synthetic_keeps_its_finished_runs_to_resume(paused_command,
     out, err = finish(process)
     last = assert_one_line_interruption(process, "iha synthetic", signal.SIGINT, out, err)
     assert last.endswith(f"the runs finished so far are kept in {output}: the same command resumes from them")
-    # Beside the checkpoint: the empty lock files with which several processes share a comparison's runs.
-    assert listing(output) == [".locks", "results.partial.json"]
+    # Beside the checkpoint: the empty lock files with which several processes share a comparison's runs, and the
+    # folder of the runs' states between epochs, empty: the finished run's state went with its result.
+    assert listing(output) == [".epochs", ".locks", "results.partial.json"]
     assert all(path.stat().st_size == 0 for path in (output / ".locks").iterdir())
+    assert not list((output / ".epochs").iterdir())
     assert len(json.loads((output / "results.partial.json").read_text())["runs"]) == 1
 
 
