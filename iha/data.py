@@ -225,6 +225,17 @@ def row_to_messages(row: dict, index: int = 0, schema: str | None = None, defaul
     return _check_conversation(messages, index)
 
 
+def without_system_prompt(row: dict) -> dict:
+    """The row without its system prompt (a `system` column, or a leading system turn of its `conversations` or
+    `messages`), in its own schema; the chat template's own default system prompt, if it has one, takes its place."""
+    row = {key: value for key, value in row.items() if key != "system"}
+    for column, role_key in (("conversations", "from"), ("messages", "role")):
+        turns = row.get(column)
+        if isinstance(turns, list) and turns and isinstance(turns[0], dict) and turns[0].get(role_key) == "system":
+            row[column] = turns[1:]
+    return row
+
+
 def to_messages_dataset(
     dataset: Dataset | Sequence[dict],
     default_system_prompt: str | None = None,

@@ -34,7 +34,7 @@ import typing
 from collections.abc import Sequence
 
 from ..arguments import ArgumentParser
-from ..atomic_folders import run_command
+from ..command_line import run_command
 from ..convert import ConversionError
 from .config import PRESETS, ABConfig, preset_config
 

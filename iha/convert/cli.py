@@ -27,7 +27,7 @@ import typing
 from collections.abc import Callable, Sequence
 
 from ..arguments import ArgumentParser
-from ..atomic_folders import run_command
+from ..command_line import run_command
 from .architectures import SUPPORTED_DESCRIPTION, SUPPORTED_FAMILIES
 from .errors import ConversionError, VerificationFailedError
 from .options import CheckpointOptions, IHAConversionOptions
