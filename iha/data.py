@@ -25,6 +25,7 @@ prompt (TRL's own conversion of `conversations` rows renames keys only and drops
 OpenThoughts3-1.2M rows (`difficulty, source, domain, conversations` with human / gpt roles) are the
 `"openthoughts"` schema without a `system` column. A malformed row raises `DataFormatError` naming its index and
 what is wrong with it.
+`without_system_prompt` drops a row's system prompt and keeps its schema.
 
 `gsm8k_to_openthoughts` writes GSM8K rows (question, worked answer ending in `#### N`) in the OpenThoughts-114k
 format, so the whole pipeline can be exercised offline on real data.

@@ -169,10 +169,9 @@ def check_conversion(source: str, validation_rows: list[dict], config: ABConfig,
     """Arm B's model before training against arm A's on the first validation rows: the largest |logit difference|
     over the rows' real tokens (as `iha.convert.verify` compares a converted folder with its source), and both
     validation losses (equal up to rounding for an exact conversion)."""
-    tokenizer = AutoTokenizer.from_pretrained(source)
+    tokenizer = prepare_tokenizer(AutoTokenizer.from_pretrained(source), assistant_only_loss=True)
     rows = validation_rows[:num_rows]
-    marked = prepare_tokenizer(tokenizer, assistant_only_loss=True)
-    input_ids, attention_mask, _ = loss_token_batch(marked, load_sft_dataset(rows)["messages"])
+    input_ids, attention_mask, _ = loss_token_batch(tokenizer, load_sft_dataset(rows)["messages"])
     batch = {"input_ids": input_ids.to(settings["device"]), "attention_mask": attention_mask.to(settings["device"])}
     results = {}
     logits = {}
