@@ -46,7 +46,7 @@ import iha
 from iha.arguments import ArgumentParser  # noqa: E402
 from iha.atomic_files import write_text_atomic
 from iha.convert import llama_to_iha
-from iha.data import gsm8k_file_to_openthoughts
+from iha.gsm8k import gsm8k_file_to_openthoughts
 from iha.sft import IHASFTConfig, train_sft
 
 

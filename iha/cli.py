@@ -8,7 +8,7 @@ iha ab          A/B: SFT of a model as it is vs of its IHA conversion, with pair
 iha synthetic   the paper's relation-composition comparison: MHA, 2-simplicial, IHA
 iha card        the IHA model card of a folder `trl sft` trained
 iha push        upload an IHA folder to the Hub                          (same as `iha-convert push`)
-iha data        SFT data: GSM8K to OpenThoughts rows, any schema to `messages` rows   (same as `python -m iha.data`)
+iha data        SFT data: GSM8K to OpenThoughts rows, any schema to `messages` rows
 iha chat-template  a chat template with {% generation %} markers        (same as `python -m iha.chat_templates`)
 iha serve       an OpenAI-compatible server for an IHA model (transformers' server, continuous batching)
 
@@ -37,7 +37,7 @@ COMMANDS = {
     "synthetic": ("iha.synthetic.cli", "the paper's synthetic relation-composition comparison: MHA, 2-simplicial, IHA"),
     "card": ("iha.sft.card", "write the IHA model card of a folder `trl sft` trained (base, how to load)"),
     "push": ("iha.hub", "upload an IHA folder (converted or fine-tuned) to the Hugging Face Hub"),
-    "data": ("iha.data", "SFT data: GSM8K rows to OpenThoughts format, any row schema to `messages` rows"),
+    "data": ("iha.data_cli", "SFT data: GSM8K rows to OpenThoughts format, any row schema to `messages` rows"),
     "chat-template": ("iha.chat_templates", "write a chat template with {% generation %} markers (.jinja)"),
     "serve": ("iha.serve", "an OpenAI-compatible server for an IHA model (transformers' server, continuous batching)"),
 }

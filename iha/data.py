@@ -27,8 +27,8 @@ OpenThoughts3-1.2M rows (`difficulty, source, domain, conversations` with human 
 what is wrong with it.
 `without_system_prompt` drops a row's system prompt and keeps its schema.
 
-`gsm8k_to_openthoughts` writes GSM8K rows (question, worked answer ending in `#### N`) in the OpenThoughts-114k
-format, so the whole pipeline can be exercised offline on real data.
+GSM8K rows (their reference answer and their OpenThoughts-format conversion) live in `iha.gsm8k`, the `iha data`
+command in `iha.data_cli`.
 """
 
 from __future__ import annotations
@@ -36,13 +36,10 @@ from __future__ import annotations
 import json
 import logging
 import os
-import re
-import sys
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from .arguments import ArgumentParser
 from .atomic_files import write_jsonl_atomic
 
 
@@ -384,60 +381,8 @@ def filter_by_length(
 
 
 # ---------------------------------------------------------------------------------------------------------------------
-# GSM8K -> OpenThoughts
+# JSONL files
 # ---------------------------------------------------------------------------------------------------------------------
-
-# GSM8K's worked answers carry calculator annotations such as `48/2 = <<48/2=24>>24`; they are not prose.
-CALCULATOR_ANNOTATION = re.compile(r"<<[^<>]*>>")
-
-
-def gsm8k_final_answer(answer: str) -> str:
-    """The number after `####` in a GSM8K answer, without thousands separators ("1,200" -> "1200")."""
-    if answer.count("####") != 1:
-        raise DataFormatError("a GSM8K answer must end in exactly one `#### N` line.")
-    final = answer.split("####")[1].strip().replace(",", "")
-    if not final:
-        raise DataFormatError("the `#### N` line of a GSM8K answer has no number after `####`.")
-    return final
-
-
-def gsm8k_to_openthoughts(row: dict, index: int = 0) -> dict:
-    """One GSM8K row (`question`, `answer` ending in `#### N`) in the OpenThoughts-114k format.
-
-    The worked steps become the thought (one paragraph per step, as the system prompt asks), the last step plus
-    `\\boxed{N}` the solution:
-
-    `{"system": OPENTHOUGHTS_SYSTEM_PROMPT, "conversations": [{"from": "user", "value": "Return your final response
-    within \\boxed{}. <question>"}, {"from": "assistant", "value": "<|begin_of_thought|>\\n\\n<steps>\\n\\n
-    <|end_of_thought|>\\n\\n<|begin_of_solution|>\\n\\n<last step>\\n\\nThe final answer is $\\boxed{N}$.\\n\\n
-    <|end_of_solution|>"}]}`
-    """
-    if not isinstance(row, dict):
-        raise DataFormatError(f"GSM8K row {index} must be a dict, got {type(row).__name__}.")
-    question, answer = row.get("question"), row.get("answer")
-    for name, value in (("question", question), ("answer", answer)):
-        if not isinstance(value, str) or not value.strip():
-            raise DataFormatError(f"GSM8K row {index}: `{name}` is missing or not a non-empty string.")
-    try:
-        final = gsm8k_final_answer(answer)
-    except DataFormatError as error:
-        raise DataFormatError(f"GSM8K row {index}: {error}") from None
-    working = CALCULATOR_ANNOTATION.sub("", answer.split("####")[0])
-    steps = [line.strip() for line in working.splitlines() if line.strip()]
-    if not steps:
-        raise DataFormatError(f"GSM8K row {index}: the answer has no worked steps before `####`.")
-    thought = "\n\n".join(steps)
-    solution = f"{steps[-1]}\n\nThe final answer is $\\boxed{{{final}}}$."
-    assistant = (
-        f"{BEGIN_OF_THOUGHT}\n\n{thought}\n\n{END_OF_THOUGHT}\n\n{BEGIN_OF_SOLUTION}\n\n{solution}\n\n{END_OF_SOLUTION}"
-    )
-    return {
-        "system": OPENTHOUGHTS_SYSTEM_PROMPT,
-        "conversations": [
-            {"from": "user", "value": BOXED_INSTRUCTION + question.strip()},
-            {"from": "assistant", "value": assistant},
-        ],
-    }
 
 
 def read_jsonl(path: str | os.PathLike, limit: int | None = None) -> list[dict]:
@@ -461,95 +406,18 @@ def read_jsonl(path: str | os.PathLike, limit: int | None = None) -> list[dict]:
     return rows
 
 
-def read_gsm8k_rows(source: str | os.PathLike, split: str = "train", limit: int | None = None) -> list[dict]:
-    """GSM8K rows (question, answer) from a local .jsonl file, or from a Hub dataset such as `openai/gsm8k`."""
-    if Path(source).is_file():
-        return read_jsonl(source, limit)
-    if Path(source).suffix in (".json", ".jsonl") or Path(source).exists():
-        raise DataFormatError(f"{source} is not a readable GSM8K .jsonl file.")
-    from datasets import load_dataset
-
-    # openai/gsm8k has two configs with the same rows ("main" and "socratic"); "main" is the usual one.
-    config_name = "main" if str(source) == "openai/gsm8k" else None
-    try:
-        dataset = load_dataset(str(source), config_name, split=split)
-    except Exception as error:  # offline, unknown id, ...: say what to do instead
-        raise DataFormatError(
-            f"Could not load {source!r} from the Hugging Face Hub ({type(error).__name__}: {error}). Offline, pass "
-            "a local GSM8K .jsonl file instead."
-        ) from error
-    rows = dataset if limit is None else dataset.select(range(min(limit, len(dataset))))
-    return [dict(row) for row in rows]
-
-
-def gsm8k_file_to_openthoughts(source: str | os.PathLike, limit: int | None = None, split: str = "train") -> list[dict]:
-    """All (or the first `limit`) GSM8K rows of a .jsonl file or a Hub dataset in the OpenThoughts-114k format."""
-    return [gsm8k_to_openthoughts(row, index) for index, row in enumerate(read_gsm8k_rows(source, split, limit))]
-
-
 def write_jsonl(rows: Iterable[dict], path: str | os.PathLike) -> Path:
     """Write rows as JSON lines, atomically: to a temporary file in the same folder, then renamed over `path`."""
     return write_jsonl_atomic(rows, path)
 
 
-def make_parser() -> ArgumentParser:
-    """`iha data` / `python -m iha.data`: write GSM8K rows as OpenThoughts rows, or any supported schema as
-    `messages` rows (the form in which TRL's own `trl sft` keeps the system prompt)."""
-    parser = ArgumentParser(prog="iha data", description=make_parser.__doc__)
-    commands = parser.add_subparsers(dest="command", required=True)
-    gsm8k = commands.add_parser("gsm8k-to-openthoughts", help="GSM8K (Hub id or .jsonl) -> OpenThoughts-114k .jsonl")
-    gsm8k.add_argument("source", help="a Hub dataset id (openai/gsm8k) or your own GSM8K .jsonl file")
-    gsm8k.add_argument("output", help="the .jsonl file to write")
-    gsm8k.add_argument("--split", default="train", help="Hub split (default: train)")
-    gsm8k.add_argument("--limit", type=int, help="convert the first N rows only")
-    messages = commands.add_parser("to-messages", help="any supported schema (Hub id or file) -> messages .jsonl")
-    messages.add_argument("source", help="Hub dataset id, or .json / .jsonl / .parquet file or folder")
-    messages.add_argument("output")
-    messages.add_argument("--split", default="train")
-    messages.add_argument("--config_name")
-    messages.add_argument("--max_rows", type=int)
-    messages.add_argument(
-        "--default_system_prompt", help="system prompt for rows without one; 'openthoughts' = the OpenThoughts one"
-    )
-    return parser
-
-
-def main(argv=None):
-    """`iha data` / `python -m iha.data` (see `make_parser`)."""
-    args = make_parser().parse_args(argv)
-    if args.command == "gsm8k-to-openthoughts":
-        try:
-            rows = gsm8k_file_to_openthoughts(args.source, limit=args.limit, split=args.split)
-        except DataFormatError as error:
-            print(f"python -m iha.data gsm8k-to-openthoughts: error: {error}", file=sys.stderr)
-            return 2
-    else:
-        system = (
-            OPENTHOUGHTS_SYSTEM_PROMPT if args.default_system_prompt == "openthoughts" else args.default_system_prompt
-        )
-        dataset = load_sft_dataset(args.source, args.split, args.config_name, system, args.max_rows)
-        rows = ({"messages": row["messages"]} for row in dataset)
-    path = write_jsonl(rows, args.output)
-    print(f"Wrote {path}")
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())
-
-
 __all__ = [
+    "BOXED_INSTRUCTION",
     "OPENTHOUGHTS_SYSTEM_PROMPT",
     "DataFormatError",
     "detect_schema",
     "filter_by_length",
-    "gsm8k_file_to_openthoughts",
-    "gsm8k_final_answer",
-    "gsm8k_to_openthoughts",
     "load_sft_dataset",
-    "main",
-    "make_parser",
-    "read_gsm8k_rows",
     "read_jsonl",
     "row_to_messages",
     "to_messages_dataset",

@@ -25,6 +25,9 @@ from .atomic_files import saved_figure, write_json_atomic, write_text_atomic
 from .atomic_folders import staged_folder
 from .command_line import run_command
 from .convert import ConversionError
+from .data import BOXED_INSTRUCTION, OPENTHOUGHTS_SYSTEM_PROMPT, read_jsonl
+from .demo_data import arithmetic_word_problems
+from .gsm8k import gsm8k_final_answer, gsm8k_to_openthoughts
 from .optional_packages import require
 
 
@@ -53,8 +56,6 @@ def is_earlier_demo_output(folder: Path) -> bool:
 
 def build_training_rows(train_data: str | None, num_train: int, seed: int) -> list[dict] | str:
     """OpenThoughts-114k rows from the built-in generator, or the user's data source unchanged."""
-    from .data import gsm8k_to_openthoughts, read_jsonl
-    from .demo_data import arithmetic_word_problems
 
     if train_data is None:
         return [gsm8k_to_openthoughts(row, i) for i, row in enumerate(arithmetic_word_problems(num_train, seed))]
@@ -70,7 +71,6 @@ def build_training_rows(train_data: str | None, num_train: int, seed: int) -> li
 
 def question_set(training_rows) -> set[str]:
     """The user questions of OpenThoughts-format rows (without the boxed instruction in front)."""
-    from .data import BOXED_INSTRUCTION
 
     if not isinstance(training_rows, list):
         return set()
@@ -83,8 +83,6 @@ def question_set(training_rows) -> set[str]:
 
 
 def build_eval_problems(eval_data: str | None, num_eval: int, seed: int, training_questions: set[str] | None = None):
-    from .demo_data import arithmetic_word_problems
-    from .evaluation.answers import gsm8k_gold_answer
     from .evaluation.math_eval import Problem, load_problems
 
     if eval_data is not None:
@@ -92,14 +90,14 @@ def build_eval_problems(eval_data: str | None, num_eval: int, seed: int, trainin
     # Held out: another seed, and no question that the training rows contain.
     rows = arithmetic_word_problems(num_eval, seed=seed + 1_000_003, exclude=training_questions)
     return [
-        Problem(id=f"demo-{i}", question=r["question"], gold=gsm8k_gold_answer(r["answer"])) for i, r in enumerate(rows)
+        Problem(id=f"demo-{i}", question=r["question"], gold=gsm8k_final_answer(r["answer"]))
+        for i, r in enumerate(rows)
     ]
 
 
 def evaluate(model_dir: Path, problems, max_new_tokens: int, batch_size: int, name: str) -> dict:
     from transformers import AutoTokenizer
 
-    from .data import OPENTHOUGHTS_SYSTEM_PROMPT
     from .evaluation.math_eval import SamplingConfig, evaluate_math
     from .modeling_iha import IHAForCausalLM
 

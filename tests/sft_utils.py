@@ -16,7 +16,7 @@ from transformers import PreTrainedTokenizerFast
 
 import iha
 from iha.chat_templates import SMOLLM2_CHAT_TEMPLATE
-from iha.data import gsm8k_file_to_openthoughts
+from iha.gsm8k import gsm8k_file_to_openthoughts, read_gsm8k_rows
 
 
 GSM8K_TRAIN = SHARED_DATA / "gsm8k" / "train.jsonl"
@@ -39,7 +39,6 @@ def gsm8k_openthoughts_rows(limit: int = 64) -> list[dict]:
 def gsm8k_message_rows(limit: int = 16) -> list[dict]:
     """GSM8K question -> worked solution as `messages` rows: a few hundred tokens each, no system prompt, for the
     shortest runs."""
-    from iha.data import read_gsm8k_rows
 
     return [
         {"messages": [{"role": "user", "content": row["question"]}, {"role": "assistant", "content": row["answer"]}]}

@@ -19,14 +19,9 @@ import random
 from pathlib import Path
 
 from ..atomic_files import write_json_atomic, write_jsonl_atomic
-from ..data import (
-    gsm8k_file_to_openthoughts,
-    gsm8k_to_openthoughts,
-    read_gsm8k_rows,
-    read_jsonl,
-    without_system_prompt,
-)
+from ..data import read_jsonl, without_system_prompt
 from ..evaluation.math_eval import load_problems
+from ..gsm8k import gsm8k_file_to_openthoughts, gsm8k_to_openthoughts, read_gsm8k_rows
 from .config import ABConfig
 
 

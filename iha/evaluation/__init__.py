@@ -11,7 +11,6 @@ from ..lazy_imports import lazy_attributes
 _EXPORTS = {
     "Vote": "answers",
     "extract_answer": "answers",
-    "gsm8k_gold_answer": "answers",
     "is_equivalent": "answers",
     "majority_vote": "answers",
     "parse_answer": "answers",

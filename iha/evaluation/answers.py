@@ -116,14 +116,6 @@ def is_equivalent(gold: str | None, prediction: str | None) -> bool:
     return parsed_equivalent(parse_answer(gold), parse_answer(prediction))
 
 
-def gsm8k_gold_answer(solution: str) -> str:
-    """GSM8K's reference answer: the number after `####`, thousands separators removed."""
-    markers = _GSM8K_MARKER.findall(solution)
-    if not markers:
-        raise ValueError(f"GSM8K solution has no `#### <answer>` line: {solution[-80:]!r}")
-    return markers[-1].strip().replace(",", "")
-
-
 @dataclass
 class Vote:
     """The outcome of a majority vote over one problem's samples."""
@@ -170,7 +162,6 @@ def majority_vote(answers: Sequence[str | None], parsed: Sequence[Any] | None = 
 __all__ = [
     "Vote",
     "extract_answer",
-    "gsm8k_gold_answer",
     "is_equivalent",
     "majority_vote",
     "parse_answer",

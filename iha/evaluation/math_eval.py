@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
+from ..data import read_jsonl
 from .answers import majority_vote, parse_answer, parsed_equivalent, read_answer
 from .settings import BENCHMARKS, PRESETS, BenchmarkSpec, SamplingConfig, sampling_preset
 
@@ -55,8 +56,6 @@ def _infer_benchmark(columns: Sequence[str], source: str) -> str:
 
 def _read_local_rows(path: Path) -> list[dict]:
     if path.suffix == ".jsonl":
-        from ..data import read_jsonl  # imports `datasets`: only when a local file is read
-
         return read_jsonl(path)
     if path.suffix == ".json":
         try:

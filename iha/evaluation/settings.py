@@ -8,6 +8,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
+from ..gsm8k import gsm8k_final_answer
+
 
 @dataclass
 class SamplingConfig:
@@ -55,9 +57,7 @@ def sampling_preset(name: str, **overrides) -> SamplingConfig:
 
 
 def _gsm8k_gold(row: dict) -> str:
-    from .answers import gsm8k_gold_answer  # math-verify: imported when the first answer is read
-
-    return gsm8k_gold_answer(row["answer"])
+    return gsm8k_final_answer(row["answer"])
 
 
 @dataclass

@@ -125,7 +125,7 @@ def _read_results(path: str) -> dict:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from .report import write_seed_summary
+    from .outputs import write_seed_summary
 
     if args.summarize:
         results_per_seed = [_read_results(path) for path in args.summarize]
@@ -260,7 +260,8 @@ def _run_and_write(config: SyntheticConfig, output_dir: Path, fresh: bool, devic
 
 
 def _finish_comparison(config: SyntheticConfig, output_dir: Path, fresh: bool, device: str | None) -> dict:
-    from .report import results_table, write_outputs
+    from .outputs import write_outputs
+    from .report import results_table
     from .train import config_as_saved, run_comparison
 
     checkpoint = output_dir / "results.partial.json"

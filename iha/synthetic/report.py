@@ -1,12 +1,9 @@
-"""Tables, seed summaries and plots of finished comparisons."""
+"""Tables and seed summaries of finished comparisons (their pictures: `figures`, the files: `outputs`)."""
 
 from __future__ import annotations
 
 import math
-import os
-from pathlib import Path
 
-from ..atomic_files import saved_figure, write_json_atomic, write_text_atomic
 from ..paired_stats import paired_differences
 from .config import SyntheticConfig, describe_m
 from .train import model_variants
@@ -28,11 +25,11 @@ def _saved_config(config: dict) -> SyntheticConfig:
     return SyntheticConfig(**{"simplicial": False, "group_by_m": False, **config})
 
 
-def _model_names(config: dict) -> list[str]:
+def model_names(config: dict) -> list[str]:
     return [name for name, _, _ in model_variants(_saved_config(config))]
 
 
-def _sizes(config: dict, task: str) -> list[int]:
+def task_sizes(config: dict, task: str) -> list[int]:
     low, high = _saved_config(config).m[task]
     return list(range(low, high + 1))
 
@@ -53,7 +50,7 @@ def results_table(results: dict) -> str:
     config = results["config"]
     learning_rates = config["learning_rates"]
     best = best_runs(results)
-    models = _model_names(config)
+    models = model_names(config)
     header = ["Task", "m", "Model", "Parameters"]
     header += [f"test acc, lr {lr:g}" for lr in learning_rates]
     header += ["test acc (val-selected lr)", "exact match (val-selected)", "epochs (best / run)"]
@@ -79,7 +76,7 @@ def results_table(results: dict) -> str:
         lines.append("| " + " | ".join(row) + " |")
     lines += ["", "Test accuracy per m (validation-selected learning rate):", ""]
     for task in config["tasks"]:
-        sizes = _sizes(config, task)
+        sizes = task_sizes(config, task)
         lines.append("| " + " | ".join([f"{task}: model", *[f"m = {size}" for size in sizes]]) + " |")
         lines.append("|---|" + "---:|" * len(sizes))
         for model in models:
@@ -172,7 +169,7 @@ def unfinished_runs(results_per_seed: list[dict]) -> list[tuple[str, str, list[i
     config = results_per_seed[0]["config"]
     unfinished = []
     for task in config["tasks"]:
-        for model in _model_names(config):
+        for model in model_names(config):
             missing = [
                 results["config"]["seed"]
                 for results in results_per_seed
@@ -195,7 +192,7 @@ def seed_summary(results_per_seed: list[dict]) -> tuple[str, dict]:
     if len(set(seeds)) != len(seeds):
         raise ValueError(f"Each result must come from a different seed; got seeds {seeds}.")
     first = results_per_seed[0]["config"]
-    models = _model_names(first)
+    models = model_names(first)
     learning_rates = first["learning_rates"]
     baselines = [name for name in ("MHA", "2-simplicial") if name in models]
     selected = [best_runs(results) for results in results_per_seed]
@@ -224,7 +221,7 @@ def seed_summary(results_per_seed: list[dict]) -> tuple[str, dict]:
             values = [100 * run["test_accuracy"] for _, run in having]
             mean, std = _mean_std(values)
             by_m = {}
-            for size in _sizes(first, task):
+            for size in task_sizes(first, task):
                 per_seed = [run.get("test_accuracy_by_m", {}).get(str(size)) for _, run in having]
                 if None not in per_seed:
                     by_m[str(size)] = dict(zip(("mean", "std"), _mean_std([100 * value for value in per_seed])))
@@ -277,7 +274,7 @@ def seed_summary(results_per_seed: list[dict]) -> tuple[str, dict]:
     lines += _paired_lines(first, summary, baselines)
     lines += ["", "Test accuracy per m, mean ± std over seeds (validation-selected learning rate):", ""]
     for task in first["tasks"]:
-        sizes = _sizes(first, task)
+        sizes = task_sizes(first, task)
         lines.append("| " + " | ".join([f"{task}: model", *[f"m = {size}" for size in sizes]]) + " |")
         lines.append("|---|" + "---:|" * len(sizes))
         for model in models:
@@ -306,151 +303,3 @@ def seed_summary(results_per_seed: list[dict]) -> tuple[str, dict]:
             *lines,
         ]
     return "\n".join(lines), summary
-
-
-def plot_results(results: dict, path: str | os.PathLike) -> Path:
-    """Per task (one column): test accuracy per model (validation-selected learning rate), validation curves, and
-    test accuracy against m."""
-    config = results["config"]
-    tasks = config["tasks"]
-    models = _model_names(config)
-    best = best_runs(results)
-    colors = [f"C{index}" for index in range(10)]  # matplotlib's default color cycle
-    grid = dict(nrows=3, ncols=len(tasks), squeeze=False)  # one column per task
-    with saved_figure(path, dpi=110, figsize=(5.5 * len(tasks), 12), **grid) as (_, axes):
-        for column, task in enumerate(tasks):
-            baseline = results["baselines"][task]
-            accuracies = [100 * best[(task, model)]["test_accuracy"] for model in models]
-            bar_axis = axes[0][column]
-            bars = bar_axis.bar(models, accuracies, color=colors[: len(models)])
-            for bar, accuracy, model in zip(bars, accuracies, models):
-                label = f"{accuracy:.2f}\nlr {best[(task, model)]['learning_rate']:g}"
-                bar_axis.text(
-                    bar.get_x() + bar.get_width() / 2, bar.get_height(), label, ha="center", va="bottom", fontsize=8
-                )
-            bar_axis.axhline(100 * baseline["majority_accuracy"], color="gray", linestyle="--", label="majority label")
-            low = min(accuracies + [100 * baseline["majority_accuracy"]])
-            bar_axis.set_ylim(max(0, low - 5), max(accuracies) + 8)  # room for the labels above the bars
-            bar_axis.set_title(f"{task} composition, m = {describe_m(baseline['m'])}: test accuracy")
-            bar_axis.set_ylabel("per-position accuracy (%)")
-            bar_axis.tick_params(axis="x", labelsize=8)
-            bar_axis.legend(loc="lower right", fontsize=8)
-            curve_axis = axes[1][column]
-            for index, model in enumerate(models):
-                for run in results["runs"]:
-                    if run["task"] != task or run["model"] != model:
-                        continue
-                    epochs = [point["epoch"] for point in run["history"]]
-                    values = [100 * point["val_accuracy"] for point in run["history"]]
-                    style = "-" if run["learning_rate"] == max(config["learning_rates"]) else ":"
-                    curve_axis.plot(
-                        epochs, values, style, color=colors[index], label=f"{model}, lr {run['learning_rate']:g}"
-                    )
-            curve_axis.set_xlabel("epoch")
-            curve_axis.set_ylabel("validation accuracy (%)")
-            curve_axis.set_title(f"{task}: validation accuracy per epoch")
-            curve_axis.legend(fontsize=7)
-            size_axis = axes[2][column]
-            sizes = _sizes(config, task)
-            for index, model in enumerate(models):
-                by_m = best[(task, model)].get("test_accuracy_by_m", {})
-                shown = [size for size in sizes if str(size) in by_m]
-                size_axis.plot(shown, [100 * by_m[str(size)] for size in shown], "o-", color=colors[index], label=model)
-            majority = baseline.get("majority_accuracy_by_m", {})
-            shown = [size for size in sizes if str(size) in majority]
-            size_axis.plot(shown, [100 * majority[str(s)] for s in shown], "--", color="gray", label="majority label")
-            size_axis.set_xticks(sizes)
-            size_axis.set_xlabel("m (relation size)")
-            size_axis.set_ylabel("test accuracy (%)")
-            size_axis.set_title(f"{task}: test accuracy against m")
-            size_axis.legend(fontsize=7)
-    return Path(path)
-
-
-def plot_seed_summary(summary: dict, path: str | os.PathLike) -> Path:
-    """Per task (one column): mean test accuracy per model over seeds (bars, +-1 std, every seed a dot), and mean
-    test accuracy against m (+-1 std)."""
-    tasks = list(dict.fromkeys(entry["task"] for entry in summary.values()))
-    colors = [f"C{index}" for index in range(10)]  # matplotlib's default color cycle
-    grid = dict(nrows=2, ncols=len(tasks), squeeze=False)  # one column per task
-    with saved_figure(path, dpi=110, figsize=(5.5 * len(tasks), 8.4), **grid) as (_, axes):
-        for column, task in enumerate(tasks):
-            axis = axes[0][column]
-            entries = [entry for entry in summary.values() if entry["task"] == task]
-            positions = range(len(entries))
-            means = [entry["mean"] for entry in entries]
-            axis.bar(
-                positions,
-                means,
-                yerr=[entry["std"] for entry in entries],
-                capsize=4,
-                color=colors[: len(entries)],
-                alpha=0.75,
-            )
-            # Labels sit above both the error bar and the highest seed, so that neither hides them.
-            tops = [max(entry["mean"] + entry["std"], *entry["test_accuracy"]) for entry in entries]
-            bottoms = [min(entry["mean"] - entry["std"], *entry["test_accuracy"]) for entry in entries]
-            span = max(max(tops) - min(bottoms), 1.0)
-            for position, entry, top in zip(positions, entries, tops):
-                values = entry["test_accuracy"]
-                axis.scatter([position] * len(values), values, color="black", s=12, zorder=3)
-                label = f"{entry['mean']:.2f} ± {entry['std']:.2f}"
-                axis.text(position, top + 0.03 * span, label, ha="center", va="bottom", fontsize=8)
-            axis.set_ylim(min(bottoms) - 0.3 * span, max(tops) + 0.15 * span)
-            axis.set_xticks(list(positions), [entry["model"] for entry in entries], fontsize=8)
-            seeds = ", ".join(str(seed) for seed in entries[0]["seeds"])
-            m = describe_m(entries[0]["m"])
-            axis.set_title(f"{task} composition, m = {m}: test accuracy, seeds {seeds}", fontsize=10)
-            axis.set_ylabel("per-position accuracy (%)")
-            axis.grid(axis="y", alpha=0.3)
-            size_axis = axes[1][column]
-            for index, entry in enumerate(entries):
-                sizes = sorted(int(size) for size in entry.get("by_m", {}))
-                if not sizes:
-                    continue
-                size_axis.errorbar(
-                    sizes,
-                    [entry["by_m"][str(size)]["mean"] for size in sizes],
-                    yerr=[entry["by_m"][str(size)]["std"] for size in sizes],
-                    fmt="o-",
-                    capsize=3,
-                    color=colors[index],
-                    label=entry["model"],
-                )
-                size_axis.set_xticks(sizes)
-            size_axis.set_xlabel("m (relation size)")
-            size_axis.set_ylabel("test accuracy (%), mean ± std over seeds")
-            size_axis.set_title(f"{task}: test accuracy against m", fontsize=10)
-            size_axis.legend(fontsize=7)
-            size_axis.grid(alpha=0.3)
-    return Path(path)
-
-
-def write_seed_summary(results_per_seed: list[dict], output_dir: str | os.PathLike) -> dict[str, Path]:
-    """seeds.md (the table), seeds.json and seeds.png in `output_dir`."""
-    output_dir = Path(output_dir)
-    table, summary = seed_summary(results_per_seed)
-    paths = {"table": output_dir / "seeds.md", "json": output_dir / "seeds.json", "plot": output_dir / "seeds.png"}
-    write_text_atomic(table + "\n", paths["table"])
-    write_json_atomic(summary, paths["json"])
-    if summary:
-        plot_seed_summary(summary, paths["plot"])
-    else:  # nothing finished yet: no picture (and none left from an earlier call that would disagree with the table)
-        paths["plot"].unlink(missing_ok=True)
-        del paths["plot"]
-    return paths
-
-
-def write_outputs(results: dict, output_dir: str | os.PathLike) -> dict[str, Path]:
-    """results.json, results.md (the table) and accuracy.png in `output_dir`."""
-    output_dir = Path(output_dir)
-    output_dir.mkdir(parents=True, exist_ok=True)
-    json_path, table_path, plot_path = (
-        output_dir / "results.json",
-        output_dir / "results.md",
-        output_dir / "accuracy.png",
-    )
-    write_json_atomic(results, json_path)
-    write_text_atomic(results_table(results) + "\n", table_path)
-    plot_results(results, plot_path)
-    return {"json": json_path, "table": table_path, "plot": plot_path}

@@ -17,7 +17,7 @@ from filelock import FileLock, Timeout
 from torch import nn
 from tqdm.auto import tqdm
 
-from ..atomic_files import write_json_atomic
+from ..atomic_files import atomic_destination, write_json_atomic
 from .config import SyntheticConfig, describe_m
 from .models import build_model, count_parameters
 from .task import CompositionData, make_composition_data, valid_positions
@@ -87,24 +87,57 @@ def epoch_batches(
     return [batches[index] for index in torch.randperm(len(batches), generator=generator).tolist()]
 
 
+def save_epoch_state(path: Path, state: dict) -> None:
+    """Write a run's state after an epoch (`train_one`'s `resume_path`) atomically: an interruption while writing
+    leaves the previous epoch's file."""
+    with atomic_destination(path) as temporary:
+        torch.save(state, temporary)
+
+
 def train_one(
     model: nn.Module,
     data: dict[str, CompositionData],
     learning_rate: float,
     config: SyntheticConfig,
     description: str = "",
+    resume_path: str | os.PathLike | None = None,
 ) -> dict:
-    """Train with early stopping on validation accuracy; returns history and the test metrics of the best epoch."""
+    """Train with early stopping on validation accuracy; returns history and the test metrics of the best epoch.
+
+    With `resume_path`, the run's whole state (weights, optimizer, the batch order's generator, the best epoch so
+    far, history, time spent) is saved there after every epoch, and a run that finds the file continues after its
+    last finished epoch: an interrupted run loses at most one epoch, and resumes to the result it would have reached
+    without the interruption (every epoch's batches come from the saved generator state). The caller deletes the
+    file once the run's result is saved.
+    """
     train_data = data["train"]
     device = train_data.sizes.device
     optimizer = torch.optim.AdamW(model.parameters(), lr=learning_rate, weight_decay=config.weight_decay)
     generator = torch.Generator().manual_seed(config.seed)
     best_accuracy, best_epoch, best_state, history = -1.0, 0, None, []
-    epochs_without_gain = 0
+    epochs_without_gain, seconds_before = 0, 0.0
+    resume_path = Path(resume_path) if resume_path is not None else None
+    if resume_path is not None and resume_path.is_file():
+        state = torch.load(resume_path, map_location=device, weights_only=False)
+        model.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
+        generator.set_state(state["generator"])
+        best_accuracy, best_epoch, best_state = state["best_accuracy"], state["best_epoch"], state["best_state"]
+        history, epochs_without_gain, seconds_before = state["history"], state["epochs_without_gain"], state["seconds"]
     start_time = time.perf_counter()
+    first_epoch = len(history) + 1
+    stopped = epochs_without_gain >= config.patience  # a run interrupted after its last epoch's state was saved
     # A context manager, so that an interruption closes the bar before the command prints its last line.
-    with tqdm(range(1, config.max_epochs + 1), desc=description, unit="epoch", leave=False) as progress:
-        for epoch in progress:
+    with tqdm(
+        range(first_epoch, config.max_epochs + 1),
+        desc=description,
+        unit="epoch",
+        leave=False,
+        initial=first_epoch - 1,
+        total=config.max_epochs,
+        disable=stopped,
+    ) as progress:
+        for epoch in [] if stopped else progress:
             model.train()
             total_loss = 0.0
             for index in epoch_batches(train_data.sizes.cpu(), config.batch_size, generator, config.group_by_m):
@@ -124,8 +157,23 @@ def train_one(
                 best_state = copy.deepcopy(model.state_dict())
             else:
                 epochs_without_gain += 1
-                if epochs_without_gain >= config.patience:
-                    break
+            if resume_path is not None:
+                save_epoch_state(
+                    resume_path,
+                    {
+                        "model": model.state_dict(),
+                        "optimizer": optimizer.state_dict(),
+                        "generator": generator.get_state(),
+                        "best_accuracy": best_accuracy,
+                        "best_epoch": best_epoch,
+                        "best_state": best_state,
+                        "history": history,
+                        "epochs_without_gain": epochs_without_gain,
+                        "seconds": seconds_before + time.perf_counter() - start_time,
+                    },
+                )
+            if epochs_without_gain >= config.patience:
+                break
     model.load_state_dict(best_state)
     test = evaluate(model, data["test"], config.batch_size)
     return {
@@ -138,7 +186,7 @@ def train_one(
         "test_loss": test["loss"],
         "test_accuracy_by_m": test["accuracy_by_m"],
         "test_exact_match_by_m": test["exact_match_by_m"],
-        "train_seconds": time.perf_counter() - start_time,
+        "train_seconds": seconds_before + time.perf_counter() - start_time,
         "history": history,
     }
 
@@ -174,6 +222,18 @@ def run_key(run: dict) -> tuple[str, str, float]:
     return run["task"], run["model"], run["learning_rate"]
 
 
+def run_file_name(key: tuple[str, str, float]) -> str:
+    """A file-name form of a run's key: ("ternary", "IHA P=2", 0.001) -> "ternary-IHAP2-lr0.001"."""
+    task, model, learning_rate = key
+    return f"{task}-{model}-lr{learning_rate:g}".replace(" ", "").replace("=", "")
+
+
+def epoch_state_path(checkpoint: Path, key: tuple[str, str, float]) -> Path:
+    """Where a run of `checkpoint` keeps its state between epochs (`train_one`'s `resume_path`), in a hidden
+    `.epochs` folder beside it."""
+    return checkpoint.parent / ".epochs" / f"{checkpoint.stem}.{run_file_name(key)}.pt"
+
+
 def lock_path(checkpoint: Path, name: str) -> Path:
     """A lock file beside `checkpoint`, in a hidden `.locks` folder (the files stay; they are empty)."""
     return checkpoint.parent / ".locks" / f"{checkpoint.name}.{name}.lock"
@@ -188,9 +248,7 @@ def claim(checkpoint: Path | None, key: tuple[str, str, float], wait: bool) -> I
     if checkpoint is None:
         yield True
         return
-    task, model, learning_rate = key
-    name = f"{task}-{model}-lr{learning_rate:g}".replace(" ", "").replace("=", "")
-    path = lock_path(checkpoint, name)
+    path = lock_path(checkpoint, run_file_name(key))
     path.parent.mkdir(parents=True, exist_ok=True)
     lock = FileLock(path, timeout=-1 if wait else 0)
     try:
@@ -240,7 +298,8 @@ def run_comparison(
     """Every task x model x learning rate; returns a JSON-ready dict (config, baselines, runs).
 
     With `checkpoint`, every finished run is saved there at once, and a later call with the same config skips the
-    runs it finds: an interrupted comparison resumes where it stopped (each run is deterministic in the seed).
+    runs it finds; the run in progress keeps its state after every epoch beside the checkpoint (`epoch_state_path`)
+    and continues from it: an interrupted comparison resumes where it stopped, to the same result.
     Several processes may work on one checkpoint: each run is claimed by the process that trains it (a lock beside
     the checkpoint), and the others skip it (`wait_for_others=False`: the returned runs then lack it) or wait for
     it and take its result (the default). `device` defaults to CUDA when there is one. `only` ((task, model) pairs)
@@ -288,7 +347,8 @@ def run_comparison(
                         model = build_model(
                             m[1], config.hidden_size, config.num_heads, num_pseudo_heads, config.seed, attention
                         ).to(device)
-                        result = train_one(model, data, learning_rate, config, description)
+                        resume_path = epoch_state_path(checkpoint, key) if checkpoint is not None else None
+                        result = train_one(model, data, learning_rate, config, description, resume_path)
                         run = {
                             "task": task,
                             "m": m,
@@ -302,6 +362,7 @@ def run_comparison(
                         runs.append(run)
                         if checkpoint is not None:
                             finished = {run_key(saved): saved for saved in save_run(checkpoint, config, run)}
+                            resume_path.unlink(missing_ok=True)
                     overall.update(1)
                     overall.set_postfix_str(f"{description}: test acc {result['test_accuracy']:.4f}")
     return {

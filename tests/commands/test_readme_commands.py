@@ -21,8 +21,8 @@ A command that fits none of these fails, so a new README command has to be made 
 
 Every ```python snippet is run as written too, each in a fresh process in a scratch folder that holds what the
 README's commands would have written before it (`smollm2-iha`, `gsm8k_openthoughts.jsonl`), with the same local
-stand-ins for Hub ids (`SNIPPET_COPIES`) and `IHASFTConfig` given tiny settings (`SNIPPET_SFT_SETTINGS`, applied
-over the snippet's own). Last, everything the commands wrote must be ignored by git (and so by ruff's `make lint`).
+stand-ins for Hub ids (`SNIPPET_COPIES`), the training configs given tiny settings (`SNIPPET_TRAINING_SETTINGS`,
+applied over the snippet's own) and the client snippet pointed at an `iha serve` of the test's own on a free port. Last, everything the commands wrote must be ignored by git (and so by ruff's `make lint`).
 """
 
 import importlib.metadata
@@ -67,6 +67,7 @@ TINY_SETTINGS = {
     ("iha-eval", "math"): ["--limit", "1", "--num-samples", "2", "--max-new-tokens", "8"],
     ("iha-eval", "needle"): ["--num-examples", "1", "--lengths", "256", "--max-new-tokens", "8"],
     ("iha", "synthetic"): ["--preset", "tiny", "--tasks", "binary", "--max-epochs", "1", "--num-train", "128"],
+    ("python", "-m iha.synthetic.polynomial"): ["--steps", "100", "--seeds", "0", "1", "--attentions", "linear"],
     ("iha", "ab"): [
         "--preset",
         "tiny",
@@ -199,7 +200,7 @@ def start_readme_server(program: str, arguments: list[str], scratch: Path, serve
     """`iha serve ...` in the background on a free port instead of the README's, until it answers /health."""
     port = free_port()
     arguments = [str(port) if argument == README_SERVER_PORT else argument for argument in arguments]
-    log = scratch / f"server-{port}.log"
+    log = scratch / f"{SERVER_LOG_PREFIX}{port}.log"
     environment = command_environment(scratch)
     servers["processes"].append(
         start_server([str(BIN / program), *arguments], scratch, environment, log, port, SERVER_STARTUP_SECONDS)
@@ -287,14 +288,21 @@ def test_readme_command(command, marker, scratch, servers):
     assert result.returncode == 0, f"{command}\n{result.stdout[-3000:]}\n{result.stderr[-5000:]}"
 
 
-# The files the commands leave in their folder that are the test's own stand-ins, not README outputs.
+# The files the commands leave in their folder that are the test's own stand-ins, not README outputs, and the logs
+# of the servers it starts.
 STAND_INS = {"examples", "tiny-smollm2", ".hf_modules"}
+SERVER_LOG_PREFIX = "server-"
 
 
 def test_everything_the_commands_wrote_is_ignored_by_git(scratch):
     """After the README's commands (above; pytest keeps file order), every folder and file they wrote is in
     .gitignore: a user who runs them in the repository gets a clean `git status` and a passing `make lint`."""
-    written = sorted(entry.name for entry in scratch.iterdir() if entry.name not in STAND_INS)
+    # A folder is named with its trailing slash: `/data/`-style patterns match folders only.
+    written = sorted(
+        entry.name + "/" * entry.is_dir()
+        for entry in scratch.iterdir()
+        if entry.name not in STAND_INS and not entry.name.startswith(SERVER_LOG_PREFIX)
+    )
     assert written, "run with the README commands above: they write the folders this test checks"
     ignored = subprocess.run(
         ["git", "check-ignore", "--no-index", *written], cwd=REPO_ROOT, capture_output=True, text=True
@@ -309,13 +317,46 @@ def test_everything_the_commands_wrote_is_ignored_by_git(scratch):
 SNIPPET_COPIES = {
     "HuggingFaceTB/SmolLM2-135M-Instruct": "tiny-smollm2",
     "open-thoughts/OpenThoughts-114k": "gsm8k_openthoughts.jsonl",  # a local file in the same (OpenThoughts) format
+    "openai/gsm8k": str(SHARED_DATA / "gsm8k" / "train.jsonl"),
+    "CONVERTED_DIR": "smollm2-iha",
 }
-SNIPPET_SFT_SETTINGS = {"max_steps": 1, "max_length": 512, "per_device_train_batch_size": 1, "report_to": "none"}
-SNIPPET_PRELUDE = f"""
-import iha.sft
-_IHASFTConfig = iha.sft.IHASFTConfig
-iha.sft.IHASFTConfig = lambda **settings: _IHASFTConfig(**{{**settings, **{SNIPPET_SFT_SETTINGS!r}}})
-"""
+# Tiny settings applied over the snippet's own, per training config class (module, class name): one step, short rows.
+SNIPPET_TRAINING_SETTINGS = {
+    ("iha.sft", "IHASFTConfig"): {"max_steps": 1, "max_length": 512, "per_device_train_batch_size": 1},
+    ("trl", "DPOConfig"): {"max_steps": 1, "max_length": 256, "per_device_train_batch_size": 2},
+    ("trl", "GRPOConfig"): {
+        "max_steps": 1,
+        "per_device_train_batch_size": 2,
+        "num_generations": 2,
+        "max_completion_length": 8,
+    },
+}
+
+
+def snippet_prelude(code: str) -> str:
+    """Replace every training config class the snippet uses by one that applies the tiny settings over its own."""
+    lines = []
+    for (module, name), settings in SNIPPET_TRAINING_SETTINGS.items():
+        if name in code:
+            settings = {**settings, "report_to": "none"}
+            lines += [
+                f"import {module} as _module",
+                f"_module.{name} = (lambda cls: lambda **kw: cls(**{{**kw, **{settings!r}}}))(_module.{name})",
+            ]
+    return "\n".join(lines) + "\n"
+
+
+# The README's server address in the client snippet; the test's server runs on a free port instead.
+README_SERVER_URL = f"http://localhost:{README_SERVER_PORT}/v1"
+# What a user has on disk before the DPO snippet: an SFT output ("out") and TRL preference rows.
+PREFERENCE_ROWS = [
+    {
+        "prompt": [{"role": "user", "content": f"What is {a} + {b}?"}],
+        "chosen": [{"role": "assistant", "content": f"{a + b}"}],
+        "rejected": [{"role": "assistant", "content": f"{a + b + 1}"}],
+    }
+    for a, b in [(1, 2), (3, 4), (5, 6), (7, 8)]
+]
 
 
 def readme_snippets() -> list[str]:
@@ -327,17 +368,44 @@ SNIPPETS = readme_snippets()
 
 @pytest.fixture(scope="module")
 def snippet_scratch(tmp_path_factory) -> Path:
-    """What the README's commands write before its snippets: a converted `smollm2-iha`, OpenThoughts-format rows."""
+    """What the README's commands write before its snippets: a converted `smollm2-iha`, OpenThoughts-format rows,
+    an SFT output `out` (the converted folder stands in) and preference rows `pairs.jsonl`."""
+    import shutil
+
     from iha.convert import convert_checkpoint
-    from iha.data import gsm8k_file_to_openthoughts, write_jsonl
+    from iha.data import write_jsonl
+    from iha.gsm8k import gsm8k_file_to_openthoughts
 
     folder = tmp_path_factory.mktemp("readme-snippets")
     save_tiny_smollm2(folder / "tiny-smollm2")
     convert_checkpoint(folder / "tiny-smollm2", folder / "smollm2-iha", show_progress=False)
+    shutil.copytree(folder / "smollm2-iha", folder / "out")
     write_jsonl(
         gsm8k_file_to_openthoughts(SHARED_DATA / "gsm8k" / "train.jsonl", limit=8), folder / "gsm8k_openthoughts.jsonl"
     )
+    write_jsonl(PREFERENCE_ROWS, folder / "pairs.jsonl")
     return folder
+
+
+@pytest.fixture(scope="module")
+def snippet_server(snippet_scratch):
+    """`iha serve smollm2-iha` on a free port for the client snippet, started on first use, stopped after the module."""
+    running = {}
+
+    def url() -> str:
+        if not running:
+            port = free_port()
+            command = [str(BIN / "iha"), "serve", "smollm2-iha", "--port", str(port)]
+            log = snippet_scratch / f"server-{port}.log"
+            running["process"] = start_server(
+                command, snippet_scratch, command_environment(snippet_scratch), log, port, SERVER_STARTUP_SECONDS
+            )
+            running["url"] = f"http://127.0.0.1:{port}/v1"
+        return running["url"]
+
+    yield url
+    if running:
+        stop_server(running["process"])
 
 
 def test_the_readme_has_python_snippets():
@@ -345,11 +413,12 @@ def test_the_readme_has_python_snippets():
 
 
 @pytest.mark.parametrize("snippet", SNIPPETS, ids=[snippet.splitlines()[0][:50] for snippet in SNIPPETS])
-def test_readme_snippet_runs_as_written(snippet, snippet_scratch):
+def test_readme_snippet_runs_as_written(snippet, snippet_scratch, snippet_server):
     code = snippet
     for hub_id, local_copy in SNIPPET_COPIES.items():
         code = code.replace(f'"{hub_id}"', f'"{local_copy}"')
-    if "IHASFTConfig" in code:
-        code = SNIPPET_PRELUDE + code
+    if README_SERVER_URL in code:
+        code = code.replace(README_SERVER_URL, snippet_server())
+    code = snippet_prelude(code) + code
     result = run_command("python", ["-c", code], snippet_scratch)
     assert result.returncode == 0, f"{snippet}\n{result.stdout[-3000:]}\n{result.stderr[-5000:]}"

@@ -4,13 +4,13 @@ import pytest
 
 from iha.evaluation.answers import (
     extract_answer,
-    gsm8k_gold_answer,
     is_equivalent,
     majority_vote,
     parse_answer,
     parsed_equivalent,
     read_answer,
 )
+from iha.gsm8k import gsm8k_final_answer
 
 
 @pytest.mark.parametrize(
@@ -106,9 +106,10 @@ def test_different_answers(gold, prediction):
 
 
 def test_gsm8k_gold_answer():
-    assert gsm8k_gold_answer("blah <<2*3=6>>6\n#### 1,234") == "1234"
+    # The evaluation's gold answers come from the data's one GSM8K rule.
+    assert gsm8k_final_answer("blah <<2*3=6>>6\n#### 1,234") == "1234"
     with pytest.raises(ValueError, match="####"):
-        gsm8k_gold_answer("no marker here")
+        gsm8k_final_answer("no marker here")
 
 
 def test_majority_groups_equivalent_forms():

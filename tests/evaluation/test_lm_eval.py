@@ -22,7 +22,7 @@ from iha.atomic_files import write_jsonl_atomic
 from iha.builtin import smollm2_dir
 from iha.convert import llama_to_iha
 from iha.data import read_jsonl
-from iha.evaluation.answers import gsm8k_gold_answer
+from iha.gsm8k import gsm8k_final_answer
 
 
 TASK_NAME = "iha_local_gsm8k_mc"
@@ -57,7 +57,7 @@ def write_task(task_dir: Path, shared_data: Path, num_questions: int = 6) -> Non
     rows = read_jsonl(shared_data / "gsm8k" / "test.jsonl", limit=num_questions)
     questions = []
     for index, row in enumerate(rows):
-        answer = int(gsm8k_gold_answer(row["answer"]))
+        answer = int(gsm8k_final_answer(row["answer"]))
         choices = [str(answer), str(answer + 1), str(2 * answer + 3)]
         label = index % 3  # the right answer is not always first
         choices[0], choices[label] = choices[label], choices[0]

@@ -6,14 +6,13 @@ import json
 import pytest
 import torch
 
-from iha.synthetic.polynomial import (
-    PolynomialConfig,
+from iha.synthetic.polynomial import PolynomialConfig, run_experiment
+from iha.synthetic.polynomial_filter import (
     filter_target,
     hand_set_iha_filter,
     hand_set_mha_filter,
     kronecker_rank,
     mha_error_floor,
-    run_experiment,
 )
 
 

@@ -265,6 +265,44 @@ def test_an_interrupted_comparison_resumes_from_its_checkpoint(tmp_path, monkeyp
         run_comparison(replace(config, seed=1), progress=False, checkpoint=checkpoint)
 
 
+def test_a_run_interrupted_between_epochs_continues_to_the_result_of_an_uninterrupted_one(tmp_path, monkeypatch):
+    """A run keeps its state after every epoch: killed in its third epoch, the same command continues after the
+    second one (not from scratch), and the run ends with the history and test metrics of a run never stopped."""
+    import iha.synthetic.train as synthetic_training
+
+    config = replace(TINY, tasks=["binary"], max_epochs=4, patience=10, simplicial=False, pseudo_heads=[])
+    uninterrupted = run_comparison(config, progress=False)["runs"][0]
+    checkpoint = tmp_path / "results.partial.json"
+    real_evaluate = synthetic_training.evaluate
+    validations = []
+
+    def evaluate_then_fail_in_the_third_epoch(model, data, batch_size=256):
+        validations.append(len(data))
+        if len(validations) == 3:
+            raise KeyboardInterrupt  # the machine went away in epoch 3, after epoch 2's state was saved
+        return real_evaluate(model, data, batch_size)
+
+    monkeypatch.setattr(synthetic_training, "evaluate", evaluate_then_fail_in_the_third_epoch)
+    with pytest.raises(KeyboardInterrupt):
+        run_comparison(config, progress=False, checkpoint=checkpoint)
+    state_file = synthetic_training.epoch_state_path(checkpoint, ("binary", "MHA", config.learning_rates[0]))
+    assert len(torch.load(state_file, weights_only=False)["history"]) == 2
+
+    monkeypatch.setattr(synthetic_training, "evaluate", real_evaluate)
+    epochs_trained = []
+    real_epoch_batches = synthetic_training.epoch_batches
+    monkeypatch.setattr(
+        synthetic_training,
+        "epoch_batches",
+        lambda *args, **kwargs: (epochs_trained.append(1), real_epoch_batches(*args, **kwargs))[1],
+    )
+    resumed = run_comparison(config, progress=False, checkpoint=checkpoint)["runs"][0]
+    assert len(epochs_trained) == 2  # epochs 3 and 4 only
+    for field in ("history", "best_epoch", "val_accuracy", "test_accuracy", "test_exact_match", "test_loss"):
+        assert resumed[field] == uninterrupted[field], field
+    assert not state_file.exists()  # the finished run is in the checkpoint; its epoch state is gone
+
+
 def test_seed_summary(tiny_results, tmp_path, capsys):
     other = copy.deepcopy(tiny_results)
     other["config"]["seed"] = 1
@@ -396,11 +434,11 @@ def test_several_seeds_train_the_cheap_models_first_and_resume_after_an_interrup
     real_train_one = synthetic_training.train_one
     order = []
 
-    def record(model, data, learning_rate, config, description=""):
+    def record(model, data, learning_rate, config, description="", resume_path=None):
         order.append((config.seed, description.split(" lr=")[0]))
         if len(order) == 10:
             raise KeyboardInterrupt  # the machine went away in the second costly run
-        return real_train_one(model, data, learning_rate, config, description)
+        return real_train_one(model, data, learning_rate, config, description, resume_path)
 
     monkeypatch.setattr(synthetic_training, "train_one", record)
     assert main(arguments) == 130  # Ctrl-C: one line, the conventional exit status

@@ -27,16 +27,14 @@ from iha.data import (
     OPENTHOUGHTS_SYSTEM_PROMPT,
     DataFormatError,
     filter_by_length,
-    gsm8k_file_to_openthoughts,
-    gsm8k_final_answer,
-    gsm8k_to_openthoughts,
     load_sft_dataset,
-    main,
     read_jsonl,
     row_to_messages,
     to_messages_dataset,
     write_jsonl,
 )
+from iha.data_cli import main
+from iha.gsm8k import gsm8k_file_to_openthoughts, gsm8k_final_answer, gsm8k_to_openthoughts
 
 
 SYSTEM = "You are a careful solver."

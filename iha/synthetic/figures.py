@@ -1,0 +1,128 @@
+"""The pictures of finished comparisons: accuracy per model and m, and the spread over seeds."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from ..atomic_files import saved_figure
+from .config import describe_m
+from .report import best_runs, model_names, task_sizes
+
+
+def plot_results(results: dict, path: str | os.PathLike) -> Path:
+    """Per task (one column): test accuracy per model (validation-selected learning rate), validation curves, and
+    test accuracy against m."""
+    config = results["config"]
+    tasks = config["tasks"]
+    models = model_names(config)
+    best = best_runs(results)
+    colors = [f"C{index}" for index in range(10)]  # matplotlib's default color cycle
+    grid = dict(nrows=3, ncols=len(tasks), squeeze=False)  # one column per task
+    with saved_figure(path, dpi=110, figsize=(5.5 * len(tasks), 12), **grid) as (_, axes):
+        for column, task in enumerate(tasks):
+            baseline = results["baselines"][task]
+            accuracies = [100 * best[(task, model)]["test_accuracy"] for model in models]
+            bar_axis = axes[0][column]
+            bars = bar_axis.bar(models, accuracies, color=colors[: len(models)])
+            for bar, accuracy, model in zip(bars, accuracies, models):
+                label = f"{accuracy:.2f}\nlr {best[(task, model)]['learning_rate']:g}"
+                bar_axis.text(
+                    bar.get_x() + bar.get_width() / 2, bar.get_height(), label, ha="center", va="bottom", fontsize=8
+                )
+            bar_axis.axhline(100 * baseline["majority_accuracy"], color="gray", linestyle="--", label="majority label")
+            low = min(accuracies + [100 * baseline["majority_accuracy"]])
+            bar_axis.set_ylim(max(0, low - 5), max(accuracies) + 8)  # room for the labels above the bars
+            bar_axis.set_title(f"{task} composition, m = {describe_m(baseline['m'])}: test accuracy")
+            bar_axis.set_ylabel("per-position accuracy (%)")
+            bar_axis.tick_params(axis="x", labelsize=8)
+            bar_axis.legend(loc="lower right", fontsize=8)
+            curve_axis = axes[1][column]
+            for index, model in enumerate(models):
+                for run in results["runs"]:
+                    if run["task"] != task or run["model"] != model:
+                        continue
+                    epochs = [point["epoch"] for point in run["history"]]
+                    values = [100 * point["val_accuracy"] for point in run["history"]]
+                    style = "-" if run["learning_rate"] == max(config["learning_rates"]) else ":"
+                    curve_axis.plot(
+                        epochs, values, style, color=colors[index], label=f"{model}, lr {run['learning_rate']:g}"
+                    )
+            curve_axis.set_xlabel("epoch")
+            curve_axis.set_ylabel("validation accuracy (%)")
+            curve_axis.set_title(f"{task}: validation accuracy per epoch")
+            curve_axis.legend(fontsize=7)
+            size_axis = axes[2][column]
+            sizes = task_sizes(config, task)
+            for index, model in enumerate(models):
+                by_m = best[(task, model)].get("test_accuracy_by_m", {})
+                shown = [size for size in sizes if str(size) in by_m]
+                size_axis.plot(shown, [100 * by_m[str(size)] for size in shown], "o-", color=colors[index], label=model)
+            majority = baseline.get("majority_accuracy_by_m", {})
+            shown = [size for size in sizes if str(size) in majority]
+            size_axis.plot(shown, [100 * majority[str(s)] for s in shown], "--", color="gray", label="majority label")
+            size_axis.set_xticks(sizes)
+            size_axis.set_xlabel("m (relation size)")
+            size_axis.set_ylabel("test accuracy (%)")
+            size_axis.set_title(f"{task}: test accuracy against m")
+            size_axis.legend(fontsize=7)
+    return Path(path)
+
+
+def plot_seed_summary(summary: dict, path: str | os.PathLike) -> Path:
+    """Per task (one column): mean test accuracy per model over seeds (bars, +-1 std, every seed a dot), and mean
+    test accuracy against m (+-1 std)."""
+    tasks = list(dict.fromkeys(entry["task"] for entry in summary.values()))
+    colors = [f"C{index}" for index in range(10)]  # matplotlib's default color cycle
+    grid = dict(nrows=2, ncols=len(tasks), squeeze=False)  # one column per task
+    with saved_figure(path, dpi=110, figsize=(5.5 * len(tasks), 8.4), **grid) as (_, axes):
+        for column, task in enumerate(tasks):
+            axis = axes[0][column]
+            entries = [entry for entry in summary.values() if entry["task"] == task]
+            positions = range(len(entries))
+            means = [entry["mean"] for entry in entries]
+            axis.bar(
+                positions,
+                means,
+                yerr=[entry["std"] for entry in entries],
+                capsize=4,
+                color=colors[: len(entries)],
+                alpha=0.75,
+            )
+            # Labels sit above both the error bar and the highest seed, so that neither hides them.
+            tops = [max(entry["mean"] + entry["std"], *entry["test_accuracy"]) for entry in entries]
+            bottoms = [min(entry["mean"] - entry["std"], *entry["test_accuracy"]) for entry in entries]
+            span = max(max(tops) - min(bottoms), 1.0)
+            for position, entry, top in zip(positions, entries, tops):
+                values = entry["test_accuracy"]
+                axis.scatter([position] * len(values), values, color="black", s=12, zorder=3)
+                label = f"{entry['mean']:.2f} ± {entry['std']:.2f}"
+                axis.text(position, top + 0.03 * span, label, ha="center", va="bottom", fontsize=8)
+            axis.set_ylim(min(bottoms) - 0.3 * span, max(tops) + 0.15 * span)
+            axis.set_xticks(list(positions), [entry["model"] for entry in entries], fontsize=8)
+            seeds = ", ".join(str(seed) for seed in entries[0]["seeds"])
+            m = describe_m(entries[0]["m"])
+            axis.set_title(f"{task} composition, m = {m}: test accuracy, seeds {seeds}", fontsize=10)
+            axis.set_ylabel("per-position accuracy (%)")
+            axis.grid(axis="y", alpha=0.3)
+            size_axis = axes[1][column]
+            for index, entry in enumerate(entries):
+                sizes = sorted(int(size) for size in entry.get("by_m", {}))
+                if not sizes:
+                    continue
+                size_axis.errorbar(
+                    sizes,
+                    [entry["by_m"][str(size)]["mean"] for size in sizes],
+                    yerr=[entry["by_m"][str(size)]["std"] for size in sizes],
+                    fmt="o-",
+                    capsize=3,
+                    color=colors[index],
+                    label=entry["model"],
+                )
+                size_axis.set_xticks(sizes)
+            size_axis.set_xlabel("m (relation size)")
+            size_axis.set_ylabel("test accuracy (%), mean ± std over seeds")
+            size_axis.set_title(f"{task}: test accuracy against m", fontsize=10)
+            size_axis.legend(fontsize=7)
+            size_axis.grid(alpha=0.3)
+    return Path(path)

@@ -1,0 +1,40 @@
+"""The files of a comparison: results.json / .md and accuracy.png of one seed, seeds.md / .json / .png over seeds."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from ..atomic_files import write_json_atomic, write_text_atomic
+from .figures import plot_results, plot_seed_summary
+from .report import results_table, seed_summary
+
+
+def write_seed_summary(results_per_seed: list[dict], output_dir: str | os.PathLike) -> dict[str, Path]:
+    """seeds.md (the table), seeds.json and seeds.png in `output_dir`."""
+    output_dir = Path(output_dir)
+    table, summary = seed_summary(results_per_seed)
+    paths = {"table": output_dir / "seeds.md", "json": output_dir / "seeds.json", "plot": output_dir / "seeds.png"}
+    write_text_atomic(table + "\n", paths["table"])
+    write_json_atomic(summary, paths["json"])
+    if summary:
+        plot_seed_summary(summary, paths["plot"])
+    else:  # nothing finished yet: no picture (and none left from an earlier call that would disagree with the table)
+        paths["plot"].unlink(missing_ok=True)
+        del paths["plot"]
+    return paths
+
+
+def write_outputs(results: dict, output_dir: str | os.PathLike) -> dict[str, Path]:
+    """results.json, results.md (the table) and accuracy.png in `output_dir`."""
+    output_dir = Path(output_dir)
+    output_dir.mkdir(parents=True, exist_ok=True)
+    json_path, table_path, plot_path = (
+        output_dir / "results.json",
+        output_dir / "results.md",
+        output_dir / "accuracy.png",
+    )
+    write_json_atomic(results, json_path)
+    write_text_atomic(results_table(results) + "\n", table_path)
+    plot_results(results, plot_path)
+    return {"json": json_path, "table": table_path, "plot": plot_path}
