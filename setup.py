@@ -84,9 +84,6 @@ setup(
     license_files=["LICENSE"],
     python_requires=">=3.10",
     packages=find_packages(include=["iha", "iha.*"]),
-    # The console scripts' module: outside `iha`, so that `--help` runs before the package registers its classes
-    # (which imports torch and transformers); see iha_cli.py.
-    py_modules=["iha_cli"],
     install_requires=[
         "torch>=2.4",
         SUPPORTED_TRANSFORMERS,
@@ -97,10 +94,10 @@ setup(
     extras_require=extras,
     entry_points={
         "console_scripts": [
-            "iha=iha_cli:main",
-            "iha-convert=iha_cli:convert",
-            "iha-sft=iha_cli:sft",
-            "iha-eval=iha_cli:evaluate",
+            "iha=iha.cli:main",
+            "iha-convert=iha.cli:convert",
+            "iha-sft=iha.cli:sft",
+            "iha-eval=iha.cli:evaluate",
         ]
     },
     classifiers=[

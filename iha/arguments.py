@@ -4,13 +4,23 @@
 its field (`--model_name_or_path`) and accepts the dashed spelling too (`--model-name-or-path`). The other commands
 build their parsers with `ArgumentParser` below, which does the same for every option however it is declared: both
 spellings parse, so scripts written with either keep working, and help lists each flag once, as `--snake_case`
-(`--num_pseudo_heads NUM_PSEUDO_HEADS`). A yes/no option is `--flag` / `--no_flag`, as in `HfArgumentParser`.
-Every parser answers `--version`.
+(`--num_pseudo_heads NUM_PSEUDO_HEADS`). Every parser answers `--version`.
+
+A command's settings dataclass becomes its flags in one way, `add_dataclass_arguments`, the way `HfArgumentParser`
+declares them: one flag per field, named after it, typed by its annotation, with the field's metadata (`help`,
+`choices`, `aliases`). Yes/no settings follow transformers' convention everywhere: `--flag` turns one on, `--flag
+true|false` sets it, and a setting that is on by default (or may be, by a preset) also has `--no_flag`. A yes/no
+option written by hand (`action=argparse.BooleanOptionalAction`) is `--flag` / `--no_flag`.
 """
 
 import argparse
 import copy
+import dataclasses
 import importlib.metadata
+import types
+import typing
+
+from . import __version__
 
 
 def option_spellings(option: str) -> list[str]:
@@ -29,7 +39,6 @@ def is_canonical(option: str) -> bool:
 
 def version_text() -> str:
     """`--version`: the package's release and the torch and transformers it runs with (read without importing them)."""
-    from . import __version__
 
     def installed(name: str) -> str:
         try:
@@ -130,3 +139,95 @@ def spell_options(name_or_flags) -> list[str]:
     for option in name_or_flags:
         spelled += [spelling for spelling in option_spellings(option) if spelling not in spelled]
     return spelled
+
+
+def string_to_bool(value: str | bool) -> bool:
+    """What `--flag VALUE` of a yes/no setting means, read as transformers' `HfArgumentParser` reads it."""
+    if isinstance(value, bool):
+        return value
+    if value.lower() in ("yes", "true", "t", "y", "1"):
+        return True
+    if value.lower() in ("no", "false", "f", "n", "0"):
+        return False
+    raise argparse.ArgumentTypeError(
+        f"Truthy value expected: got {value} but expected one of yes/no, true/false, t/f, y/n, 1/0 (case insensitive)."
+    )
+
+
+# Field metadata that describes the command line but is no argument of `add_argument`: the argument group a flag is
+# listed in, and (`iha.convert.options`) the `IHAConfig` field a setting fills.
+NOT_ARGPARSE_METADATA = ("group", "config_field")
+
+
+def flag_type(annotation) -> tuple[type, bool]:
+    """(what argparse converts each word to, whether the flag takes a list): `int | None` -> (int, False),
+    `list[str] | None` -> (str, True); a union with str (`str | list[int]`, `int | str`) is read as str, and the
+    dataclass checks what it holds."""
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
+        kinds = [kind for kind in typing.get_args(annotation) if kind is not type(None)]
+        annotation = str if str in kinds else kinds[0]
+    if typing.get_origin(annotation) is list:
+        return typing.get_args(annotation)[0], True
+    return annotation, False
+
+
+def add_dataclass_arguments(parser, dataclass_type, title: str | None = None, *, from_preset: bool = False) -> None:
+    """One flag per field of `dataclass_type`, declared as transformers' `HfArgumentParser` declares it, in the
+    argument group named by the field's `group` metadata (else `title`; None: the parser's own options).
+
+    `from_preset`: every flag defaults to None, "not given" (the command fills the field from a preset), and every
+    yes/no setting has its `--no_` flag, since a preset may turn it on."""
+    hints = typing.get_type_hints(dataclass_type)
+    groups = {}
+    for setting in dataclasses.fields(dataclass_type):
+        kwargs = {key: value for key, value in setting.metadata.items() if key not in NOT_ARGPARSE_METADATA}
+        options = spell_options([f"--{setting.name}", *kwargs.pop("aliases", ())])
+        group_title = setting.metadata.get("group", title)
+        if group_title is None:
+            group = parser
+        elif group_title in groups:
+            group = groups[group_title]
+        else:
+            group = groups[group_title] = parser.add_argument_group(group_title)
+        if setting.default is not dataclasses.MISSING:
+            default = setting.default
+        elif setting.default_factory is not dataclasses.MISSING:
+            default = setting.default_factory()
+        else:
+            default = dataclasses.MISSING
+        if from_preset:
+            default = None
+            if "default" not in kwargs.get("help", ""):  # a field whose help names its own default keeps it
+                kwargs["help"] = kwargs.get("help", "") + " (default: the preset's)"
+        kind, is_list = flag_type(hints[setting.name])
+        if kind is bool:
+            # `--flag` alone means yes, unless the setting may also be None ("not set": `--flag VALUE` only).
+            kwargs["type"] = string_to_bool
+            if hints[setting.name] is bool or setting.default not in (None, dataclasses.MISSING):
+                kwargs.update(nargs="?", const=True, default=False if default is dataclasses.MISSING else default)
+            elif default is not dataclasses.MISSING:
+                kwargs["default"] = default
+        else:
+            kwargs["type"] = kind
+            if is_list:
+                kwargs["nargs"] = "+"
+            if default is not dataclasses.MISSING:
+                kwargs["default"] = default
+            else:
+                kwargs["required"] = True
+        # Help of a yes/no setting, as `HfArgumentParser` keeps it for its `--no_` flag: the metadata's own.
+        no_help = {key: value for key, value in setting.metadata.items() if key == "help"}
+        group.add_argument(*options, **kwargs)
+        if kind is bool and (setting.default is True or from_preset):
+            group.add_argument(
+                *spell_options([f"--no_{setting.name}"]),
+                action="store_false",
+                dest=setting.name,
+                default=None if from_preset else False,
+                **no_help,
+            )
+
+
+def dataclass_values(args: argparse.Namespace, dataclass_type) -> dict:
+    """The fields of `dataclass_type` as parsed flags hold them (`dataclass_type(**dataclass_values(...))`)."""
+    return {setting.name: getattr(args, setting.name) for setting in dataclasses.fields(dataclass_type)}

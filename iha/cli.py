@@ -13,21 +13,21 @@ iha chat-template  a chat template with {% generation %} markers        (same as
 iha serve       an OpenAI-compatible server for an IHA model (transformers' server, continuous batching)
 
 Every command takes its flags as `--snake_case` (transformers' and TRL's style), each also as `--kebab-case`
-(`iha.arguments`).
+(`iha.arguments`). The console scripts `iha`, `iha-convert`, `iha-sft` and `iha-eval` are `main`, `convert`, `sft`
+and `evaluate` below (`python -m iha.cli` is `iha`).
 """
 
 import importlib
 import sys
 from collections.abc import Sequence
 
-from . import register_auto_classes
 from .arguments import rename_prog, version_text
 from .convert.architectures import SUPPORTED_FAMILIES
 from .optional_packages import missing_package_message
 
 
-# name -> (module with `make_parser()` and `main(argv)`, one-line summary). The modules build their parsers without
-# torch or transformers, so `--help` answers at once; a command imports what its work needs when it runs.
+# name -> (module with `make_parser()` and `main(argv)`, one-line summary). A command imports what its work needs
+# when it runs.
 COMMANDS = {
     "demo": ("iha.demo", "convert, verify, fine-tune, evaluate and save SmolLM2-135M-Instruct as IHA (offline)"),
     "convert": ("iha.convert.cli", f"convert a {SUPPORTED_FAMILIES} checkpoint to IHA"),
@@ -51,8 +51,8 @@ def usage() -> str:
 
 
 def run(command: str, argv: Sequence[str], prog: str | None = None) -> int:
-    """Run one command: its flags are checked first (`--help` and bad flags end here, before torch is imported),
-    then the IHA classes are registered with the Auto classes (see `iha_cli`), then the command runs.
+    """Run one command: its flags are checked first under the command's name (`--help` and bad flags end here),
+    then the command runs.
 
     `prog` is what usage lines call the command (`iha convert` when run through `iha`; the console script's own
     name, `iha-convert`, otherwise). A missing optional package ends the command with one line naming the pip
@@ -67,7 +67,6 @@ def run(command: str, argv: Sequence[str], prog: str | None = None) -> int:
         if prog is not None and not prog_kwargs:
             rename_prog(parser, prog)
         parser.parse_args(argv)
-        register_auto_classes()
         result = module.main(argv, **prog_kwargs)
     except ModuleNotFoundError as error:
         message = missing_package_message(error)
@@ -92,6 +91,21 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"iha: unknown command {command!r}\n\n{usage()}", file=sys.stderr)
         return 2
     return run(command, rest, prog=f"iha {command}")
+
+
+def convert() -> int:
+    """`iha-convert` (the same as `iha convert`)."""
+    return run("convert", sys.argv[1:])
+
+
+def sft() -> int:
+    """`iha-sft` (the same as `iha sft`)."""
+    return run("sft", sys.argv[1:])
+
+
+def evaluate() -> int:
+    """`iha-eval` (the same as `iha eval`)."""
+    return run("eval", sys.argv[1:])
 
 
 if __name__ == "__main__":

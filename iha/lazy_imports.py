@@ -1,8 +1,10 @@
 """Package attributes imported on first use (PEP 562 module `__getattr__`).
 
-`iha` and its subpackages name their public classes and functions in one table each; a name's module is imported
-when the name is first used. Importing a light module of a package (a command line's parser, the settings) then
-imports neither torch nor transformers, and `iha COMMAND --help` answers at once.
+The subpackages (`iha.convert`, `iha.sft`, `iha.evaluation`, `iha.synthetic`) name their public classes and
+functions in one table each; a name's module is imported when the name is first used. Importing a light module of
+a subpackage (a command line's parser, the settings) then leaves the optional stacks it does not need unimported:
+TRL, peft and datasets for training, math-verify for scoring, matplotlib for plots. (`import iha` itself loads
+torch and transformers: it registers the IHA classes with the Auto classes.)
 """
 
 import importlib

@@ -49,12 +49,6 @@ from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO_ROOT))
-import iha_cli  # noqa: E402
-
-
-# The light modules of `iha` used here need neither torch nor transformers: defer the Auto-class registration that
-# importing `iha` would do (as the console scripts of `iha_cli` do).
-iha_cli.registration_deferred = True
 from iha.arguments import ArgumentParser  # noqa: E402
 from iha.atomic_files import write_text_atomic  # noqa: E402
 
@@ -353,16 +347,16 @@ class Check:
         build = "import sys; from iha.builtin import smollm2_dir; print(smollm2_dir(gguf_path=sys.argv[1]))"
         commands.append([self.python, "-c", build, str(gguf)])
         commands.append(
-            [self.python, "-m", "iha_cli", "convert", str(self.llama_dir), str(self.iha_dir), "-P", "2", "-q"]
+            [self.python, "-m", "iha.cli", "convert", str(self.llama_dir), str(self.iha_dir), "-P", "2", "-q"]
         )
         return commands
 
     def sft_commands(self) -> list[list[str]]:
         rows = self.work / "gsm8k_openthoughts.jsonl"
-        data = [self.python, "-m", "iha_cli", "data", "gsm8k-to-openthoughts", str(self.data("gsm8k", "train.jsonl"))]
+        data = [self.python, "-m", "iha.cli", "data", "gsm8k-to-openthoughts", str(self.data("gsm8k", "train.jsonl"))]
         data += [str(rows), "--limit", "64"]
         steps, length, batch = ("2", "512", "1") if self.quick else ("6", "1024", "4")
-        sft = [self.python, "-m", "iha_cli", "sft", "--model_name_or_path", str(self.iha_dir)]
+        sft = [self.python, "-m", "iha.cli", "sft", "--model_name_or_path", str(self.iha_dir)]
         sft += ["--dataset_name", str(rows), "--output_dir", str(self.work / "sft"), "--max_steps", steps]
         sft += ["--max_length", length, "--per_device_train_batch_size", batch, "--packing", "true", "--bf16", "true"]
         sft += ["--learning_rate", "2e-5", "--mixing_learning_rate", "1e-3", "--logging_steps", "1"]
@@ -373,7 +367,7 @@ class Check:
 
     def eval_commands(self) -> list[list[str]]:
         tokens, dtype = ("16", "float32") if self.quick or not self.on_cuda else ("256", "bfloat16")
-        command = [self.python, "-m", "iha_cli", "eval", "math", "--model", f"iha={self.work / 'sft'}"]
+        command = [self.python, "-m", "iha.cli", "eval", "math", "--model", f"iha={self.work / 'sft'}"]
         command += ["--dataset", f"gsm8k={self.data('gsm8k', 'test.jsonl')}", "--limit", "8", "--batch_size", "8"]
         command += ["--max_new_tokens", tokens, "--dtype", dtype, "--device", self.device]
         return [command + ["--output_dir", str(self.work / "eval")]]
@@ -399,7 +393,7 @@ class Check:
         return [command]
 
     def synthetic_commands(self) -> list[list[str]]:
-        command = [self.python, "-m", "iha_cli", "synthetic", "--preset", "tiny", "--tasks", "binary"]
+        command = [self.python, "-m", "iha.cli", "synthetic", "--preset", "tiny", "--tasks", "binary"]
         command += ["--max_epochs", "2", "--num_train", "256", "--device", self.device, "--fresh"]
         return [command + ["--output_dir", str(self.work / "synthetic")]]
 

@@ -18,12 +18,6 @@ import gguf
 
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-import iha_cli  # noqa: E402
-
-
-# The light modules of `iha` used here need neither torch nor transformers: defer the Auto-class registration that
-# importing `iha` would do (as the console scripts of `iha_cli` do).
-iha_cli.registration_deferred = True
 from iha.arguments import ArgumentParser  # noqa: E402
 from iha.builtin import smollm2_gguf_path  # noqa: E402
 

@@ -25,27 +25,15 @@ over, or choose a new --output_dir).
 """
 
 import argparse
-import dataclasses
 import os
 import shlex
 import sys
-import types
-import typing
 from collections.abc import Sequence
 
-from ..arguments import ArgumentParser
+from ..arguments import ArgumentParser, add_dataclass_arguments, dataclass_values
 from ..command_line import run_command
 from ..convert import ConversionError
 from .config import PRESETS, ABConfig, preset_config
-
-
-def _field_type(annotation):
-    """(element type, is_list) of a field annotation such as `int`, `str | None` or `list[float]`."""
-    if isinstance(annotation, types.UnionType) or typing.get_origin(annotation) is typing.Union:
-        annotation = next(arg for arg in typing.get_args(annotation) if arg is not type(None))
-    if typing.get_origin(annotation) is list:
-        return typing.get_args(annotation)[0], True
-    return annotation, False
 
 
 def make_parser() -> argparse.ArgumentParser:
@@ -56,23 +44,12 @@ def make_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--threads", type=int, default=None, help="CPU threads of torch (default: torch's; 1 on cores other jobs share)"
     )
-    hints = typing.get_type_hints(ABConfig)
-    for field in dataclasses.fields(ABConfig):
-        flag = "--" + field.name.replace("_", "-")
-        help_text = field.metadata.get("help", "")
-        if "default" not in help_text:  # a field whose help names its own default keeps it, said once
-            help_text += " (default: the preset's)"
-        kind, is_list = _field_type(hints[field.name])
-        if kind is bool:
-            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=None, help=help_text)
-        else:
-            parser.add_argument(flag, type=kind, nargs="+" if is_list else None, default=None, help=help_text)
+    add_dataclass_arguments(parser, ABConfig, from_preset=True)
     return parser
 
 
 def config_from_args(args: argparse.Namespace) -> ABConfig:
-    overrides = {field.name: getattr(args, field.name) for field in dataclasses.fields(ABConfig)}
-    config = preset_config(args.preset, **overrides)
+    config = preset_config(args.preset, **dataclass_values(args, ABConfig))
     if args.preset == "tiny" and config.model is None:
         raise ValueError("the tiny preset is sized for a tiny model: pass one as --model (a Llama-style folder)")
     return config

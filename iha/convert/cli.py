@@ -14,23 +14,26 @@
 """`iha-convert SRC DST [options]` (also `iha convert`), and `iha-convert push FOLDER REPO_ID` (the same as `iha push`).
 
 The IHA, output, source and verification flags are generated from the fields of `IHAConversionOptions` and
-`CheckpointOptions` (`num_pseudo_heads` -> `--num_pseudo_heads`, also spelled `--num-pseudo-heads` as every `iha`
-flag; a setting that is on by default, like `verify`, gets a `--no_...` flag); only what belongs to the command line
-itself (`--push_to_hub`, `--private`, `--quiet`) is written here. `make_parser(subparsers)` adds the command to another parser (`iha convert`); `main(args)` runs it.
+`CheckpointOptions` by `iha.arguments.add_dataclass_arguments` (`num_pseudo_heads` -> `--num_pseudo_heads`, also
+spelled `--num-pseudo-heads` as every `iha` flag; a setting that is on by default, like `verify`, also gets a
+`--no_...` flag); only what belongs to the command line itself (`--push_to_hub`, `--private`, `--quiet`) is written
+here. `make_parser(subparsers)` adds the command to another parser (`iha convert`); `main(args)` runs it.
 """
 
 import argparse
-import dataclasses
 import logging
 import sys
-import typing
 from collections.abc import Callable, Sequence
 
-from ..arguments import ArgumentParser
+from ..arguments import ArgumentParser, add_dataclass_arguments, dataclass_values
 from ..command_line import run_command
+from ..hub import HubUploadError, push_to_hub
+from ..hub import main as push_main
 from .architectures import SUPPORTED_DESCRIPTION, SUPPORTED_FAMILIES
+from .checkpoint import convert_checkpoint
 from .errors import ConversionError, VerificationFailedError
 from .options import CheckpointOptions, IHAConversionOptions
+from .plan import describe_layers
 
 
 SUMMARY = f"convert a {SUPPORTED_FAMILIES} checkpoint to IHA"
@@ -41,44 +44,6 @@ DESCRIPTION = (
 )
 
 
-def argument_type(annotation) -> type:
-    """What argparse converts a flag's text to: `int | None` -> int; a union with str (`str | list[int]`) -> str."""
-    types = [arg for arg in typing.get_args(annotation) if arg is not type(None)] or [annotation]
-    return str if str in types else types[0]
-
-
-def add_options_arguments(parser: argparse.ArgumentParser, options_class, title: str | None = None) -> None:
-    """One flag per field of `options_class`, in argument groups named by the fields' `group` (else `title`)."""
-    groups = {}
-    for setting in dataclasses.fields(options_class):
-        group_title = setting.metadata.get("group", title)
-        if group_title not in groups:
-            groups[group_title] = parser.add_argument_group(group_title)
-        group = groups[group_title]
-        flag = f"--{setting.name}"
-        help_text = setting.metadata.get("help")
-        if setting.type is bool:
-            if setting.default:
-                group.add_argument(f"--no_{setting.name}", dest=setting.name, action="store_false", help=help_text)
-            else:
-                group.add_argument(flag, dest=setting.name, action="store_true", help=help_text)
-            continue
-        group.add_argument(
-            flag,
-            *setting.metadata.get("aliases", ()),
-            dest=setting.name,
-            type=argument_type(setting.type),
-            default=setting.default,
-            choices=setting.metadata.get("choices"),
-            help=help_text,
-        )
-
-
-def options_from_args(args: argparse.Namespace, options_class):
-    """The `options_class` that parsed flags describe (its checks run here: bad values raise)."""
-    return options_class(**{setting.name: getattr(args, setting.name) for setting in dataclasses.fields(options_class)})
-
-
 def make_parser(subparsers=None) -> argparse.ArgumentParser:
     """The `iha-convert` parser, or, given the subparsers of another parser, its `convert` command."""
     if subparsers is None:
@@ -87,8 +52,8 @@ def make_parser(subparsers=None) -> argparse.ArgumentParser:
         parser = subparsers.add_parser("convert", help=SUMMARY, description=DESCRIPTION)
     parser.add_argument("source", help="local checkpoint folder or Hub model id (org/name)")
     parser.add_argument("output_dir", help="folder to write; must not exist or be empty unless --overwrite")
-    add_options_arguments(parser, IHAConversionOptions, "IHA settings")
-    add_options_arguments(parser, CheckpointOptions)
+    add_dataclass_arguments(parser, IHAConversionOptions, "IHA settings")
+    add_dataclass_arguments(parser, CheckpointOptions)
     hub_group = parser.add_argument_group("Hub")
     hub_group.add_argument("--push_to_hub", metavar="REPO_ID", help="upload the converted folder to this Hub repo")
     hub_group.add_argument("--private", action="store_true", help="create the Hub repo as private")
@@ -97,8 +62,6 @@ def make_parser(subparsers=None) -> argparse.ArgumentParser:
 
 
 def print_report(report, write: Callable[[str], None]) -> None:
-    from .plan import describe_layers
-
     write(f"Converted {report.source} ({report.architecture}) -> {report.output_dir}")
     write(
         f"  P={report.num_pseudo_heads}, IHA layers {describe_layers(report.iha_layers) or 'none'} of "
@@ -113,10 +76,8 @@ def print_report(report, write: Callable[[str], None]) -> None:
 
 def run_conversion(args: argparse.Namespace) -> int:
     """What `iha-convert SRC DST` does once its arguments are parsed; failures propagate to `run_command`."""
-    from .checkpoint import convert_checkpoint
-
-    options = options_from_args(args, IHAConversionOptions)
-    checkpoint_options = options_from_args(args, CheckpointOptions)
+    options = IHAConversionOptions(**dataclass_values(args, IHAConversionOptions))
+    checkpoint_options = CheckpointOptions(**dataclass_values(args, CheckpointOptions))
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(logging.Formatter("%(message)s"))
     loggers = [logging.getLogger(__package__), logging.getLogger("iha.atomic_folders")]
@@ -137,8 +98,6 @@ def run_conversion(args: argparse.Namespace) -> int:
             each.setLevel(level)
     print_report(report, lambda message: print(message, flush=True))
     if args.push_to_hub:
-        from ..hub import HubUploadError, push_to_hub
-
         try:
             url = push_to_hub(
                 report.output_dir,
@@ -164,8 +123,6 @@ def main(args: argparse.Namespace | Sequence[str] | None = None) -> int:
     if not isinstance(args, argparse.Namespace):
         argv = list(sys.argv[1:] if args is None else args)
         if argv[:1] == ["push"]:  # an alias of `iha push`, which lives with the other Hub code
-            from ..hub import main as push_main
-
             return push_main(argv[1:], prog="iha-convert push")
         args = make_parser().parse_args(argv)
     return run_command(

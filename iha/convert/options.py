@@ -36,16 +36,12 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+# The choices of the `IHAConfig` fields these settings fill are the config's own: one set, in the file that
+# travels with the weights.
+from ..configuration_iha import COLLAPSE_INITS, COLLAPSE_MODES, MASK_MODES, POSITION_MODES
 from .errors import ConversionError
 
 
-# The values of the `IHAConfig` fields these settings fill. They are `iha.configuration_iha`'s constants, written out
-# here because that module imports torch and transformers, which the command line's parser (and `--help`) should not
-# wait for; tests/commands/test_fast_help.py checks that the two stay equal.
-MASK_MODES = ("flat_causal", "token_causal")
-POSITION_MODES = ("virtual", "shared")
-COLLAPSE_MODES = ("per_head", "global")
-COLLAPSE_INITS = ("last", "mean", "first")
 # Output dtypes `--dtype` accepts besides "auto" (each is the name of a torch dtype).
 DTYPE_NAMES = ("float32", "bfloat16", "float16")
 # The bar for "exact" in fp32; see `verify_conversion` for how deep models are judged.

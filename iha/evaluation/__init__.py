@@ -7,7 +7,7 @@ from ..lazy_imports import lazy_attributes
 
 
 # Public name -> the module that defines it, imported on first use: the command line's parser (`iha eval --help`)
-# imports neither torch nor math-verify.
+# does not import math-verify.
 _EXPORTS = {
     "Vote": "answers",
     "extract_answer": "answers",

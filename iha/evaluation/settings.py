@@ -1,6 +1,7 @@
 """The settings of a math evaluation: the benchmarks (Hub id, columns, gold answer) and the sampling presets.
 
-Without torch or math-verify, so that `iha-eval --help` lists them at once; `iha.evaluation.math_eval` runs them.
+Without math-verify, so that `iha-eval --help` lists them without loading the scoring; `iha.evaluation.math_eval`
+runs them.
 """
 
 from __future__ import annotations

@@ -14,7 +14,7 @@
 """The arguments `iha-sft` adds to TRL's: the model (`ModelArguments`), the data (`DataArguments`) and the IHA
 training settings (`IHATrainingArguments`, which `IHASFTConfig` adds to TRL's `SFTConfig`).
 
-Plain dataclasses, without torch or TRL, so that `iha sft --help` lists them at once (`iha.sft.cli`).
+Plain dataclasses, without TRL, so that `iha sft --help` lists them without loading TRL (`iha.sft.cli`).
 """
 
 from dataclasses import dataclass, field

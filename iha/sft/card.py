@@ -16,7 +16,7 @@ how to load), `write_merged_card` (a LoRA adapter merged into its base), and `re
 command, for a folder another trainer (`trl sft`) wrote. Generic card reading and writing is `iha.model_card`'s;
 the card of a converted folder is `iha.convert.card`'s.
 
-This module imports neither torch nor TRL at its top, so that `iha card --help` answers at once.
+This module does not import TRL at its top: `iha card` runs without the training extra.
 """
 
 import os
@@ -25,6 +25,7 @@ from pathlib import Path
 
 from ..arguments import ArgumentParser
 from ..builtin import builtin_base_model
+from ..convert.readers import looks_like_hub_id
 from ..licenses import license_card_parts, write_code_license
 from ..model_card import (
     DEFAULT_TAGS,
@@ -56,8 +57,6 @@ def hub_base_model(source) -> str | None:
     A Hub id is itself; a local folder gives the base its own card names (a converted folder records its source),
     or the one `iha.builtin` stamped into it; any other local path gives None.
     """
-    from ..convert.readers import looks_like_hub_id  # imports torch: not at the top, for `iha card --help`
-
     if source is None:
         return None
     path = Path(str(source)).expanduser()
@@ -109,7 +108,7 @@ def rewrite_trainer_card(folder: str | os.PathLike, base: str) -> Path:
 
 def trained_dtypes(model) -> str:
     """The dtypes the trainable weights were kept in, the mixing's apart ("bfloat16; mixing float32")."""
-    from .config import is_mixing_parameter  # imports TRL: not at the top, for `iha card --help`
+    from .config import is_mixing_parameter  # imports TRL: not at the top (see the module's docstring)
 
     mixing, others = set(), set()
     for name, parameter in model.named_parameters():
@@ -177,8 +176,6 @@ def write_training_card(
     load without `trust_remote_code`. The metadata's `base_model` is a Hub id or absent (the Hub accepts nothing
     else); a converted base folder's "IHA settings" section is carried over.
     """
-    from ..convert.readers import looks_like_hub_id  # imports torch: not at the top, for `iha card --help`
-
     base_card = read_model_card(base) if base is not None and Path(base).is_dir() else None
     hub_base = hub_base_model(base)
     metadata = {

@@ -14,21 +14,21 @@
 """`iha-sft` / `iha sft`: the command line over `train_sft`.
 
 Two parsers of the same dataclasses. `make_parser()` holds the flags of `iha.sft.arguments` (model, data, IHA
-training), declared as transformers' `HfArgumentParser` declares them, and is built without torch or TRL: `--help`
-answers at once. `make_trl_parser()` is the `HfArgumentParser` over them and TRL's `SFTConfig` (~200 flags more:
-`--learning_rate`, `--max_length`, `--packing`, ...); a run parses its command line with it, and `--help_trl` prints
-its help.
+training), made by `iha.arguments.add_dataclass_arguments` as transformers' `HfArgumentParser` declares them, and is
+built without TRL: `--help` lists them without loading TRL, and the `iha` dispatcher checks a command line with it
+before the run. `make_trl_parser()` is the `HfArgumentParser` over them and TRL's `SFTConfig` (~200 flags more:
+`--learning_rate`, `--max_length`, `--packing`, ...); the run parses its command line with it, and `--help_trl`
+prints the package's flags, then the training ones.
 """
 
 import argparse
 import logging
 import sys
-import types
 import typing
 from collections.abc import Sequence
-from dataclasses import MISSING, asdict, fields
+from dataclasses import asdict
 
-from ..arguments import ArgumentParser
+from ..arguments import ArgumentParser, add_dataclass_arguments
 from ..command_line import run_command
 from ..convert import ConversionError, IHAConversionOptions
 from .arguments import DataArguments, IHATrainingArguments, ModelArguments
@@ -53,52 +53,8 @@ DESCRIPTION = (
 TRL_FLAGS = """Every flag of TRL's SFTConfig is accepted too, transformers' TrainingArguments among them (--output_dir,
 --learning_rate, --num_train_epochs, --per_device_train_batch_size, --max_length, --packing, --use_cpu, ...):
 `iha-sft --help_trl` lists them all (it loads TRL, which takes a few seconds)."""
-
-
-def string_to_bool(value: str | bool) -> bool:
-    """What `--flag VALUE` of a bool field means, as transformers' `HfArgumentParser` reads it."""
-    if isinstance(value, bool):
-        return value
-    if value.lower() in ("yes", "true", "t", "y", "1"):
-        return True
-    if value.lower() in ("no", "false", "f", "n", "0"):
-        return False
-    raise argparse.ArgumentTypeError(
-        f"Truthy value expected: got {value} but expected one of yes/no, true/false, t/f, y/n, 1/0 (case insensitive)."
-    )
-
-
-def add_dataclass_flags(group, dataclass_type) -> None:
-    """One flag per field of `dataclass_type`, declared as `HfArgumentParser` declares it (the field types these
-    dataclasses use: str, int, float, bool, each optionally `| None`, and `list[str] | None`);
-    tests/commands/test_fast_help.py compares the two parsers."""
-    for setting in fields(dataclass_type):
-        kwargs = dict(setting.metadata)
-        kind = setting.type
-        if kind != bool | None and typing.get_origin(kind) in (typing.Union, types.UnionType):  # X | None -> X
-            kind = next(arg for arg in typing.get_args(kind) if arg is not type(None))
-        if kind is bool or kind == bool | None:
-            kwargs["type"] = string_to_bool
-            if kind is bool or setting.default is not None:
-                kwargs.update(default=False if setting.default is MISSING else setting.default, nargs="?", const=True)
-        elif typing.get_origin(kind) is list:
-            kwargs.update(type=typing.get_args(kind)[0], nargs="+")
-            if setting.default is MISSING and setting.default_factory is MISSING:
-                kwargs["required"] = True
-        else:
-            kwargs["type"] = kind
-            if setting.default is not MISSING:
-                kwargs["default"] = setting.default
-            else:
-                kwargs["required"] = True
-        group.add_argument(f"--{setting.name}", **kwargs)
-        if setting.default is True:
-            group.add_argument(
-                f"--no_{setting.name}",
-                action="store_false",
-                dest=setting.name,
-                **{**setting.metadata, "default": False},
-            )
+TRAINING_FLAGS = """training: TRL's SFTConfig, transformers' TrainingArguments among them, with the IHA training flags above
+(the same flags, listed again with TRL's):"""
 
 
 def is_config_file(argv: Sequence[str]) -> bool:
@@ -117,47 +73,46 @@ class SFTArgumentParser(ArgumentParser):
 
 
 class PrintTRLHelp(argparse.Action):
+    """Every flag of a run: the package's own (`make_parser()`'s help), then the training ones (`IHASFTConfig`)."""
+
     def __init__(self, option_strings, dest=argparse.SUPPRESS, default=argparse.SUPPRESS, help=None):
         super().__init__(option_strings, dest=dest, default=default, nargs=0, help=help)
 
     def __call__(self, parser, namespace, values, option_string=None):
-        make_trl_parser().print_help()
+        from transformers import HfArgumentParser
+
+        from .config import IHASFTConfig
+
+        training = HfArgumentParser(IHASFTConfig, usage=argparse.SUPPRESS, add_help=False)
+        print(make_parser().format_help())
+        print(f"{TRAINING_FLAGS}\n\n{training.format_help()}", end="")
         parser.exit()
 
 
 def make_parser() -> SFTArgumentParser:
-    """`iha-sft`'s own flags (model, data, IHA training), built without torch or TRL: what `--help` shows."""
+    """`iha-sft`'s own flags (model, data, IHA training), built without TRL: what `--help` shows."""
     # TRL's flags are not declared here: an abbreviation must not be taken for one of the flags that are.
     parser = SFTArgumentParser(
         prog="iha-sft", usage=USAGE, description=DESCRIPTION, epilog=TRL_FLAGS, allow_abbrev=False
     )
     parser.add_argument("--help_trl", action=PrintTRLHelp, help="show every flag, TRL's SFTConfig ones included")
     for title, dataclass_type in ARGUMENT_GROUPS.items():
-        add_dataclass_flags(parser.add_argument_group(title), dataclass_type)
+        add_dataclass_arguments(parser, dataclass_type, title)
     return parser
 
 
 def make_trl_parser():
     """Every flag of a run: `HfArgumentParser` over `ModelArguments`, `DataArguments` and `IHASFTConfig` (TRL's
-    `SFTConfig` + the IHA training flags). `--help` lists the package's own first, then TRL's ~200."""
+    `SFTConfig` + the IHA training flags). Its `--help` (and `--help_trl`) lists the package's own first, then TRL's
+    ~200."""
     from transformers import HfArgumentParser
 
     from .config import IHASFTConfig
 
-    parser = HfArgumentParser((ModelArguments, DataArguments, IHASFTConfig), prog="iha-sft", usage=USAGE)
-    # HfArgumentParser puts every field into the parser's one "options" group, in dataclass order: the few IHA
-    # flags would come after ~800 lines of TRL's. Regroup them (argparse prints groups in list order).
-    options = parser._optionals
-    options.title = "training (TRL's SFTConfig and transformers' TrainingArguments)"
-    groups = [parser.add_argument_group("help")]
-    groups[0]._group_actions = [action for action in options._group_actions if action.dest == "help"]
-    for title, dataclass_type in ARGUMENT_GROUPS.items():
-        names = {setting.name for setting in fields(dataclass_type)}
-        groups.append(parser.add_argument_group(title))
-        groups[-1]._group_actions = [action for action in options._group_actions if action.dest in names]
-    moved = {id(action) for group in groups for action in group._group_actions}
-    options._group_actions = [action for action in options._group_actions if id(action) not in moved]
-    parser._action_groups = [parser._positionals, *groups, options]
+    parser = HfArgumentParser(
+        (ModelArguments, DataArguments, IHASFTConfig), prog="iha-sft", usage=USAGE, add_help=False
+    )
+    parser.add_argument("-h", "--help", "--help_trl", "--help-trl", action=PrintTRLHelp, help="show every flag")
     return parser
 
 
@@ -241,10 +196,12 @@ def run_cli(argv: Sequence[str] | None = None) -> "IHASFTTrainer":
 def main(argv: Sequence[str] | None = None) -> int:
     """`iha-sft` / `iha sft` / `python -m iha.sft` (`--help` for the package's flags, `--help_trl` for every flag).
 
+    The command line is parsed once, by the run's parser (`make_trl_parser`); the `iha` dispatcher has checked the
+    package's own flags before the IHA classes were registered (`iha.cli.run`).
+
     Bad input prints one line (exit 2); Ctrl-C / SIGTERM exit 130 / 143, keeping the checkpoints already saved in
     OUTPUT_DIR (`--resume_from_checkpoint true` continues from the last one).
     """
-    make_parser().parse_args(argv)  # `--help` shows the package's flags here too, before TRL is imported
 
     def sft() -> int:
         run_cli(argv)

@@ -92,8 +92,8 @@ def test_without_gguf_the_demo_stops_at_once_with_one_line_naming_the_pip_comman
     # A process where `gguf` cannot be imported (None in sys.modules), with an empty model cache: the built-in
     # SmolLM2 would have to be read from its GGUF file.
     code = (
-        "import sys; sys.modules['gguf'] = None; import iha_cli; "
-        f"sys.argv = ['iha', 'demo', '--output_dir', {str(tmp_path / 'demo')!r}]; sys.exit(iha_cli.main())"
+        "import sys; sys.modules['gguf'] = None; from iha import cli; "
+        f"sys.argv = ['iha', 'demo', '--output_dir', {str(tmp_path / 'demo')!r}]; sys.exit(cli.main())"
     )
     environment = {**os.environ, "IHA_CACHE_DIR": str(tmp_path / "cache"), "PYTHONPATH": str(REPO_ROOT)}
     result = subprocess.run(

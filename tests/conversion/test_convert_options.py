@@ -9,8 +9,8 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from iha.arguments import dataclass_values
 from iha.convert import CheckpointOptions, ConversionError, IHAConversionOptions, llama_to_iha, make_parser
-from iha.convert.cli import options_from_args
 from iha.convert.plan import plan_conversion
 
 
@@ -21,7 +21,9 @@ def tiny_llama() -> LlamaForCausalLM:
 
 def parsed(argv: list[str]) -> tuple[IHAConversionOptions, CheckpointOptions]:
     args = make_parser().parse_args(["source", "output", *argv])
-    return options_from_args(args, IHAConversionOptions), options_from_args(args, CheckpointOptions)
+    return IHAConversionOptions(**dataclass_values(args, IHAConversionOptions)), CheckpointOptions(
+        **dataclass_values(args, CheckpointOptions)
+    )
 
 
 def test_the_command_line_defaults_are_the_dataclass_defaults():

@@ -46,7 +46,7 @@ def server(request, tiny_iha_dir, tmp_path_factory):
     """`iha serve` in its own process, its output in a log file; always stopped (SIGTERM, then killed if it
     lingers). Yields the base URL, whether it batches continuously, and the log."""
     port = free_port()
-    command = [sys.executable, "-m", "iha_cli", "serve", str(tiny_iha_dir), "--host", "127.0.0.1", "--port", str(port)]
+    command = [sys.executable, "-m", "iha.cli", "serve", str(tiny_iha_dir), "--host", "127.0.0.1", "--port", str(port)]
     command += ["--device", "cpu"] + (["--continuous_batching"] if request.param else [])
     environment = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(REPO_ROOT)}
     log = tmp_path_factory.mktemp("serve") / "server.log"
