@@ -7,8 +7,8 @@ by a killed run carries a lock file that its process held until it died, so the 
 can prove the folder is ours and no longer in use, and removes it.
 
 `staged_folder` is the one way the package writes a folder; `signals_raise` turns SIGTERM and SIGHUP into an
-exception like Ctrl-C, so that every `finally` block and `staged_folder` clean up; `run_command` is what every
-command line entry point runs its work in (one line for an error or an interruption, never a traceback).
+exception like Ctrl-C, so that every `finally` block and `staged_folder` clean up (`iha.command_line.run_command`
+runs every command's work under it).
 """
 
 from __future__ import annotations
@@ -18,10 +18,9 @@ import logging
 import os
 import shutil
 import signal
-import sys
 import tempfile
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -284,50 +283,9 @@ def staged_folder(
         raise
 
 
-def run_command(
-    prog: str,
-    body: Callable[[], int],
-    *,
-    errors: tuple[type[BaseException], ...] = (),
-    interrupted: str = "",
-    error_status: int = 2,
-) -> int:
-    """Run a command line's work: its exit status, with failures reported as one line on stderr, never a traceback.
-
-    `errors` (plus OSError, which names the file and the problem) print `PROG: error: MESSAGE` and exit with
-    `error_status` (2, as argparse does for bad arguments); an OSError's message loses its `[Errno N]`.
-    Ctrl-C, SIGTERM and SIGHUP print `PROG: interrupted (SIGNAL)` and `interrupted` (what was kept or removed), and
-    exit with 128 + the signal number (130 for Ctrl-C), the shell convention.
-    """
-    with signals_raise():
-        try:
-            return body()
-        except KeyboardInterrupt as interruption:
-            signum = getattr(interruption, "signum", signal.SIGINT)
-            note = f"; {interrupted}" if interrupted else ""
-            print(f"{prog}: interrupted ({signal.Signals(signum).name}){note}", file=sys.stderr, flush=True)
-            return 128 + signum
-        except (*errors, OSError) as error:
-            print(f"{prog}: error: {error_text(error)}", file=sys.stderr, flush=True)
-            return error_status
-
-
-def error_text(error: BaseException) -> str:
-    """An error's message, without the `[Errno N]` that OSError puts in front of it (the words say it already)."""
-    if not isinstance(error, OSError) or not error.strerror:
-        return str(error)
-    text = error.strerror
-    if error.filename is not None:
-        text += f": {error.filename}"
-    if error.filename2 is not None:
-        text += f" -> {error.filename2}"
-    return text
-
-
 __all__ = [
     "Terminated",
     "remove_stale_staging",
-    "run_command",
     "signals_deferred",
     "signals_raise",
     "staged_folder",

@@ -35,7 +35,7 @@ COMMANDS = {
     "eval": ("iha.evaluation.cli", "math (GSM8K, MATH-500) and long-context retrieval evaluation"),
     "ab": ("iha.ab.cli", "A/B: SFT of a Llama-style model as it is vs of its IHA conversion (paired tests)"),
     "synthetic": ("iha.synthetic.cli", "the paper's synthetic relation-composition comparison: MHA, 2-simplicial, IHA"),
-    "card": ("iha.model_card", "write the IHA model card of a folder `trl sft` trained (base, how to load)"),
+    "card": ("iha.sft.card", "write the IHA model card of a folder `trl sft` trained (base, how to load)"),
     "push": ("iha.hub", "upload an IHA folder (converted or fine-tuned) to the Hugging Face Hub"),
     "data": ("iha.data_cli", "SFT data: GSM8K rows to OpenThoughts format, any row schema to `messages` rows"),
     "chat-template": ("iha.chat_templates", "write a chat template with {% generation %} markers (.jinja)"),

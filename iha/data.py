@@ -25,6 +25,7 @@ prompt (TRL's own conversion of `conversations` rows renames keys only and drops
 OpenThoughts3-1.2M rows (`difficulty, source, domain, conversations` with human / gpt roles) are the
 `"openthoughts"` schema without a `system` column. A malformed row raises `DataFormatError` naming its index and
 what is wrong with it.
+`without_system_prompt` drops a row's system prompt and keeps its schema.
 
 GSM8K rows (their reference answer and their OpenThoughts-format conversion) live in `iha.gsm8k`, the `iha data`
 command in `iha.data_cli`.
@@ -220,6 +221,17 @@ def row_to_messages(row: dict, index: int = 0, schema: str | None = None, defaul
         raise ValueError(f"Unknown schema {schema!r}; expected one of {list(SCHEMAS)}.")
     messages = _add_system(messages, system, index, default_system_prompt)
     return _check_conversation(messages, index)
+
+
+def without_system_prompt(row: dict) -> dict:
+    """The row without its system prompt (a `system` column, or a leading system turn of its `conversations` or
+    `messages`), in its own schema; the chat template's own default system prompt, if it has one, takes its place."""
+    row = {key: value for key, value in row.items() if key != "system"}
+    for column, role_key in (("conversations", "from"), ("messages", "role")):
+        turns = row.get(column)
+        if isinstance(turns, list) and turns and isinstance(turns[0], dict) and turns[0].get(role_key) == "system":
+            row[column] = turns[1:]
+    return row
 
 
 def to_messages_dataset(

@@ -22,7 +22,8 @@ from pathlib import Path
 
 from .arguments import ArgumentParser, HelpFormatter
 from .atomic_files import saved_figure, write_json_atomic, write_text_atomic
-from .atomic_folders import run_command, staged_folder
+from .atomic_folders import staged_folder
+from .command_line import run_command
 from .convert import ConversionError
 from .data import BOXED_INSTRUCTION, OPENTHOUGHTS_SYSTEM_PROMPT, read_jsonl
 from .demo_data import arithmetic_word_problems

@@ -32,7 +32,7 @@ from pathlib import Path
 
 from . import IHA_MODEL_TYPES
 from .arguments import ArgumentParser
-from .atomic_folders import run_command
+from .command_line import run_command
 from .model_card import MODEL_CARD_NAME, how_to_load_section, read_model_card, render_model_card
 
 

@@ -31,7 +31,7 @@ import time
 from collections.abc import Sequence
 
 from .arguments import ArgumentParser
-from .atomic_folders import run_command
+from .command_line import run_command
 
 
 DEFAULT_HOST = "localhost"

@@ -66,13 +66,23 @@ def tiny_iha_model(seed: int = 0, randomize: bool = True, **overrides):
     return model
 
 
+def tokenizer_settings(tokenizer) -> dict:
+    """The config fields that size a tiny model to `tokenizer`: its vocabulary and special token ids
+    (`tiny_iha_model(**tokenizer_settings(tokenizer))`)."""
+    return dict(
+        vocab_size=len(tokenizer),
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+
+
 def tiny_llama_for_tokenizer(tokenizer, seed: int = 0, **overrides):
     """A tiny random Llama (GQA, tied embeddings) sized to `tokenizer`, with its special token ids: a stand-in for a
     real checkpoint wherever a test needs real text (chat templates, generation, lm_eval) but not real weights."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     settings = dict(
-        vocab_size=len(tokenizer),
         hidden_size=32,
         intermediate_size=64,
         num_hidden_layers=2,
@@ -80,9 +90,7 @@ def tiny_llama_for_tokenizer(tokenizer, seed: int = 0, **overrides):
         num_key_value_heads=2,
         max_position_embeddings=1024,
         tie_word_embeddings=True,
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
+        **tokenizer_settings(tokenizer),
     )
     torch.manual_seed(seed)
     return LlamaForCausalLM(LlamaConfig(**{**settings, **overrides})).eval()

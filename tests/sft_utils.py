@@ -1,4 +1,5 @@
-"""Offline pieces for the SFT tests: a tiny ChatML tokenizer trained on GSM8K text and tiny IHA models.
+"""Offline pieces for the SFT tests: a tiny ChatML tokenizer trained on GSM8K text and the size of their tiny IHA
+models (built by `conftest.tiny_iha_model`).
 
 SmolLM2's 49k-token vocabulary makes the LM head dominate a tiny model's step on CPU; a 1k-token byte-level BPE
 trained on the same GSM8K -> OpenThoughts rows keeps the tests fast while using SmolLM2's exact chat template and
@@ -72,27 +73,16 @@ def build_tiny_tokenizer(save_dir: str | Path | None = None, vocab_size: int = 1
     return tokenizer
 
 
-def tiny_iha_config(tokenizer, **overrides) -> iha.IHAConfig:
-    settings = dict(
-        vocab_size=len(tokenizer),
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        num_pseudo_heads=2,
-        max_position_embeddings=2048,
-        tie_word_embeddings=True,
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-    )
-    return iha.IHAConfig(**{**settings, **overrides})
-
-
-def tiny_iha_model(tokenizer, seed: int = 0, **overrides) -> iha.IHAForCausalLM:
-    torch.manual_seed(seed)
-    return iha.IHAForCausalLM(tiny_iha_config(tokenizer, **overrides))
+# The tiny IHA model of the training tests (GQA, tied embeddings), on top of `conftest.TINY` and sized to the
+# tokenizer: `tiny_iha_model(randomize=False, **TRAINING_MODEL, **tokenizer_settings(tokenizer))`.
+TRAINING_MODEL = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_key_value_heads=2,
+    num_pseudo_heads=2,
+    max_position_embeddings=2048,
+    tie_word_embeddings=True,
+)
 
 
 def mixing_parameters(model) -> dict[str, torch.Tensor]:

@@ -1,8 +1,16 @@
 """`iha ab`: a controlled A/B of SFT on a Llama-style model as it is against SFT on its IHA conversion.
 
-`config` (ABConfig, presets), `stats` (bootstrap, exact McNemar, detectable differences), `run` (one arm / seed:
-training, validation loss, evaluation), `experiment` (the whole comparison), `report` (report.md / .json, plots),
-`cli` (`iha ab`).
+One job per module:
+
+    config.py       the two arms, ABConfig and its presets
+    data.py         the training rows and a fixed validation split, the test problems and their reference solutions
+    measures.py     what a run measures: step trace, per-row losses, mixing drift, the conversion check
+    runs.py         one arm with one seed: training, evaluation, reference-solution loss (and the output folder)
+    experiment.py   the whole comparison, step by step (`run_ab`)
+    stats.py        bootstrap, exact McNemar, detectable differences
+    summary.py      report.json: per-arm metrics, the paired tests and the power of the run
+    report.py       report.md and the plots
+    cli.py          `iha ab`
 """
 
 from .config import PRESETS, ABConfig, preset_config

@@ -31,7 +31,7 @@ import sys
 from collections.abc import Sequence
 
 from ..arguments import ArgumentParser, add_dataclass_arguments, dataclass_values
-from ..atomic_folders import run_command
+from ..command_line import run_command
 from ..convert import ConversionError
 from .config import PRESETS, ABConfig, preset_config
 

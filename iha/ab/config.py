@@ -11,7 +11,8 @@
 # WITHOUT WARRANTIES OR CONDITIONS OF ANY KIND, either express or implied.
 # See the License for the specific language governing permissions and
 # limitations under the License.
-"""What an A/B run does: `ABConfig`, and the presets `tiny` (tests), `cpu` (2 cores) and `gpu` (one CUDA device).
+"""What an A/B run does: its two arms (`ARM_A`, `ARM_B`), `ABConfig`, and the presets `tiny` (tests), `cpu`
+(2 cores) and `gpu` (one CUDA device).
 
 Every field is the same for both arms; the only difference between the arms is the conversion to IHA (and the
 mixing learning rate, which only arm B has parameters for).
@@ -19,6 +20,10 @@ mixing learning rate, which only arm B has parameters for).
 
 import dataclasses
 from dataclasses import dataclass, field
+
+
+ARM_A = "base"  # the source model, trained as it is
+ARM_B = "iha"  # its IHA conversion (identity mixing: the same function before training)
 
 
 @dataclass
@@ -211,4 +216,4 @@ def preset_config(name: str, **overrides) -> ABConfig:
     return dataclasses.replace(PRESETS[name], **{key: value for key, value in overrides.items() if value is not None})
 
 
-__all__ = ["ABConfig", "PRESETS", "preset_config"]
+__all__ = ["ARM_A", "ARM_B", "ABConfig", "PRESETS", "preset_config"]

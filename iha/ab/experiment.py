@@ -23,7 +23,7 @@
 6. every final run answers the test problems (greedy; sampled too when `num_samples` > 1);
 7. the report: report.json, report.md, curves.png, drift.png.
 
-Each step reuses what an earlier call of the same command wrote (see `iha.ab.run`).
+Each step reuses what an earlier call of the same command wrote (see `iha.ab.runs`).
 """
 
 import json
@@ -32,25 +32,21 @@ from pathlib import Path
 
 from ..atomic_files import write_json_atomic, write_text_atomic
 from . import report as reporting
-from .config import ABConfig
-from .run import (
-    ARM_A,
-    ARM_B,
-    check_conversion,
+from .config import ARM_A, ARM_B, ABConfig
+from .data import load_test_problems, prepare_data, prepare_reference_rows
+from .measures import check_conversion, machine_settings
+from .runs import (
     check_source_is_not_iha,
     discard_unstarted_run,
     evaluate_run,
-    load_test_problems,
     log,
-    machine_settings,
-    prepare_data,
     prepare_output_dir,
-    prepare_reference_rows,
     run_name,
     score_reference,
     source_model,
     train_run,
 )
+from .summary import summarize
 
 
 def choose_mixing_learning_rate(candidates: list[dict]) -> float:
@@ -165,7 +161,7 @@ def run_ab(config: ABConfig, output_dir: str | Path, fresh: bool = False, comman
         "data": {"num_train_rows": len(train_rows), "num_validation_rows": len(validation_rows)},
         "eval_seconds": eval_seconds,
     }
-    report = reporting.summarize(config, runs_a, runs_b, candidates, evaluations, extra, references=tuple(references))
+    report = summarize(config, runs_a, runs_b, candidates, evaluations, extra, references=tuple(references))
     report["seconds_this_call"] = time.perf_counter() - started
     reporting.plot_curves(report, output_dir / "curves.png")
     reporting.plot_drift(report, runs_b, output_dir / "drift.png")

@@ -38,9 +38,10 @@ One job per module:
     safetensors_file.py the safetensors format, read and written one tensor at a time
     writers.py          the output tensors, the shards, config and code files, tokenizer and license files
     verify.py           source and converted model on the same inputs, logits compared
-    checkpoint.py       convert_checkpoint and its ConversionReport
+    report.py           ConversionReport: what a conversion did and measured (iha_conversion.json)
+    card.py             the model card of a converted folder
+    checkpoint.py       convert_checkpoint
     cli.py              the command line
-The model card of a converted folder is written by `iha.model_card.write_conversion_card`.
 """
 
 from ..lazy_imports import lazy_attributes
@@ -64,10 +65,11 @@ _EXPORTS = {
     "CODE_FILES": "writers",
     "VerificationResult": "verify",
     "verify_conversion": "verify",
-    "REPORT_NAME": "checkpoint",
-    "ConversionReport": "checkpoint",
+    "REPORT_NAME": "report",
+    "ConversionReport": "report",
+    "function_change_warning": "report",
+    "write_conversion_card": "card",
     "convert_checkpoint": "checkpoint",
-    "function_change_warning": "checkpoint",
     "main": "cli",
     "make_parser": "cli",
 }

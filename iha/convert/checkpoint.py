@@ -11,13 +11,12 @@
 # WITHOUT WARRANTIES OR CONDITIONS OF ANY KIND, either express or implied.
 # See the License for the specific language governing permissions and
 # limitations under the License.
-"""The whole conversion of a checkpoint folder or Hub id: `convert_checkpoint`, and its `ConversionReport`.
+"""The whole conversion of a checkpoint folder or Hub id: `convert_checkpoint`.
 
 The weights stream from the source shards to the output shards one tensor at a time; everything is written in a
 staging folder that is renamed into place only once verified, with its model card and report.
 """
 
-import json
 import logging
 import math
 import os
@@ -25,56 +24,23 @@ import sys
 import time
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
 
 from ..atomic_folders import staged_folder
 from ..builtin import builtin_base_model
-from ..configuration_iha import is_iha_layer
-from ..model_card import write_conversion_card
+from .card import write_conversion_card
 from .errors import ConversionError, VerificationFailedError
 from .options import CheckpointOptions, IHAConversionOptions, refuse_unknown_keywords, settings_from
 from .plan import dtype_changes, plan_conversion
 from .readers import find_weight_files, open_weight_files, read_source_config, resolve_source
-from .verify import VerificationResult, long_verification_plan, verify_conversion
+from .report import ConversionReport, function_change_warning, write_report
+from .verify import long_verification_plan, verify_conversion
 from .writers import copy_source_files, plan_output_tensors, write_config_and_code, write_weights
 
 
 logger = logging.getLogger(__name__)
-
-REPORT_NAME = "iha_conversion.json"
-
-
-@dataclass
-class ConversionReport:
-    source: str
-    output_dir: str
-    architecture: str
-    num_pseudo_heads: int
-    attention_types: list[str]
-    sliding_window: int | None
-    mask_mode: str
-    position_mode: str
-    collapse_mode: str
-    collapse_init: str
-    dtype: str
-    exact: bool
-    function_changes: list[str]
-    weight_files: list[str]
-    total_bytes: int
-    head_mixing_parameters: int
-    verification: VerificationResult | None
-    seconds: float
-    base_model: str | None = None
-
-    @property
-    def iha_layers(self) -> list[int]:
-        return [i for i, attention_type in enumerate(self.attention_types) if is_iha_layer(attention_type)]
-
-    def to_dict(self) -> dict:
-        return asdict(self)
 
 
 def prepare_output_dir(output_dir: Path, overwrite: bool) -> None:
@@ -224,31 +190,10 @@ def convert_checkpoint(
 
             write_conversion_card(staging, report, source_dir)
             report.seconds = round(time.perf_counter() - started, 2)
-            # The folder may go to the Hub: keep the local output path out of it.
-            saved_report = {key: value for key, value in report.to_dict().items() if key != "output_dir"}
-            (staging / REPORT_NAME).write_text(json.dumps(saved_report, indent=2) + "\n")
+            write_report(staging, report)
     finally:
         for reader in readers:
             reader.close()
     if not report.exact:
         logger.warning(function_change_warning(report))
     return report
-
-
-def function_change_warning(report: ConversionReport) -> str:
-    lines = ["WARNING: these settings change what the model computes; this is not an exact conversion:"]
-    lines += [f"  - {change}" for change in report.function_changes]
-    if report.verification is not None:
-        lines.append(
-            f"  measured change: max |logit difference| {report.verification.max_abs_diff:.2e}, top-1 agreement "
-            f"{100 * report.verification.top1_agreement:.2f}% over {report.verification.positions} positions; "
-            "by input length:"
-        )
-        lines += [
-            f"    {entry['input']} (tokens {entry['tokens']}): max |logit difference| {entry['max_abs_diff']:.2e}, "
-            f"top-1 agreement {100 * entry['top1_agreement']:.2f}%"
-            for entry in report.verification.by_length
-        ]
-    else:
-        lines.append("  (not measured: verification was skipped)")
-    return "\n".join(lines)

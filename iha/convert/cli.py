@@ -26,7 +26,7 @@ import sys
 from collections.abc import Callable, Sequence
 
 from ..arguments import ArgumentParser, add_dataclass_arguments, dataclass_values
-from ..atomic_folders import run_command
+from ..command_line import run_command
 from ..hub import HubUploadError, push_to_hub
 from ..hub import main as push_main
 from .architectures import SUPPORTED_DESCRIPTION, SUPPORTED_FAMILIES

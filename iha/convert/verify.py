@@ -154,13 +154,16 @@ def logits_of_real_tokens(model, batch: dict[str, torch.Tensor]) -> torch.Tensor
 
 
 def release_memory() -> None:
-    """Free a model before loading the next one, and hand freed heap back to the OS (glibc keeps it otherwise),
-    so the verification's peak is one model, not one model plus the last one's leftovers."""
+    """Free a model before loading the next one: collect it, hand freed heap back to the OS (glibc keeps it
+    otherwise) and empty CUDA's cache, so the peak is one model, not one model plus the last one's leftovers
+    (here and between the runs of `iha ab`)."""
     gc.collect()
     try:
         ctypes.CDLL("libc.so.6").malloc_trim(0)
     except (OSError, AttributeError):
         pass
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
 
 
 @torch.no_grad()

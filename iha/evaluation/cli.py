@@ -20,7 +20,7 @@ from pathlib import Path
 
 from ..arguments import ArgumentParser, HelpFormatter
 from ..atomic_files import write_json_atomic, write_text_atomic
-from ..atomic_folders import run_command
+from ..command_line import run_command
 from .report import math_report, needle_report
 from .settings import BENCHMARKS, PRESETS, sampling_preset
 

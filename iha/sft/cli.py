@@ -29,7 +29,7 @@ from collections.abc import Sequence
 from dataclasses import asdict
 
 from ..arguments import ArgumentParser, add_dataclass_arguments
-from ..atomic_folders import run_command
+from ..command_line import run_command
 from ..convert import ConversionError, IHAConversionOptions
 from .arguments import DataArguments, IHATrainingArguments, ModelArguments
 

@@ -11,7 +11,8 @@
 # WITHOUT WARRANTIES OR CONDITIONS OF ANY KIND, either express or implied.
 # See the License for the specific language governing permissions and
 # limitations under the License.
-"""Reading what training wrote (full models and LoRA adapters) and merging adapters into full models."""
+"""Reading what training wrote (full models and LoRA adapters) and merging adapters into full models (their model
+cards are `iha.sft.card`'s)."""
 
 import json
 import os
@@ -23,8 +24,9 @@ from transformers import AutoModelForCausalLM, PreTrainedModel
 import iha  # noqa: F401  (registers IHAConfig / IHAForCausalLM with the Auto classes)
 
 from ..atomic_folders import staged_folder
-from ..licenses import license_card_parts, write_code_license
-from .config import BASE_RECORD_NAME, is_mixing_parameter
+from ..convert.readers import looks_like_hub_id
+from .card import write_merged_card
+from .config import BASE_RECORD_NAME
 from .model import load_model_for_sft
 
 
@@ -81,8 +83,6 @@ def load_sft_output(
 
 def load_adapter_base(adapter_dir: Path, source: str, **load_kwargs) -> PreTrainedModel:
     """The base model a LoRA adapter was trained on, or one error that names it and says how to point elsewhere."""
-    from ..convert import looks_like_hub_id
-
     how_to_fix = "pass `base_model=` (a folder or Hub id) to `load_sft_output` / `merge_lora`"
     if not Path(source).expanduser().exists() and not looks_like_hub_id(source):
         raise FileNotFoundError(
@@ -115,129 +115,3 @@ def merge_lora(adapter_dir: str | os.PathLike, output_dir: str | os.PathLike, ba
             shutil.copy2(tokenizer_file, staging / tokenizer_file.name)
         write_merged_card(staging, Path(adapter_dir), output_dir)
     return output_dir
-
-
-def write_merged_card(folder: Path, adapter_dir: Path, output_dir: Path) -> None:
-    """The card of a merged LoRA output: the adapter's card, loading as a full model from `output_dir`."""
-    from ..model_card import ModelCardContent, how_to_load_section, read_model_card, write_model_card
-
-    card = read_model_card(adapter_dir) or ModelCardContent(title="")
-    card.metadata["library_name"] = "transformers"
-    card.metadata["tags"] = [tag for tag in card.metadata.get("tags", []) if tag != "lora"]
-    card.title = f"{adapter_dir.resolve().name} (IHA, fine-tuned, LoRA merged)"
-    card.intro = (
-        f"The LoRA adapter in `{adapter_dir.name}` merged into its IHA base (adapters and trained mixing weights "
-        "folded in): a plain IHA model. " + card.intro.replace("A LoRA adapter for", "Trained from", 1)
-    ).strip()
-    card.sections["How to load"] = how_to_load_section(str(output_dir))
-    write_code_license(folder)  # the card's "License" section, carried over from the adapter's, names it
-    write_model_card(folder, card)
-
-
-def trained_dtypes(model) -> str:
-    """The dtypes the trainable weights were kept in, the mixing's apart ("bfloat16; mixing float32")."""
-    mixing, others = set(), set()
-    for name, parameter in model.named_parameters():
-        if parameter.requires_grad:
-            (mixing if is_mixing_parameter(name) else others).add(str(parameter.dtype).removeprefix("torch."))
-    text = ", ".join(sorted(others)) or "none"
-    return f"{text}; mixing {', '.join(sorted(mixing))}" if mixing else text
-
-
-def quantization_description(quantization_config) -> str | None:
-    """How a bitsandbytes config quantizes the base, in words ("4-bit nf4, compute dtype float32"); None for none."""
-    if quantization_config is None:
-        return None
-    if quantization_config.load_in_4bit:
-        compute_dtype = str(quantization_config.bnb_4bit_compute_dtype).removeprefix("torch.")
-        nested = ", nested" if quantization_config.bnb_4bit_use_double_quant else ""
-        return f"4-bit {quantization_config.bnb_4bit_quant_type}{nested}, compute dtype {compute_dtype}"
-    return "8-bit (LLM.int8)"
-
-
-def training_card_section(
-    trainer, base, converted: bool, train_source, num_rows: int | None, peft_config, quantization: str | None = None
-) -> str:
-    """The model card's "Training" section: base model, data, method, settings and the loss reached."""
-    args = trainer.args
-    losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
-    source = train_source if isinstance(train_source, str | os.PathLike) else f"{type(train_source).__name__} in memory"
-    method = "full fine-tuning"
-    if peft_config is not None:
-        method = f"LoRA (r={peft_config.r}, alpha={peft_config.lora_alpha}; `head_mixing` trained in full, in fp32)"
-    if quantization is not None:
-        method = f"QLoRA: {method} on a base quantized with bitsandbytes ({quantization})"
-    scheduler = getattr(args.lr_scheduler_type, "value", args.lr_scheduler_type)  # an enum in TrainingArguments
-    rows = [
-        ("base model", f"`{base}`" + (" (converted to IHA on the fly)" if converted else "")),
-        ("data", f"`{source}`" + (f", {num_rows} rows after length filtering" if num_rows is not None else "")),
-        ("method", f"{method} with TRL's `SFTTrainer`"),
-        ("steps / epochs", f"{trainer.state.global_step} steps, {trainer.state.epoch or 0:.2f} epochs"),
-        (
-            "learning rate",
-            f"{args.learning_rate} ({scheduler}); mixing parameters "
-            f"{getattr(args, 'mixing_learning_rate', None) or args.learning_rate}",
-        ),
-        (
-            "batch",
-            f"{args.per_device_train_batch_size} per device x {args.gradient_accumulation_steps} accumulation "
-            f"x {args.world_size} processes",
-        ),
-        ("max length / packing", f"{args.max_length} / {args.packing}"),
-        ("precision", "bf16 mixed" if args.bf16 else "fp16 mixed" if args.fp16 else "fp32"),
-        ("trained weights", trained_dtypes(trainer.model)),
-        ("assistant-only loss", str(args.assistant_only_loss)),
-    ]
-    if losses:
-        rows.append(("training loss", f"{losses[0]:.4f} (first logged) -> {losses[-1]:.4f} (last logged)"))
-    return "| setting | value |\n|---|---|\n" + "\n".join(f"| {name} | {value} |" for name, value in rows)
-
-
-def write_training_card(
-    output_dir, trainer, base, converted, train_source, num_rows, peft_config, quantization=None
-) -> None:
-    """Write the model card of a training output: what it was trained from and on, and how to load it.
-
-    It replaces the generic card TRL (and PEFT) write, which name no local base ("fine-tuned version of None") and
-    load without `trust_remote_code`. The metadata's `base_model` is a Hub id or absent (the Hub accepts nothing
-    else); a converted base folder's "IHA settings" section is carried over.
-    """
-    from ..convert import looks_like_hub_id
-    from ..model_card import (
-        DEFAULT_TAGS,
-        ModelCardContent,
-        card_license,
-        finetuned_intro,
-        how_to_load_adapter_section,
-        how_to_load_section,
-        hub_base_model,
-        read_model_card,
-        write_model_card,
-    )
-
-    base_card = read_model_card(base) if base is not None and Path(base).is_dir() else None
-    hub_base = hub_base_model(base)
-    metadata = {
-        "library_name": "peft" if peft_config is not None else "transformers",
-        "pipeline_tag": "text-generation",
-        "tags": [*DEFAULT_TAGS, "sft", "trl", *(["lora"] if peft_config is not None else [])],
-    }
-    if hub_base is not None:
-        metadata["base_model"] = hub_base
-    base_name = hub_base or (Path(str(base)).name if base is not None else "the base model")
-    metadata["license"], license_section = license_card_parts(output_dir, card_license(base_card), base_name)
-    if isinstance(train_source, str) and not Path(train_source).exists() and looks_like_hub_id(train_source):
-        metadata["datasets"] = [train_source]
-    intro = finetuned_intro(base, adapter=peft_config is not None, converted=converted)
-    sections = {
-        "Training": training_card_section(trainer, base, converted, train_source, num_rows, peft_config, quantization)
-    }
-    if base_card is not None and "IHA settings" in base_card.sections:
-        sections["IHA settings"] = base_card.sections["IHA settings"]
-    if peft_config is not None:
-        sections["How to load"] = how_to_load_adapter_section(str(output_dir))
-    else:
-        sections["How to load"] = how_to_load_section(str(output_dir))
-    sections["License"] = license_section
-    title = f"{Path(output_dir).resolve().name} (IHA, fine-tuned)"
-    write_model_card(output_dir, ModelCardContent(title=title, metadata=metadata, intro=intro, sections=sections))

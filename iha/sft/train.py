@@ -27,9 +27,9 @@ import iha  # noqa: F401  (registers IHAConfig / IHAForCausalLM with the Auto cl
 from ..atomic_files import write_json_atomic
 from ..atomic_folders import staged_folder
 from ..data import filter_by_length, load_sft_dataset
+from .card import quantization_description, write_training_card
 from .config import BASE_RECORD_NAME, MIXING_MODULE_NAME
 from .model import has_iha_layers, is_iha_model, load_model_for_sft, prepare_tokenizer, resolve_model_source
-from .outputs import quantization_description, write_training_card
 from .trainer import IHASFTTrainer
 
 

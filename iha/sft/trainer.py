@@ -24,8 +24,8 @@ from trl import SFTConfig, SFTTrainer
 import iha  # noqa: F401  (registers IHAConfig / IHAForCausalLM with the Auto classes)
 
 from ..atomic_files import write_text_atomic
+from .card import write_training_card
 from .model import prepare_tokenizer
-from .outputs import write_training_card
 from .parameter_groups import IHAMixingMixin
 
 

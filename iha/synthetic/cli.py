@@ -10,7 +10,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from ..arguments import ArgumentParser
-from ..atomic_folders import run_command
+from ..command_line import run_command
 from .config import PRESET_SEEDS, PRESETS, TASKS, SyntheticConfig
 
 

@@ -13,7 +13,9 @@ from sft_utils import build_tiny_tokenizer
 from iha.ab import stats
 from iha.ab.cli import main
 from iha.ab.config import preset_config
-from iha.ab.run import StepTrace, prepare_data, prepare_output_dir, prepare_reference_rows, run_name, train_run
+from iha.ab.data import prepare_data, prepare_reference_rows
+from iha.ab.measures import StepTrace
+from iha.ab.runs import prepare_output_dir, run_name, train_run
 from iha.data import read_jsonl
 from iha.sft import load_model_for_sft
 

@@ -7,9 +7,9 @@ import os
 import sys
 
 import pytest
-from conftest import REPO_ROOT, randomize_mixing
+from conftest import REPO_ROOT, tiny_iha_model, tokenizer_settings
 from server_utils import free_port, start_server, stop_server
-from sft_utils import tiny_iha_model
+from sft_utils import TRAINING_MODEL
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import iha
@@ -32,7 +32,9 @@ def tiny_iha_dir(tmp_path_factory):
     from iha.builtin import smollm2_dir
 
     tokenizer = AutoTokenizer.from_pretrained(smollm2_dir())
-    model = randomize_mixing(tiny_iha_model(tokenizer, max_position_embeddings=1024, initializer_range=0.2).eval())
+    model = tiny_iha_model(
+        **{**TRAINING_MODEL, **tokenizer_settings(tokenizer), "max_position_embeddings": 1024, "initializer_range": 0.2}
+    )
     folder = tmp_path_factory.mktemp("tiny-iha")
     model.save_pretrained(folder)
     tokenizer.save_pretrained(folder)

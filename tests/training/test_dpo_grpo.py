@@ -4,8 +4,9 @@ more likely."""
 
 import pytest
 import torch
+from conftest import tiny_iha_model, tokenizer_settings
 from datasets import Dataset
-from sft_utils import GSM8K_TRAIN, build_tiny_tokenizer, identity_mixing, mixing_parameters, tiny_iha_model
+from sft_utils import GSM8K_TRAIN, TRAINING_MODEL, build_tiny_tokenizer, identity_mixing, mixing_parameters
 from transformers import AutoModelForCausalLM
 
 from iha.sft import IHAMixingMixin, boxed_answer_reward, math_prompt_rows, with_iha_mixing
@@ -62,7 +63,9 @@ def test_dpo_trainer_trains_an_iha_model_with_the_mixing_group(tokenizer, tmp_pa
     from trl import DPOConfig, DPOTrainer
 
     model_dir = tmp_path / "model"
-    tiny_iha_model(tokenizer, seed=0).save_pretrained(model_dir)
+    tiny_iha_model(seed=0, randomize=False, **TRAINING_MODEL, **tokenizer_settings(tokenizer)).save_pretrained(
+        model_dir
+    )
     tokenizer.save_pretrained(model_dir)
     pairs = [
         {
@@ -144,7 +147,7 @@ def test_grpo_trainer_raises_the_boxed_answer_reward_of_an_iha_model(tokenizer, 
     from trl import GRPOConfig, GRPOTrainer
 
     rows = shortest_gsm8k_rows(4, answer="5")
-    model = tiny_iha_model(tokenizer, seed=0)
+    model = tiny_iha_model(seed=0, randomize=False, **TRAINING_MODEL, **tokenizer_settings(tokenizer))
     teach_the_answer_format(model, tokenizer, rows)
     before = answer_log_probability(model, tokenizer, rows, "5")
     assert -1.2 < before < -0.3  # about even between the two answers: log 1/2, less what the format still misses

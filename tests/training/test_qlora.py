@@ -6,15 +6,15 @@ import math
 
 import pytest
 import torch
-from conftest import tiny_llama_for_tokenizer
+from conftest import tiny_iha_model, tiny_llama_for_tokenizer, tokenizer_settings
 from safetensors.torch import load_file
 from sft_utils import (
     QUIET_RUN_FLAGS,
+    TRAINING_MODEL,
     build_tiny_tokenizer,
     gsm8k_message_rows,
     identity_mixing,
     mixing_parameters,
-    tiny_iha_model,
 )
 from transformers import AutoModelForCausalLM
 
@@ -133,7 +133,7 @@ def test_8bit_lora_trains_an_iha_folder(tmp_path):
 
     base_dir = tmp_path / "base"
     tokenizer = build_tiny_tokenizer(base_dir)
-    tiny_iha_model(tokenizer, seed=1).save_pretrained(base_dir)
+    tiny_iha_model(seed=1, randomize=False, **TRAINING_MODEL, **tokenizer_settings(tokenizer)).save_pretrained(base_dir)
     args = IHASFTConfig(
         output_dir=str(tmp_path / "out"), max_steps=3, per_device_train_batch_size=2, learning_rate=1e-2,
         mixing_learning_rate=3e-2, max_length=MAX_LENGTH, packing=True, bf16=False, report_to="none",

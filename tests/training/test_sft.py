@@ -8,19 +8,20 @@ import warnings
 
 import pytest
 import torch
+from conftest import tiny_iha_config, tiny_iha_model, tokenizer_settings
 from safetensors.torch import load_file
 from sft_utils import (
     QUIET_RUN_FLAGS,
+    TRAINING_MODEL,
     build_tiny_tokenizer,
     gsm8k_openthoughts_rows,
     identity_mixing,
     mixing_parameters,
-    tiny_iha_config,
-    tiny_iha_model,
 )
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import iha
+import iha.convert  # the conversion on the fly: a broken import fails these tests, it does not skip them
 from iha.data import write_jsonl
 from iha.licenses import package_license_text
 from iha.model_card import read_model_card
@@ -99,7 +100,7 @@ def test_mixing_parameter_names():
 
 
 def test_optimizer_gives_mixing_parameters_their_own_lr_and_weight_decay(tokenizer, rows, tmp_path):
-    model = tiny_iha_model(tokenizer)
+    model = tiny_iha_model(randomize=False, **TRAINING_MODEL, **tokenizer_settings(tokenizer))
     args = sft_config(tmp_path, weight_decay=0.1, mixing_learning_rate=5e-2, mixing_weight_decay=0.0)
     trainer = IHASFTTrainer(model=model, args=args, train_dataset=_messages(rows[:8]), processing_class=tokenizer)
     optimizer = trainer.create_optimizer()
@@ -123,7 +124,7 @@ def _messages(rows):
 
 
 def test_full_sft_loss_decreases_mixing_moves_and_saves_hub_ready(tokenizer, rows, tmp_path):
-    model = tiny_iha_model(tokenizer)
+    model = tiny_iha_model(randomize=False, **TRAINING_MODEL, **tokenizer_settings(tokenizer))
     output_dir = tmp_path / "full"
     trainer = train_sft(model, rows, sft_config(output_dir), processing_class=tokenizer)
 
@@ -174,7 +175,7 @@ def assert_shareable_folder(folder):
 
 def test_lora_adapter_saves_mixing_reloads_and_merges(tokenizer_dir, tokenizer, rows, tmp_path, monkeypatch):
     base_dir = tmp_path / "base"
-    tiny_iha_model(tokenizer, seed=1).save_pretrained(base_dir)
+    tiny_iha_model(seed=1, randomize=False, **TRAINING_MODEL, **tokenizer_settings(tokenizer)).save_pretrained(base_dir)
     tokenizer.save_pretrained(base_dir)
     write_jsonl(rows, tmp_path / "train.jsonl")
     output_dir = tmp_path / "lora"
@@ -277,11 +278,11 @@ def test_activation_checkpointing_keeps_trls_default_under_its_current_name_with
 
 def test_resume_from_checkpoint_continues_the_same_run(tokenizer, rows, tmp_path):
     overrides = dict(max_steps=6, save_strategy="steps", save_steps=3, lr_scheduler_type="linear", warmup_steps=2)
-    uninterrupted = tiny_iha_model(tokenizer, seed=2)
+    uninterrupted = tiny_iha_model(seed=2, randomize=False, **TRAINING_MODEL, **tokenizer_settings(tokenizer))
     full = train_sft(uninterrupted, rows, sft_config(tmp_path / "a", **overrides), processing_class=tokenizer)
     assert (tmp_path / "a" / "checkpoint-3" / "optimizer.pt").is_file()
 
-    resumed_model = tiny_iha_model(tokenizer, seed=2)
+    resumed_model = tiny_iha_model(seed=2, randomize=False, **TRAINING_MODEL, **tokenizer_settings(tokenizer))
     resumed = train_sft(
         resumed_model,
         rows,
@@ -306,8 +307,7 @@ def test_resume_from_checkpoint_continues_the_same_run(tokenizer, rows, tmp_path
 def test_converts_a_llama_checkpoint_on_the_fly(tokenizer, rows, tmp_path):
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    pytest.importorskip("iha.convert")
-    llama_settings = tiny_iha_config(tokenizer).to_dict()
+    llama_settings = tiny_iha_config(**TRAINING_MODEL, **tokenizer_settings(tokenizer)).to_dict()
     llama_config = LlamaConfig(
         **{k: llama_settings[k] for k in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers")},
         num_attention_heads=4,
@@ -338,7 +338,11 @@ def test_converts_a_gemma3_checkpoint_on_the_fly_trains_and_saves_it_hub_ready(t
     from transformers import Gemma3ForCausalLM, Gemma3TextConfig
 
     gemma3_config = Gemma3TextConfig(
-        **{key: value for key, value in tiny_iha_config(tokenizer).to_dict().items() if key in TINY_GEMMA3_FIELDS},
+        **{
+            key: value
+            for key, value in tiny_iha_config(**TRAINING_MODEL, **tokenizer_settings(tokenizer)).to_dict().items()
+            if key in TINY_GEMMA3_FIELDS
+        },
         num_attention_heads=4,
         num_key_value_heads=1,
         head_dim=16,
@@ -385,7 +389,12 @@ TINY_GEMMA3_FIELDS = (
 def test_launch_without_use_cpu_is_refused(tokenizer, rows, tmp_path, monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "2")
     with pytest.raises(ValueError, match="pass `--use_cpu true`"):
-        train_sft(tiny_iha_model(tokenizer), rows[:4], sft_config(tmp_path), processing_class=tokenizer)
+        train_sft(
+            tiny_iha_model(randomize=False, **TRAINING_MODEL, **tokenizer_settings(tokenizer)),
+            rows[:4],
+            sft_config(tmp_path),
+            processing_class=tokenizer,
+        )
 
 
 def test_command_line_help_lists_the_iha_flags():

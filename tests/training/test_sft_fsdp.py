@@ -25,8 +25,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import tiny_iha_model, tokenizer_settings
 from safetensors import safe_open
-from sft_utils import build_tiny_tokenizer, free_port, gsm8k_openthoughts_rows, tiny_iha_model
+from sft_utils import TRAINING_MODEL, build_tiny_tokenizer, free_port, gsm8k_openthoughts_rows
 from transformers import AutoModelForCausalLM
 
 from iha.data import write_jsonl
@@ -125,8 +126,10 @@ def runs(tmp_path_factory):
     model_dir = folder / "model"
     # An IHA layer, a sliding IHA layer and a standard one: every kind of layer is sharded.
     model = tiny_iha_model(
-        tokenizer,
         seed=4,
+        randomize=False,
+        **TRAINING_MODEL,
+        **tokenizer_settings(tokenizer),
         num_hidden_layers=3,
         attention_types=["iha_full_attention", "iha_sliding_attention", "full_attention"],
         sliding_window=64,

@@ -7,7 +7,8 @@ import textwrap
 from pathlib import Path
 
 import torch
-from sft_utils import build_tiny_tokenizer, free_port, gsm8k_openthoughts_rows, tiny_iha_model
+from conftest import tiny_iha_model, tokenizer_settings
+from sft_utils import TRAINING_MODEL, build_tiny_tokenizer, free_port, gsm8k_openthoughts_rows
 from transformers import AutoModelForCausalLM
 
 from iha.data import write_jsonl
@@ -45,7 +46,7 @@ def launch(command: list[str], folder: Path) -> subprocess.CompletedProcess:
 def test_two_process_cpu_run_agrees_on_final_weights(tmp_path):
     tokenizer = build_tiny_tokenizer()
     model_dir = tmp_path / "model"
-    initial = tiny_iha_model(tokenizer, seed=4)
+    initial = tiny_iha_model(seed=4, randomize=False, **TRAINING_MODEL, **tokenizer_settings(tokenizer))
     initial.save_pretrained(model_dir)
     tokenizer.save_pretrained(model_dir)
     data = write_jsonl(gsm8k_openthoughts_rows(48), tmp_path / "train.jsonl")
@@ -104,7 +105,9 @@ def test_processes_launched_apart_are_refused_with_the_fix(tmp_path):
     # its own copy on the whole dataset. Every process refuses in one line that names the fix, and nothing is written.
     tokenizer = build_tiny_tokenizer()
     model_dir = tmp_path / "model"
-    tiny_iha_model(tokenizer, seed=4).save_pretrained(model_dir)
+    tiny_iha_model(seed=4, randomize=False, **TRAINING_MODEL, **tokenizer_settings(tokenizer)).save_pretrained(
+        model_dir
+    )
     tokenizer.save_pretrained(model_dir)
     data = write_jsonl(gsm8k_openthoughts_rows(8), tmp_path / "train.jsonl")
     command = [

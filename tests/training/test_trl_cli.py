@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from sft_utils import build_tiny_tokenizer, gsm8k_openthoughts_rows, identity_mixing, mixing_parameters, tiny_iha_model
+from conftest import tiny_iha_model, tokenizer_settings
+from sft_utils import TRAINING_MODEL, build_tiny_tokenizer, gsm8k_openthoughts_rows, identity_mixing, mixing_parameters
 from transformers import AutoModelForCausalLM
 
 from iha.chat_templates import SMOLLM2_TRAINING_CHAT_TEMPLATE, write_chat_template
@@ -27,7 +28,7 @@ def test_trl_sft_cli_trains_a_converted_folder_without_the_iha_package(tmp_path)
         trl = shutil.which("trl") or pytest.fail("the `trl` command is not installed (pip install trl)")
     model_dir = tmp_path / "iha-model"
     tokenizer = build_tiny_tokenizer(model_dir)
-    initial = tiny_iha_model(tokenizer, seed=5)
+    initial = tiny_iha_model(seed=5, randomize=False, **TRAINING_MODEL, **tokenizer_settings(tokenizer))
     initial.save_pretrained(model_dir)
     assert "auto_map" in json.loads((model_dir / "config.json").read_text())
 
