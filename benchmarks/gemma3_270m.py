@@ -186,7 +186,10 @@ def sft_and_evaluation_smoke(source_dir: Path, work_dir: Path) -> dict:
     log("iha-sft: 6 steps on 16 GSM8K rows (OpenThoughts format) ...")
     sft_status, sft_seconds = run_command(sft_arguments, work_dir / "sft.log")
     sft_log = (work_dir / "sft.log").read_text()
-    losses = [json.loads(line.replace("'", '"'))["loss"] for line in sft_log.splitlines() if line.startswith("{'loss'")]
+    # The trainer's log lines hold the loss as a number or, on newer transformers, as a formatted string.
+    losses = [
+        float(json.loads(line.replace("'", '"'))["loss"]) for line in sft_log.splitlines() if line.startswith("{'loss'")
+    ]
     saved = json.loads((output / "config.json").read_text()) if (output / "config.json").is_file() else {}
     sft = {
         "command": "iha-sft "
@@ -215,16 +218,22 @@ def sft_and_evaluation_smoke(source_dir: Path, work_dir: Path) -> dict:
     log("iha-eval math: 4 GSM8K problems, greedy, 96 new tokens ...")
     eval_status, eval_seconds = run_command(eval_arguments, work_dir / "eval.log")
     eval_log = (work_dir / "eval.log").read_text()
+    # The report names no path of this machine: the work folder, the weights' cache and the data by placeholders.
+    places = {str(work_dir): "WORK", str(source_dir): "GEMMA3_DIR", str(DATA_DIR.resolve()): "../shared/data"}
+
+    def without_paths(text: str) -> str:
+        for path, name in places.items():
+            text = text.replace(path, name)
+        return text
+
     evaluation = {
-        "command": "iha-eval "
-        + " ".join(eval_arguments[1:])
-        .replace(str(work_dir), "WORK")
-        .replace(str(source_dir), "GEMMA3_DIR")
-        .replace(str(DATA_DIR), "../shared/data"),
+        "command": without_paths("iha-eval " + " ".join(eval_arguments[1:])).replace(str(DATA_DIR), "../shared/data"),
         "exit_status": eval_status,
         "cpu_seconds": eval_seconds,
-        "results": [json.loads(path.read_text()) for path in sorted((work_dir / "eval").glob("**/*.json"))][:4],
-        "log_tail": eval_log.splitlines()[-12:],
+        "results": [
+            json.loads(without_paths(path.read_text())) for path in sorted((work_dir / "eval").glob("**/*.json"))
+        ][:4],
+        "log_tail": [without_paths(line) for line in eval_log.splitlines()[-12:]],
     }
     log(f"iha-eval: exit {eval_status}")
     return {"sft": sft, "evaluation": evaluation}

@@ -20,6 +20,8 @@ import importlib.metadata
 import types
 import typing
 
+from transformers.hf_argparser import string_to_bool  # `--flag VALUE` of a yes/no setting, read as HF reads it
+
 from . import __version__
 
 
@@ -141,19 +143,6 @@ def spell_options(name_or_flags) -> list[str]:
     return spelled
 
 
-def string_to_bool(value: str | bool) -> bool:
-    """What `--flag VALUE` of a yes/no setting means, read as transformers' `HfArgumentParser` reads it."""
-    if isinstance(value, bool):
-        return value
-    if value.lower() in ("yes", "true", "t", "y", "1"):
-        return True
-    if value.lower() in ("no", "false", "f", "n", "0"):
-        return False
-    raise argparse.ArgumentTypeError(
-        f"Truthy value expected: got {value} but expected one of yes/no, true/false, t/f, y/n, 1/0 (case insensitive)."
-    )
-
-
 # Field metadata that describes the command line but is no argument of `add_argument`: the argument group a flag is
 # listed in, and (`iha.convert.options`) the `IHAConfig` field a setting fills.
 NOT_ARGPARSE_METADATA = ("group", "config_field")
@@ -171,12 +160,17 @@ def flag_type(annotation) -> tuple[type, bool]:
     return annotation, False
 
 
-def add_dataclass_arguments(parser, dataclass_type, title: str | None = None, *, from_preset: bool = False) -> None:
+def add_dataclass_arguments(
+    parser, dataclass_type, title: str | None = None, *, from_preset: bool = False, beside_positionals: bool = False
+) -> None:
     """One flag per field of `dataclass_type`, declared as transformers' `HfArgumentParser` declares it, in the
     argument group named by the field's `group` metadata (else `title`; None: the parser's own options).
 
     `from_preset`: every flag defaults to None, "not given" (the command fills the field from a preset), and every
-    yes/no setting has its `--no_` flag, since a preset may turn it on."""
+    yes/no setting has its `--no_` flag, since a preset may turn it on.
+    `beside_positionals`: the parser also takes positional arguments, so a yes/no flag takes no value (`--flag`;
+    `--no_flag` for a setting that is on by default): `--flag [true|false]` would swallow the positional after it
+    (`iha-convert --overwrite SRC DST`)."""
     hints = typing.get_type_hints(dataclass_type)
     groups = {}
     for setting in dataclasses.fields(dataclass_type):
@@ -202,11 +196,14 @@ def add_dataclass_arguments(parser, dataclass_type, title: str | None = None, *,
         kind, is_list = flag_type(hints[setting.name])
         if kind is bool:
             # `--flag` alone means yes, unless the setting may also be None ("not set": `--flag VALUE` only).
-            kwargs["type"] = string_to_bool
-            if hints[setting.name] is bool or setting.default not in (None, dataclasses.MISSING):
-                kwargs.update(nargs="?", const=True, default=False if default is dataclasses.MISSING else default)
-            elif default is not dataclasses.MISSING:
-                kwargs["default"] = default
+            if beside_positionals and hints[setting.name] is bool and not from_preset:
+                kwargs.update(action="store_true", default=bool(default is not dataclasses.MISSING and default))
+            else:
+                kwargs["type"] = string_to_bool
+                if hints[setting.name] is bool or setting.default not in (None, dataclasses.MISSING):
+                    kwargs.update(nargs="?", const=True, default=False if default is dataclasses.MISSING else default)
+                elif default is not dataclasses.MISSING:
+                    kwargs["default"] = default
         else:
             kwargs["type"] = kind
             if is_list:

@@ -423,3 +423,9 @@ __all__ = [
     "to_messages_dataset",
     "write_jsonl",
 ]
+
+
+if __name__ == "__main__":  # `python -m iha.data`, the command's earlier spelling: the same as `iha data`
+    from .data_cli import main
+
+    raise SystemExit(main())

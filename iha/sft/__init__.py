@@ -41,7 +41,7 @@ from ..lazy_imports import lazy_attributes
 
 
 # Public name -> the module that defines it, imported on first use: the command line's parser (`iha sft --help`)
-# imports neither torch nor TRL.
+# does not import TRL's trainers.
 _EXPORTS = {
     "main": "cli",
     "make_parser": "cli",

@@ -194,10 +194,11 @@ def run_cli(argv: Sequence[str] | None = None) -> "IHASFTTrainer":
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """`iha-sft` / `iha sft` / `python -m iha.sft` (`--help` for the package's flags, `--help_trl` for every flag).
+    """`iha-sft` / `iha sft` / `python -m iha.sft` (`--help_trl` for every flag; `iha-sft --help`, answered by the
+    `iha` dispatcher, for the package's own).
 
-    The command line is parsed once, by the run's parser (`make_trl_parser`); the `iha` dispatcher has checked the
-    package's own flags before the IHA classes were registered (`iha.cli.run`).
+    The run's parser (`make_trl_parser`) reads the command line; under `iha-sft` / `iha sft` the dispatcher has
+    checked the package's own flags first (`iha.cli.run`), so `python -m iha.sft --help` lists TRL's flags too.
 
     Bad input prints one line (exit 2); Ctrl-C / SIGTERM exit 130 / 143, keeping the checkpoints already saved in
     OUTPUT_DIR (`--resume_from_checkpoint true` continues from the last one).

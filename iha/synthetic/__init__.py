@@ -32,7 +32,7 @@ from ..lazy_imports import lazy_attributes
 
 
 # Public name -> the module that defines it, imported on first use: the command line's parser
-# (`iha synthetic --help`) does not import torch.
+# (`iha synthetic --help`) does not import the training and plotting code.
 _EXPORTS = {
     "CPU": "config",
     "FIXED": "config",

@@ -262,12 +262,14 @@ def _run_and_write(config: SyntheticConfig, output_dir: Path, fresh: bool, devic
 def _finish_comparison(config: SyntheticConfig, output_dir: Path, fresh: bool, device: str | None) -> dict:
     from .outputs import write_outputs
     from .report import results_table
-    from .train import config_as_saved, run_comparison
+    from .train import config_as_saved, epoch_states, run_comparison
 
     checkpoint = output_dir / "results.partial.json"
     finished = output_dir / "results.json"
     if fresh:
         checkpoint.unlink(missing_ok=True)
+        for state in epoch_states(checkpoint):
+            state.unlink()
     elif finished.is_file():
         saved = json.loads(finished.read_text(encoding="utf-8"))
         if saved.get("config") == config_as_saved(config):

@@ -118,7 +118,14 @@ def train_one(
     epochs_without_gain, seconds_before = 0, 0.0
     resume_path = Path(resume_path) if resume_path is not None else None
     if resume_path is not None and resume_path.is_file():
-        state = torch.load(resume_path, map_location=device, weights_only=False)
+        # On the CPU: the batch order's generator is a CPU one; weights and optimizer state move to the model's device.
+        state = torch.load(resume_path, map_location="cpu", weights_only=False)
+        # (A state written before states carried their configuration has none to compare.)
+        if state.get("config", config_as_saved(config)) != config_as_saved(config):
+            raise ValueError(
+                f"{resume_path} holds an unfinished run of another configuration. Delete it (or pass --fresh) to "
+                "start over, or use another output folder."
+            )
         model.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
         generator.set_state(state["generator"])
@@ -161,6 +168,7 @@ def train_one(
                 save_epoch_state(
                     resume_path,
                     {
+                        "config": config_as_saved(config),
                         "model": model.state_dict(),
                         "optimizer": optimizer.state_dict(),
                         "generator": generator.get_state(),
@@ -232,6 +240,11 @@ def epoch_state_path(checkpoint: Path, key: tuple[str, str, float]) -> Path:
     """Where a run of `checkpoint` keeps its state between epochs (`train_one`'s `resume_path`), in a hidden
     `.epochs` folder beside it."""
     return checkpoint.parent / ".epochs" / f"{checkpoint.stem}.{run_file_name(key)}.pt"
+
+
+def epoch_states(checkpoint: Path) -> list[Path]:
+    """The epoch states of `checkpoint`'s unfinished runs (`epoch_state_path`)."""
+    return sorted((checkpoint.parent / ".epochs").glob(f"{checkpoint.stem}.*.pt"))
 
 
 def lock_path(checkpoint: Path, name: str) -> Path:
@@ -336,6 +349,8 @@ def run_comparison(
                             # Another process may have finished it since this call started.
                             finished = {run_key(run): run for run in _load_checkpoint(checkpoint, config)}
                         if key in finished:
+                            if checkpoint is not None:  # stopped between saving the result and deleting the state
+                                epoch_state_path(checkpoint, key).unlink(missing_ok=True)
                             runs.append(finished[key])
                             overall.update(1)
                             overall.set_postfix_str(f"{description}: done before")

@@ -396,7 +396,7 @@ def snippet_server(snippet_scratch):
         if not running:
             port = free_port()
             command = [str(BIN / "iha"), "serve", "smollm2-iha", "--port", str(port)]
-            log = snippet_scratch / f"server-{port}.log"
+            log = snippet_scratch / f"{SERVER_LOG_PREFIX}{port}.log"
             running["process"] = start_server(
                 command, snippet_scratch, command_environment(snippet_scratch), log, port, SERVER_STARTUP_SECONDS
             )

@@ -60,6 +60,19 @@ def test_every_flag_parses_into_its_setting():
     )
 
 
+@pytest.mark.parametrize(
+    "argv",
+    [["--overwrite", "SRC", "DST"], ["SRC", "--overwrite", "DST"], ["SRC", "DST", "--overwrite"]],
+)
+def test_yes_no_flags_take_no_value_and_leave_the_folders_alone(argv):
+    """`iha-convert`'s yes/no flags go anywhere: none of them takes the folder after it as its value."""
+    args = make_parser().parse_args([*argv, "--no_verify", "--allow_pickle"])
+    assert (args.source, args.output_dir) == ("SRC", "DST")
+    assert args.overwrite is True and args.allow_pickle is True and args.verify is False
+    defaults = make_parser().parse_args(["SRC", "DST"])
+    assert defaults.overwrite is False and defaults.allow_pickle is False and defaults.verify is True
+
+
 def test_a_new_setting_gets_its_flag_without_touching_the_command_line():
     destinations = {action.dest for action in make_parser()._actions}
     for options_class in (IHAConversionOptions, CheckpointOptions):

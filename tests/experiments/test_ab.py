@@ -124,8 +124,8 @@ def test_second_call_reuses_every_finished_run(finished, tiny_source, data_files
     def must_not_run(*args, **kwargs):
         raise AssertionError("a finished run was trained or evaluated again")
 
-    monkeypatch.setattr("iha.sft.train_sft", must_not_run)
-    monkeypatch.setattr("iha.evaluation.math_eval.generate_completions", must_not_run)
+    monkeypatch.setattr("iha.ab.runs.train_sft", must_not_run)
+    monkeypatch.setattr("iha.ab.runs.generate_completions", must_not_run)
     assert main(tiny_argv(tiny_source, data_files, output_dir)) == 0
     assert {path: path.stat().st_mtime_ns for path in results} == before
 

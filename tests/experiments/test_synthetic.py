@@ -287,8 +287,11 @@ def test_a_run_interrupted_between_epochs_continues_to_the_result_of_an_uninterr
         run_comparison(config, progress=False, checkpoint=checkpoint)
     state_file = synthetic_training.epoch_state_path(checkpoint, ("binary", "MHA", config.learning_rates[0]))
     assert len(torch.load(state_file, weights_only=False)["history"]) == 2
-
     monkeypatch.setattr(synthetic_training, "evaluate", real_evaluate)
+    # Another configuration in the same folder does not continue this run's state.
+    with pytest.raises(ValueError, match="unfinished run of another configuration"):
+        run_comparison(replace(config, patience=9), progress=False, checkpoint=checkpoint)
+
     epochs_trained = []
     real_epoch_batches = synthetic_training.epoch_batches
     monkeypatch.setattr(
@@ -301,6 +304,15 @@ def test_a_run_interrupted_between_epochs_continues_to_the_result_of_an_uninterr
     for field in ("history", "best_epoch", "val_accuracy", "test_accuracy", "test_exact_match", "test_loss"):
         assert resumed[field] == uninterrupted[field], field
     assert not state_file.exists()  # the finished run is in the checkpoint; its epoch state is gone
+
+
+def test_fresh_discards_the_unfinished_runs_states(tmp_path):
+    stale = tmp_path / ".epochs" / "results.partial.ternary-MHA-lr0.01.pt"  # a run this call would never finish
+    stale.parent.mkdir()
+    stale.write_bytes(b"state of an interrupted run")
+    argv = ["--preset", "tiny", "--tasks", "binary", "--max-epochs", "1", "--output-dir", str(tmp_path)]
+    assert main(argv) == 0 and stale.exists()  # kept for the call that resumes it
+    assert main([*argv, "--fresh"]) == 0 and not stale.exists()
 
 
 def test_seed_summary(tiny_results, tmp_path, capsys):
