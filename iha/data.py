@@ -425,7 +425,5 @@ __all__ = [
 ]
 
 
-if __name__ == "__main__":  # `python -m iha.data`, the command's earlier spelling: the same as `iha data`
-    from .data_cli import main
-
-    raise SystemExit(main())
+if __name__ == "__main__":  # the command's earlier spelling
+    raise SystemExit("`python -m iha.data` is now `iha data` (the same subcommands and flags; `iha data --help`).")
