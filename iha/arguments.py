@@ -1,7 +1,7 @@
 """The one flag style of every `iha` command: `--snake_case`, also accepted as `--kebab-case`.
 
-`iha sft` takes transformers' and TRL's training arguments through `HfArgumentParser`, which names every flag after
-its field (`--model_name_or_path`) and accepts the dashed spelling too (`--model-name-or-path`). The other commands
+`iha sft` takes transformers' and TRL's arguments through TRL's parser (an `HfArgumentParser`), which names every
+flag after its field (`--model_name_or_path`) and accepts the dashed spelling too (`--model-name-or-path`). The other commands
 build their parsers with `ArgumentParser` below, which does the same for every option however it is declared: both
 spellings parse, so scripts written with either keep working, and help lists each flag once, as `--snake_case`
 (`--num_pseudo_heads NUM_PSEUDO_HEADS`). Every parser answers `--version`.
@@ -19,6 +19,7 @@ import dataclasses
 import importlib.metadata
 import types
 import typing
+from collections.abc import Collection, Mapping
 
 from transformers.hf_argparser import string_to_bool  # `--flag VALUE` of a yes/no setting, read as HF reads it
 
@@ -127,15 +128,6 @@ class ArgumentParser(_SpelledOptions, argparse.ArgumentParser):
         return group
 
 
-def rename_prog(parser: argparse.ArgumentParser, prog: str) -> None:
-    """Call `parser` (and the usage lines of its subcommands) `prog`: `iha convert` rather than `iha-convert`."""
-    previous, parser.prog = parser.prog, prog
-    for action in parser._actions:
-        if isinstance(action, argparse._SubParsersAction):
-            for subparser in action.choices.values():
-                rename_prog(subparser, subparser.prog.replace(previous, prog, 1))
-
-
 def spell_options(name_or_flags) -> list[str]:
     spelled = []
     for option in name_or_flags:
@@ -161,19 +153,38 @@ def flag_type(annotation) -> tuple[type, bool]:
 
 
 def add_dataclass_arguments(
-    parser, dataclass_type, title: str | None = None, *, from_preset: bool = False, beside_positionals: bool = False
+    parser,
+    dataclass_type,
+    title: str | None = None,
+    *,
+    from_preset: bool | Mapping[str, object] = False,
+    beside_positionals: bool = False,
+    exclude: Collection[str] = (),
 ) -> None:
     """One flag per field of `dataclass_type`, declared as transformers' `HfArgumentParser` declares it, in the
     argument group named by the field's `group` metadata (else `title`; None: the parser's own options).
 
     `from_preset`: every flag defaults to None, "not given" (the command fills the field from a preset), and every
-    yes/no setting has its `--no_` flag, since a preset may turn it on.
+    yes/no setting has its `--no_` flag, since a preset may turn it on. Given the presets ({name: settings}), the
+    help says what each sets (`(default: the preset's: greedy 1024, paper 4096)`).
     `beside_positionals`: the parser also takes positional arguments, so a yes/no flag takes no value (`--flag`;
     `--no_flag` for a setting that is on by default): `--flag [true|false]` would swallow the positional after it
-    (`iha-convert --overwrite SRC DST`)."""
+    (`iha-convert --overwrite SRC DST`).
+    `exclude`: fields that get no flag here (the command reads them its own way)."""
     hints = typing.get_type_hints(dataclass_type)
+    presets = from_preset if isinstance(from_preset, Mapping) else {}
+
+    def preset_values(name: str) -> str:
+        return (
+            (": " + ", ".join(f"{preset} {getattr(settings, name)}" for preset, settings in presets.items()))
+            if presets
+            else ""
+        )
+
     groups = {}
     for setting in dataclasses.fields(dataclass_type):
+        if setting.name in exclude:
+            continue
         kwargs = {key: value for key, value in setting.metadata.items() if key not in NOT_ARGPARSE_METADATA}
         options = spell_options([f"--{setting.name}", *kwargs.pop("aliases", ())])
         group_title = setting.metadata.get("group", title)
@@ -192,7 +203,7 @@ def add_dataclass_arguments(
         if from_preset:
             default = None
             if "default" not in kwargs.get("help", ""):  # a field whose help names its own default keeps it
-                kwargs["help"] = kwargs.get("help", "") + " (default: the preset's)"
+                kwargs["help"] = kwargs.get("help", "") + " (default: the preset's" + preset_values(setting.name) + ")"
         kind, is_list = flag_type(hints[setting.name])
         if kind is bool:
             # `--flag` alone means yes, unless the setting may also be None ("not set": `--flag VALUE` only).
@@ -225,6 +236,8 @@ def add_dataclass_arguments(
             )
 
 
-def dataclass_values(args: argparse.Namespace, dataclass_type) -> dict:
-    """The fields of `dataclass_type` as parsed flags hold them (`dataclass_type(**dataclass_values(...))`)."""
-    return {setting.name: getattr(args, setting.name) for setting in dataclasses.fields(dataclass_type)}
+def dataclass_values(args: argparse.Namespace, dataclass_type, exclude: Collection[str] = ()) -> dict:
+    """The fields of `dataclass_type` as parsed flags hold them (`dataclass_type(**dataclass_values(...))`), but
+    those in `exclude`."""
+    fields = [setting.name for setting in dataclasses.fields(dataclass_type) if setting.name not in exclude]
+    return {name: getattr(args, name) for name in fields}

@@ -136,9 +136,9 @@ def write_chat_template(chat_template: str, path: str | os.PathLike) -> Path:
     return write_text_atomic(chat_template, path)
 
 
-def make_parser() -> ArgumentParser:
+def make_parser(prog: str = "iha chat-template") -> ArgumentParser:
     parser = ArgumentParser(
-        prog="iha chat-template",
+        prog=prog,
         description="Write a chat template with {% generation %} markers (for assistant_only_loss) as a .jinja file.",
     )
     parser.add_argument("output", help="where to write the template (.jinja)")
@@ -148,9 +148,9 @@ def make_parser() -> ArgumentParser:
     return parser
 
 
-def main(argv=None):
+def main(argv=None, prog: str = "iha chat-template"):
     """`iha chat-template OUTPUT [--tokenizer FOLDER]` / `python -m iha.chat_templates`."""
-    parser = make_parser()
+    parser = make_parser(prog)
     args = parser.parse_args(argv)
     if args.tokenizer is None:
         template = SMOLLM2_TRAINING_CHAT_TEMPLATE

@@ -21,12 +21,12 @@ import importlib
 import sys
 from collections.abc import Sequence
 
-from .arguments import rename_prog, version_text
+from .arguments import version_text
 from .convert.architectures import SUPPORTED_FAMILIES
 from .optional_packages import missing_package_message
 
 
-# name -> (module with `make_parser()` and `main(argv)`, one-line summary). A command imports what its work needs
+# name -> (module with `make_parser(prog)` and `main(argv, prog)`, one-line summary). A command imports what its work needs
 # when it runs.
 COMMANDS = {
     "demo": ("iha.demo", "convert, verify, fine-tune, evaluate and save SmolLM2-135M-Instruct as IHA (offline)"),
@@ -51,23 +51,18 @@ def usage() -> str:
 
 
 def run(command: str, argv: Sequence[str], prog: str | None = None) -> int:
-    """Run one command: its flags are checked first under the command's name (`--help` and bad flags end here),
-    then the command runs.
+    """Run one command: its `main` parses the command line once, under the command's name (`--help` and bad flags
+    end there), then does the work.
 
     `prog` is what usage lines call the command (`iha convert` when run through `iha`; the console script's own
     name, `iha-convert`, otherwise). A missing optional package ends the command with one line naming the pip
     command (`iha.optional_packages`), not a traceback."""
-    argv, prog_kwargs = list(argv), {}
+    argv, prog_kwargs = list(argv), {} if prog is None else {"prog": prog}
     if command == "convert" and argv[:1] == ["push"]:  # `iha-convert push` is `iha push`, with the other Hub code
         command, argv = "push", argv[1:]
-        prog_kwargs = {"prog": f"{prog} push" if prog else "iha-convert push"}
+        prog_kwargs = {"prog": f"{prog or 'iha-convert'} push"}
     try:
-        module = importlib.import_module(COMMANDS[command][0])
-        parser = module.make_parser(**prog_kwargs)
-        if prog is not None and not prog_kwargs:
-            rename_prog(parser, prog)
-        parser.parse_args(argv)
-        result = module.main(argv, **prog_kwargs)
+        result = importlib.import_module(COMMANDS[command][0]).main(argv, **prog_kwargs)
     except ModuleNotFoundError as error:
         message = missing_package_message(error)
         if message is None:

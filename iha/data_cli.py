@@ -20,10 +20,10 @@ from .data import OPENTHOUGHTS_SYSTEM_PROMPT, DataFormatError, load_sft_dataset,
 from .gsm8k import gsm8k_file_to_openthoughts
 
 
-def make_parser() -> ArgumentParser:
+def make_parser(prog: str = "iha data") -> ArgumentParser:
     """`iha data`: write GSM8K rows as OpenThoughts rows, or any supported schema as
     `messages` rows (the form in which TRL's own `trl sft` keeps the system prompt)."""
-    parser = ArgumentParser(prog="iha data", description=make_parser.__doc__)
+    parser = ArgumentParser(prog=prog, description=make_parser.__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
     gsm8k = commands.add_parser("gsm8k-to-openthoughts", help="GSM8K (Hub id or .jsonl) -> OpenThoughts-114k .jsonl")
     gsm8k.add_argument("source", help="a Hub dataset id (openai/gsm8k) or your own GSM8K .jsonl file")
@@ -42,9 +42,9 @@ def make_parser() -> ArgumentParser:
     return parser
 
 
-def main(argv=None):
+def main(argv=None, prog: str = "iha data"):
     """`iha data` (see `make_parser`)."""
-    args = make_parser().parse_args(argv)
+    args = make_parser(prog).parse_args(argv)
     if args.command == "gsm8k-to-openthoughts":
         try:
             rows = gsm8k_file_to_openthoughts(args.source, limit=args.limit, split=args.split)

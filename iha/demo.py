@@ -304,10 +304,10 @@ def format_summary(summary: dict) -> str:
     return "\n".join(lines)
 
 
-def make_parser() -> ArgumentParser:
+def make_parser(prog: str = "iha demo") -> ArgumentParser:
     # The command line's defaults are run_demo's, so the two never drift apart.
     defaults = {name: parameter.default for name, parameter in inspect.signature(run_demo).parameters.items()}
-    parser = ArgumentParser(prog="iha demo", description=__doc__, formatter_class=HelpFormatter)
+    parser = ArgumentParser(prog=prog, description=__doc__, formatter_class=HelpFormatter)
     parser.add_argument("--output-dir", default="iha-demo", help="where everything is written (default: iha-demo)")
     parser.add_argument(
         "--overwrite",
@@ -343,8 +343,8 @@ def make_parser() -> ArgumentParser:
     return parser
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = make_parser().parse_args(argv)
+def main(argv: list[str] | None = None, prog: str = "iha demo") -> int:
+    args = make_parser(prog).parse_args(argv)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     settings = {key.replace("-", "_"): value for key, value in vars(args).items()}
 
@@ -353,7 +353,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
 
     return run_command(
-        "iha demo",
+        prog,
         demo,
         errors=(ConversionError, ValueError),
         interrupted=f"nothing was written to {args.output_dir}",

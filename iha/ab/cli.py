@@ -36,8 +36,8 @@ from ..convert import ConversionError
 from .config import PRESETS, ABConfig, preset_config
 
 
-def make_parser() -> argparse.ArgumentParser:
-    parser = ArgumentParser(prog="iha ab", description=__doc__)
+def make_parser(prog: str = "iha ab") -> argparse.ArgumentParser:
+    parser = ArgumentParser(prog=prog, description=__doc__)
     parser.add_argument("--preset", choices=sorted(PRESETS), default="cpu", help="starting settings (default: cpu)")
     parser.add_argument("--output-dir", default=None, help="where runs and report go (default: ab-PRESET)")
     parser.add_argument("--fresh", action="store_true", help="remove an earlier A/B run in OUTPUT_DIR and start over")
@@ -55,9 +55,9 @@ def config_from_args(args: argparse.Namespace) -> ABConfig:
     return config
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def main(argv: Sequence[str] | None = None, prog: str = "iha ab") -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    parser = make_parser()
+    parser = make_parser(prog)
     args = parser.parse_args(argv)
     if args.threads is not None and args.threads < 1:
         parser.error(f"--threads must be >= 1, got {args.threads}")
@@ -77,7 +77,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
 
     return run_command(
-        "iha ab",
+        prog,
         ab,
         errors=(ValueError, ConversionError),
         interrupted=f"finished runs stay in {output_dir}; the same command resumes",

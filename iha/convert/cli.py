@@ -17,7 +17,7 @@ The IHA, output, source and verification flags are generated from the fields of 
 `CheckpointOptions` by `iha.arguments.add_dataclass_arguments` (`num_pseudo_heads` -> `--num_pseudo_heads`, also
 spelled `--num-pseudo-heads` as every `iha` flag; a setting that is on by default, like `verify`, also gets a
 `--no_...` flag); only what belongs to the command line itself (`--push_to_hub`, `--private`, `--quiet`) is written
-here. `make_parser(subparsers)` adds the command to another parser (`iha convert`); `main(args)` runs it.
+here. `make_parser(prog)` builds the parser (`prog`: `iha convert` under the dispatcher); `main(args)` runs it.
 """
 
 import argparse
@@ -29,14 +29,13 @@ from ..arguments import ArgumentParser, add_dataclass_arguments, dataclass_value
 from ..command_line import run_command
 from ..hub import HubUploadError, push_to_hub
 from ..hub import main as push_main
-from .architectures import SUPPORTED_DESCRIPTION, SUPPORTED_FAMILIES
+from .architectures import SUPPORTED_DESCRIPTION
 from .checkpoint import convert_checkpoint
 from .errors import ConversionError, VerificationFailedError
 from .options import CheckpointOptions, IHAConversionOptions
 from .plan import describe_layers
 
 
-SUMMARY = f"convert a {SUPPORTED_FAMILIES} checkpoint to IHA"
 DESCRIPTION = (
     f"Convert a pretrained checkpoint to Interleaved Head Attention. Supported: {SUPPORTED_DESCRIPTION}. The "
     "defaults are exact: the converted model computes what the source computed. To upload an existing converted "
@@ -44,12 +43,9 @@ DESCRIPTION = (
 )
 
 
-def make_parser(subparsers=None) -> argparse.ArgumentParser:
-    """The `iha-convert` parser, or, given the subparsers of another parser, its `convert` command."""
-    if subparsers is None:
-        parser = ArgumentParser(prog="iha-convert", description=DESCRIPTION)
-    else:
-        parser = subparsers.add_parser("convert", help=SUMMARY, description=DESCRIPTION)
+def make_parser(prog: str = "iha-convert") -> argparse.ArgumentParser:
+    """The `iha-convert` parser."""
+    parser = ArgumentParser(prog=prog, description=DESCRIPTION)
     parser.add_argument("source", help="local checkpoint folder or Hub model id (org/name)")
     parser.add_argument("output_dir", help="folder to write; must not exist or be empty unless --overwrite")
     add_dataclass_arguments(parser, IHAConversionOptions, "IHA settings", beside_positionals=True)
@@ -113,7 +109,7 @@ def run_conversion(args: argparse.Namespace) -> int:
     return 0
 
 
-def main(args: argparse.Namespace | Sequence[str] | None = None) -> int:
+def main(args: argparse.Namespace | Sequence[str] | None = None, prog: str = "iha-convert") -> int:
     """`iha-convert SRC DST [options]` and `iha-convert push FOLDER REPO_ID`: the exit status, 0 on success.
 
     `args`: the command line's words (default: `sys.argv[1:]`), or the namespace `make_parser` parsed.
@@ -123,8 +119,8 @@ def main(args: argparse.Namespace | Sequence[str] | None = None) -> int:
     if not isinstance(args, argparse.Namespace):
         argv = list(sys.argv[1:] if args is None else args)
         if argv[:1] == ["push"]:  # an alias of `iha push`, which lives with the other Hub code
-            return push_main(argv[1:], prog="iha-convert push")
-        args = make_parser().parse_args(argv)
+            return push_main(argv[1:], prog=f"{prog} push")
+        args = make_parser(prog).parse_args(argv)
     return run_command(
         "iha-convert",
         lambda: run_conversion(args),

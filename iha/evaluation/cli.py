@@ -18,11 +18,11 @@ import re
 import sys
 from pathlib import Path
 
-from ..arguments import ArgumentParser, HelpFormatter
+from ..arguments import ArgumentParser, HelpFormatter, add_dataclass_arguments, dataclass_values
 from ..atomic_files import write_json_atomic, write_text_atomic
 from ..command_line import run_command
 from .report import math_report, needle_report
-from .settings import BENCHMARKS, PRESETS, sampling_preset
+from .settings import BENCHMARKS, PRESETS, SamplingConfig, sampling_preset
 
 
 def _named(value: str, what: str) -> tuple[str, str]:
@@ -61,8 +61,8 @@ def _add_model_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-chat-template", action="store_true", help="plain 'Question: ... Answer:' prompts")
 
 
-def make_parser() -> argparse.ArgumentParser:
-    parser = ArgumentParser(prog="iha-eval", description=__doc__, formatter_class=HelpFormatter)
+def make_parser(prog: str = "iha-eval") -> argparse.ArgumentParser:
+    parser = ArgumentParser(prog=prog, description=__doc__, formatter_class=HelpFormatter)
     commands = parser.add_subparsers(dest="command", required=True)
 
     math = commands.add_parser(
@@ -83,22 +83,8 @@ def make_parser() -> argparse.ArgumentParser:
     )
     math.add_argument("--split", default=None, help="Hub split (default: test)")
     math.add_argument("--limit", type=int, default=None, help="evaluate the first N problems only")
-    presets = {name: PRESETS[name] for name in sorted(PRESETS)}
-
-    def preset_help(what: str, field: str) -> str:
-        values = ", ".join(f"{name} {getattr(config, field)}" for name, config in presets.items())
-        return f"{what} (default: the preset's: {values})"
-
     math.add_argument("--preset", default="greedy", choices=sorted(PRESETS), help="sampling settings")
-    math.add_argument(
-        "--temperature", type=float, default=None, help=preset_help("sampling temperature", "temperature")
-    )
-    math.add_argument("--top-p", type=float, default=None, help=preset_help("nucleus sampling", "top_p"))
-    math.add_argument("--num-samples", type=int, default=None, help=preset_help("samples per problem", "num_samples"))
-    math.add_argument(
-        "--max-new-tokens", type=int, default=None, help=preset_help("tokens per completion", "max_new_tokens")
-    )
-    math.add_argument("--seed", type=int, default=None, help="sampling seed (default: the preset's, 0)")
+    add_dataclass_arguments(math, SamplingConfig, "sampling", from_preset=dict(sorted(PRESETS.items())))
     math.add_argument("--system-prompt", default=None, help="system message (default: the chat template's own)")
     math.add_argument(
         "--output-dir", default="runs/eval", help="writes MODEL_BENCHMARK.json, report.md and report.json"
@@ -134,14 +120,7 @@ def make_parser() -> argparse.ArgumentParser:
 def _run_math(args) -> int:
     from .math_eval import evaluate_math, load_model_and_tokenizer, load_problems
 
-    sampling = sampling_preset(
-        args.preset,
-        temperature=args.temperature,
-        top_p=args.top_p,
-        num_samples=args.num_samples,
-        max_new_tokens=args.max_new_tokens,
-        seed=args.seed,
-    )
+    sampling = sampling_preset(args.preset, **dataclass_values(args, SamplingConfig))
     datasets = []
     for spec in args.dataset:
         benchmark, _, source = spec.partition("=")
@@ -239,10 +218,10 @@ def _run_compare(args) -> int:
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, prog: str = "iha-eval") -> int:
     """Bad input prints one line (exit 2); Ctrl-C / SIGTERM exit 130 / 143. Result files are written whole (to a
     temporary name, then renamed), so an interrupted run leaves only complete ones."""
-    args = make_parser().parse_args(argv)
+    args = make_parser(prog).parse_args(argv)
     run = {"math": _run_math, "needle": _run_needle, "compare": _run_compare}[args.command]
     return run_command(
         f"iha-eval {args.command}",

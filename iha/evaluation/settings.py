@@ -7,7 +7,7 @@ runs them.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 from ..gsm8k import gsm8k_final_answer
 
@@ -16,11 +16,11 @@ from ..gsm8k import gsm8k_final_answer
 class SamplingConfig:
     """How completions are drawn. `temperature=0` means greedy decoding (then `num_samples` must be 1)."""
 
-    temperature: float = 0.0
-    top_p: float = 1.0
-    num_samples: int = 1
-    max_new_tokens: int = 1024
-    seed: int = 0
+    temperature: float = field(default=0.0, metadata={"help": "sampling temperature (0: greedy)"})
+    top_p: float = field(default=1.0, metadata={"help": "nucleus sampling"})
+    num_samples: int = field(default=1, metadata={"help": "samples per problem"})
+    max_new_tokens: int = field(default=1024, metadata={"help": "tokens per completion"})
+    seed: int = field(default=0, metadata={"help": "sampling seed"})
 
     def __post_init__(self):
         if self.temperature < 0:

@@ -28,7 +28,8 @@ Python:
 ...                                   mixing_learning_rate=5e-5)                            # any TRL trainer
 ```
 
-Command line (the flags of TRL's `SFTConfig`, plus `ModelArguments` and `DataArguments` of `iha.sft.arguments`):
+Command line (TRL's `ModelConfig`, `ScriptArguments` and `SFTConfig` flags, parsed by TRL's parser, plus those of
+`iha.sft.arguments`):
 
 ```bash
 iha-sft --model_name_or_path my-iha-model --dataset_name open-thoughts/OpenThoughts-114k \
@@ -40,18 +41,18 @@ accelerate launch --config_file examples/accelerate/fsdp.yaml -m iha.sft ...   #
 from ..lazy_imports import lazy_attributes
 
 
-# Public name -> the module that defines it, imported on first use: the command line's parser (`iha sft --help`)
-# does not import TRL's trainers.
+# Public name -> the module that defines it, imported on first use (`import iha.sft` does not import TRL).
 _EXPORTS = {
     "main": "cli",
     "make_parser": "cli",
-    "make_trl_parser": "cli",
     "parse_args": "cli",
     "run_cli": "cli",
+    "SFTArguments": "cli",
+    "lora_config_from_flags": "cli",
     "DEFAULT_LORA_TARGET_MODULES": "arguments",
-    "DataArguments": "arguments",
+    "IHADataArguments": "arguments",
+    "IHAModelArguments": "arguments",
     "IHATrainingArguments": "arguments",
-    "ModelArguments": "arguments",
     "BASE_RECORD_NAME": "config",
     "MIXING_MODULE_NAME": "config",
     "MIXING_PARAMETER_PATTERN": "config",

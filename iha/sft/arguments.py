@@ -11,10 +11,11 @@
 # WITHOUT WARRANTIES OR CONDITIONS OF ANY KIND, either express or implied.
 # See the License for the specific language governing permissions and
 # limitations under the License.
-"""The arguments `iha-sft` adds to TRL's: the model (`ModelArguments`), the data (`DataArguments`) and the IHA
-training settings (`IHATrainingArguments`, which `IHASFTConfig` adds to TRL's `SFTConfig`).
+"""The arguments `iha-sft` adds to TRL's own: to `ModelConfig` (`IHAModelArguments`), to `ScriptArguments`
+(`IHADataArguments`) and to `SFTConfig` (`IHATrainingArguments`, which `IHASFTConfig` adds to it).
 
-Plain dataclasses, without TRL, so that `iha sft --help` lists them without loading TRL (`iha.sft.cli`).
+TRL owns the flags it declares (`--model_name_or_path`, `--dtype`, `--use_peft`, `--lora_r`, `--load_in_4bit`,
+`--dataset_name`, `--learning_rate`, ...): `iha.sft.cli` parses TRL's dataclasses with TRL's parser, beside these.
 """
 
 from dataclasses import dataclass, field
@@ -55,17 +56,13 @@ class IHATrainingArguments:
 
 
 @dataclass
-class ModelArguments:
-    """Which model to fine-tune and how. Names match TRL's `ModelConfig` where they overlap."""
+class IHAModelArguments:
+    """What `iha-sft` adds to TRL's `ModelConfig` (the model, its dtype and attention, the LoRA and quantization
+    flags are TRL's)."""
 
-    model_name_or_path: str = field(metadata={"help": "IHA checkpoint, or a Llama-style one to convert on the fly."})
-    model_revision: str | None = field(default=None, metadata={"help": "Hub revision of the model."})
+    _argument_group_name = "model (iha)"
+
     tokenizer_name_or_path: str | None = field(default=None, metadata={"help": "Tokenizer (default: the model's)."})
-    dtype: str = field(
-        default="float32",
-        metadata={"help": "Dtype to load the weights in.", "choices": ["auto", "bfloat16", "float16", "float32"]},
-    )
-    attn_implementation: str | None = field(default=None, metadata={"help": "sdpa, eager, flash_attention_2, ..."})
     convert_to_iha: bool = field(
         default=True,
         metadata={"help": "Convert a non-IHA (Llama-style) checkpoint to IHA before training. False trains it as is."},
@@ -74,16 +71,6 @@ class ModelArguments:
         default=None,
         metadata={"help": "JSON object of iha.convert.IHAConversionOptions, e.g. '{\"num_pseudo_heads\": 2}'."},
     )
-    use_peft: bool = field(default=False, metadata={"help": "Train LoRA adapters instead of all weights."})
-    lora_r: int = field(default=16, metadata={"help": "LoRA rank."})
-    lora_alpha: int = field(default=32, metadata={"help": "LoRA alpha."})
-    lora_dropout: float = field(default=0.05, metadata={"help": "LoRA dropout."})
-    lora_target_modules: list[str] | None = field(
-        default=None, metadata={"help": f"LoRA target modules (default: {' '.join(DEFAULT_LORA_TARGET_MODULES)})."}
-    )
-    lora_modules_to_save: list[str] | None = field(
-        default=None, metadata={"help": "Extra modules trained in full under LoRA (head_mixing is always added)."}
-    )
     merge_adapter: bool = field(
         default=False,
         metadata={
@@ -91,40 +78,16 @@ class ModelArguments:
             "base loaded unquantized, also after QLoRA)."
         },
     )
-    # QLoRA: TRL's `ModelConfig` flags, with TRL's names and meaning (bitsandbytes: `pip install "iha-transformers[qlora]"`).
-    load_in_4bit: bool = field(
-        default=False, metadata={"help": "QLoRA: load the base in 4 bit (bitsandbytes) and train LoRA (--use_peft)."}
-    )
-    load_in_8bit: bool = field(
-        default=False, metadata={"help": "Load the base in 8 bit (bitsandbytes) and train LoRA (--use_peft)."}
-    )
-    bnb_4bit_quant_type: str = field(
-        default="nf4", metadata={"help": "4-bit quantization type.", "choices": ["fp4", "nf4"]}
-    )
-    use_bnb_nested_quant: bool = field(default=False, metadata={"help": "Quantize the 4-bit scales again."})
-    bnb_4bit_quant_storage: str | None = field(
-        default=None, metadata={"help": "Storage dtype of the 4-bit weights (e.g. bfloat16 for FSDP-QLoRA)."}
-    )
-
-    def __post_init__(self):
-        if self.load_in_4bit and self.load_in_8bit:
-            raise ValueError("Choose one of --load_in_4bit and --load_in_8bit.")
-        if (self.load_in_4bit or self.load_in_8bit) and not self.use_peft:
-            raise ValueError(
-                "--load_in_4bit / --load_in_8bit freeze the base in a quantized form: train LoRA adapters on it "
-                "with --use_peft (the IHA mixing is trained in full beside them)."
-            )
 
 
 @dataclass
-class DataArguments:
-    """Which rows to train on. Any schema of `iha.data` (OpenThoughts-114k, OpenThoughts3, messages, prompt/completion)."""
+class IHADataArguments:
+    """What `iha-sft` adds to TRL's `ScriptArguments`. Any schema of `iha.data` (OpenThoughts-114k, OpenThoughts3,
+    messages, prompt/completion)."""
 
-    dataset_name: str = field(metadata={"help": "Hub dataset id, or a local .json / .jsonl / .parquet file or folder."})
-    dataset_config: str | None = field(default=None, metadata={"help": "Hub dataset config name."})
-    dataset_train_split: str = field(default="train", metadata={"help": "Split to train on (Hub datasets)."})
+    _argument_group_name = "data (iha)"
+
     eval_dataset_name: str | None = field(default=None, metadata={"help": "Evaluation rows (Hub id or local file)."})
-    dataset_test_split: str = field(default="test", metadata={"help": "Split of eval_dataset_name to evaluate on."})
     default_system_prompt: str | None = field(
         default=None,
         metadata={

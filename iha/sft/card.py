@@ -219,10 +219,10 @@ def write_merged_card(folder: Path, adapter_dir: Path, output_dir: Path) -> None
     write_model_card(folder, card)
 
 
-def make_parser() -> ArgumentParser:
+def make_parser(prog: str = "iha card") -> ArgumentParser:
     """`iha card FOLDER --base-model BASE`."""
     parser = ArgumentParser(
-        prog="iha card",
+        prog=prog,
         description="Rewrite the model card a trainer wrote into FOLDER (e.g. `trl sft`, whose card names no local "
         "base and loads without trust_remote_code) as an IHA card; the trainer's other sections are kept.",
     )
@@ -231,13 +231,11 @@ def make_parser() -> ArgumentParser:
     return parser
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, prog: str = "iha card") -> int:
     """`iha card FOLDER --base-model BASE`: the IHA card for a folder `trl sft` (or another trainer) wrote."""
-    args = make_parser().parse_args(sys.argv[1:] if argv is None else argv)
+    args = make_parser(prog).parse_args(sys.argv[1:] if argv is None else argv)
     if not (Path(args.folder) / "config.json").is_file() and not (Path(args.folder) / "adapter_config.json").is_file():
-        print(
-            f"iha card: error: {args.folder} holds no model (no config.json or adapter_config.json).", file=sys.stderr
-        )
+        print(f"{prog}: error: {args.folder} holds no model (no config.json or adapter_config.json).", file=sys.stderr)
         return 2
     print(f"Wrote {rewrite_trainer_card(args.folder, args.base_model)}")
     return 0

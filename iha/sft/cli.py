@@ -13,199 +13,191 @@
 # limitations under the License.
 """`iha-sft` / `iha sft`: the command line over `train_sft`.
 
-Two parsers of the same dataclasses. `make_parser()` holds the flags of `iha.sft.arguments` (model, data, IHA
-training), made by `iha.arguments.add_dataclass_arguments` as transformers' `HfArgumentParser` declares them, and is
-built without TRL: `--help` lists them without loading TRL, and the `iha` dispatcher checks a command line with it
-before the run. `make_trl_parser()` is the `HfArgumentParser` over them and TRL's `SFTConfig` (~200 flags more:
-`--learning_rate`, `--max_length`, `--packing`, ...); the run parses its command line with it, and `--help_trl`
-prints the package's flags, then the training ones.
+One parser, TRL's (`TrlParser`), over TRL's own dataclasses and the package's beside them: TRL's `ModelConfig` (the
+model, `--dtype`, the LoRA and quantization flags) and `IHAModelArguments`, TRL's `ScriptArguments` (`--dataset_name`,
+the splits) and `IHADataArguments`, and `IHASFTConfig` (TRL's `SFTConfig`, transformers' `TrainingArguments` among
+them, with the mixing's learning rate and weight decay). Every flag means what it means to `trl sft`; `--config
+FILE.yaml` (or `iha-sft FILE.yaml`) reads flags from a file, as in TRL. `--help` lists them all (it loads TRL).
 """
 
-import argparse
 import logging
 import sys
 import typing
 from collections.abc import Sequence
 from dataclasses import asdict
 
-from ..arguments import ArgumentParser, add_dataclass_arguments
+from trl import ModelConfig, ScriptArguments, TrlParser
+
+from ..arguments import HelpFormatter, version_text
 from ..command_line import run_command
 from ..convert import ConversionError, IHAConversionOptions
-from .arguments import DataArguments, IHATrainingArguments, ModelArguments
+from .arguments import IHADataArguments, IHAModelArguments
+from .config import IHASFTConfig
 
 
 if typing.TYPE_CHECKING:
-    from .config import IHASFTConfig
     from .trainer import IHASFTTrainer
 
 
-# ---------------------------------------------------------------------------------------------------------------------
-# Command line
-# ---------------------------------------------------------------------------------------------------------------------
-
-
-# The flags `IHASFTConfig` adds to or changes in TRL's `SFTConfig`, shown in their own group before TRL's.
-ARGUMENT_GROUPS = {"model (iha)": ModelArguments, "data (iha)": DataArguments, "IHA training": IHATrainingArguments}
 USAGE = "%(prog)s --model_name_or_path MODEL --dataset_name DATA [flags below]   or   %(prog)s CONFIG.yaml"
 DESCRIPTION = (
-    "Reasoning SFT with TRL of an IHA model, or of a Llama-style one converted on the fly: full fine-tuning or LoRA."
+    "Reasoning SFT with TRL of an IHA model, or of a Llama-style one converted on the fly: full fine-tuning, LoRA or "
+    "QLoRA. TRL's flags mean what they mean to `trl sft`; the package's own are --mixing_learning_rate, "
+    "--mixing_weight_decay and the groups marked (iha) at the end."
 )
-TRL_FLAGS = """Every flag of TRL's SFTConfig is accepted too, transformers' TrainingArguments among them (--output_dir,
---learning_rate, --num_train_epochs, --per_device_train_batch_size, --max_length, --packing, --use_cpu, ...):
-`iha-sft --help_trl` lists them all (it loads TRL, which takes a few seconds)."""
-TRAINING_FLAGS = """training: TRL's SFTConfig, transformers' TrainingArguments among them, with the IHA training flags above
-(the same flags, listed again with TRL's):"""
+# The parser's dataclasses, in the order `--help` lists them and `parse_args` returns them.
+ARGUMENT_DATACLASSES = (ModelConfig, IHAModelArguments, ScriptArguments, IHADataArguments, IHASFTConfig)
+
+
+class SFTArguments(typing.NamedTuple):
+    """A run's arguments, one per dataclass of `ARGUMENT_DATACLASSES`."""
+
+    model: ModelConfig
+    iha_model: IHAModelArguments
+    script: ScriptArguments
+    data: IHADataArguments
+    training: IHASFTConfig
 
 
 def is_config_file(argv: Sequence[str]) -> bool:
-    """`iha-sft CONFIG.yaml` (or .json): every flag is read from the file."""
+    """`iha-sft CONFIG.yaml` (or .json): every flag is read from the file (TRL's `--config CONFIG.yaml`)."""
     return len(argv) == 1 and argv[0].endswith((".yaml", ".yml", ".json"))
 
 
-class SFTArgumentParser(ArgumentParser):
-    """`make_parser()`: checks the flags it declares and leaves the others (TRL's) to the run's `HfArgumentParser`."""
-
-    def parse_args(self, args=None, namespace=None):
-        args = list(sys.argv[1:] if args is None else args)
-        if is_config_file(args):
-            return argparse.Namespace(config_file=args[0])
-        return self.parse_known_args(args, namespace)[0]
-
-
-class PrintTRLHelp(argparse.Action):
-    """Every flag of a run: the package's own (`make_parser()`'s help), then the training ones (`IHASFTConfig`)."""
-
-    def __init__(self, option_strings, dest=argparse.SUPPRESS, default=argparse.SUPPRESS, help=None):
-        super().__init__(option_strings, dest=dest, default=default, nargs=0, help=help)
-
-    def __call__(self, parser, namespace, values, option_string=None):
-        from transformers import HfArgumentParser
-
-        from .config import IHASFTConfig
-
-        training = HfArgumentParser(IHASFTConfig, usage=argparse.SUPPRESS, add_help=False)
-        print(make_parser().format_help())
-        print(f"{TRAINING_FLAGS}\n\n{training.format_help()}", end="")
-        parser.exit()
-
-
-def make_parser() -> SFTArgumentParser:
-    """`iha-sft`'s own flags (model, data, IHA training), built without TRL: what `--help` shows."""
-    # TRL's flags are not declared here: an abbreviation must not be taken for one of the flags that are.
-    parser = SFTArgumentParser(
-        prog="iha-sft", usage=USAGE, description=DESCRIPTION, epilog=TRL_FLAGS, allow_abbrev=False
+def make_parser(prog: str = "iha-sft") -> TrlParser:
+    """Every flag of a run: TRL's `TrlParser` over `ARGUMENT_DATACLASSES`."""
+    # HelpFormatter: each flag in its --snake_case spelling only, as every `iha` command lists them.
+    parser = TrlParser(
+        ARGUMENT_DATACLASSES, prog=prog, usage=USAGE, description=DESCRIPTION, formatter_class=HelpFormatter
     )
-    parser.add_argument("--help_trl", action=PrintTRLHelp, help="show every flag, TRL's SFTConfig ones included")
-    for title, dataclass_type in ARGUMENT_GROUPS.items():
-        add_dataclass_arguments(parser, dataclass_type, title)
+    parser.add_argument("--version", action="version", version=version_text(), help="print the version and exit")
     return parser
 
 
-def make_trl_parser():
-    """Every flag of a run: `HfArgumentParser` over `ModelArguments`, `DataArguments` and `IHASFTConfig` (TRL's
-    `SFTConfig` + the IHA training flags). Its `--help` (and `--help_trl`) lists the package's own first, then TRL's
-    ~200."""
-    from transformers import HfArgumentParser
+def check_arguments(arguments: SFTArguments) -> None:
+    """What TRL's dataclasses leave optional or accept but a run of `iha-sft` cannot do: one clear error each."""
+    model, script = arguments.model, arguments.script
+    if model.model_name_or_path is None:
+        raise ValueError(
+            "--model_name_or_path is required: the IHA folder to fine-tune, or a Llama-style checkpoint to convert "
+            "on the fly (on the command line or in the config file)."
+        )
+    if script.dataset_name is None:
+        raise ValueError(
+            "--dataset_name is required: a Hub dataset id, or a local .json / .jsonl / .parquet file or folder (on "
+            "the command line or in the config file)."
+        )
+    if (model.load_in_4bit or model.load_in_8bit) and not model.use_peft:
+        raise ValueError(
+            "--load_in_4bit / --load_in_8bit freeze the base in a quantized form: train LoRA adapters on it "
+            "with --use_peft (the IHA mixing is trained in full beside them)."
+        )
+    if script.dataset_streaming:
+        raise ValueError(
+            "--dataset_streaming is not supported: iha-sft reads the rows first to check their schema and drop "
+            "those longer than --max_length; use --max_train_rows N to train on the first N rows."
+        )
+    if script.ignore_bias_buffers:
+        raise ValueError("--ignore_bias_buffers has no effect in iha-sft (TRL reads it in its DDP preference scripts).")
 
-    from .config import IHASFTConfig
 
-    parser = HfArgumentParser(
-        (ModelArguments, DataArguments, IHASFTConfig), prog="iha-sft", usage=USAGE, add_help=False
-    )
-    parser.add_argument("-h", "--help", "--help_trl", "--help-trl", action=PrintTRLHelp, help="show every flag")
-    return parser
-
-
-def parse_args(argv: Sequence[str] | None = None) -> "tuple[ModelArguments, DataArguments, IHASFTConfig]":
-    """The command line of a run (every flag, TRL's included), or the one .yaml / .json file holding its flags."""
-    parser = make_trl_parser()
+def parse_args(argv: Sequence[str] | None = None, prog: str = "iha-sft") -> SFTArguments:
+    """The command line of a run (every flag, TRL's included), or one .yaml / .json file holding its flags,
+    checked (`check_arguments`)."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    if not is_config_file(argv):
-        return parser.parse_args_into_dataclasses(args=argv)
-    read = parser.parse_yaml_file if argv[0].endswith((".yaml", ".yml")) else parser.parse_json_file
-    try:
-        return read(argv[0])
-    except TypeError as error:  # the dataclasses' own message: "... missing 1 required positional argument: 'x'"
-        raise ValueError(f"{argv[0]}: {error}; add the missing setting to the file.") from None
+    if is_config_file(argv):
+        argv = ["--config", argv[0]]
+    arguments = SFTArguments(*make_parser(prog).parse_args_and_config(argv))
+    check_arguments(arguments)
+    return arguments
 
 
-def run_cli(argv: Sequence[str] | None = None) -> "IHASFTTrainer":
-    """What `iha-sft` runs, returning the trainer: the flags of `IHASFTConfig` (TRL's `SFTConfig` + mixing lr / wd),
-    `ModelArguments` and `DataArguments`, or one .yaml / .json file holding them."""
+def lora_config_from_flags(model: ModelConfig):
+    """The LoRA config of TRL's LoRA flags, for IHA (`iha_lora_config`: the mixing trained in full, every projection
+    adapted unless --lora_target_modules says otherwise)."""
+    from .model import iha_lora_config
+
+    target_modules = model.lora_target_modules
+    if isinstance(target_modules, str) and target_modules.isidentifier():
+        # TRL turns a one-item list into a string (for "all-linear"), which PEFT would read as a regex of full names.
+        target_modules = [target_modules]
+    extra = {"target_parameters": model.lora_target_parameters} if model.lora_target_parameters else {}
+    return iha_lora_config(
+        r=model.lora_r,
+        lora_alpha=model.lora_alpha,
+        lora_dropout=model.lora_dropout,
+        target_modules=target_modules,
+        modules_to_save=model.lora_modules_to_save,
+        task_type=model.lora_task_type,
+        use_rslora=model.use_rslora,
+        use_dora=model.use_dora,
+        **extra,
+    )
+
+
+def run_cli(argv: Sequence[str] | None = None, prog: str = "iha-sft") -> "IHASFTTrainer":
+    """What `iha-sft` runs, returning the trainer: the flags of `ARGUMENT_DATACLASSES`, or one .yaml / .json file
+    holding them."""
     from pathlib import Path
 
     from transformers import AutoTokenizer
     from trl import get_quantization_config
 
-    from .model import iha_lora_config
     from .outputs import merge_lora
     from .train import train_sft
 
-    model_args, data_args, training_args = parse_args(argv)
-    iha_options = asdict(IHAConversionOptions.from_json(model_args.iha_options)) if model_args.iha_options else None
+    model, iha_model, script, data, training = parse_args(argv, prog)
+    iha_options = asdict(IHAConversionOptions.from_json(iha_model.iha_options)) if iha_model.iha_options else None
     logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s", level=logging.INFO)
-    training_args.model_init_kwargs = {
-        **(training_args.model_init_kwargs or {}),
-        "dtype": model_args.dtype,
-        "attn_implementation": model_args.attn_implementation,
-        "revision": model_args.model_revision,
+    training.model_init_kwargs = {
+        **(training.model_init_kwargs or {}),
+        "dtype": model.dtype,
+        "attn_implementation": model.attn_implementation,
+        "revision": model.model_revision,
     }
     tokenizer = None
-    if model_args.tokenizer_name_or_path is not None:
+    if iha_model.tokenizer_name_or_path is not None:
         tokenizer = AutoTokenizer.from_pretrained(
-            model_args.tokenizer_name_or_path, trust_remote_code=training_args.trust_remote_code
-        )
-    peft_config = None
-    if model_args.use_peft:
-        peft_config = iha_lora_config(
-            r=model_args.lora_r,
-            lora_alpha=model_args.lora_alpha,
-            lora_dropout=model_args.lora_dropout,
-            target_modules=model_args.lora_target_modules,
-            modules_to_save=model_args.lora_modules_to_save,
+            iha_model.tokenizer_name_or_path, trust_remote_code=training.trust_remote_code
         )
     trainer = train_sft(
-        model_args.model_name_or_path,
-        data_args.dataset_name,
-        training_args,
+        model.model_name_or_path,
+        script.dataset_name,
+        training,
         processing_class=tokenizer,
-        eval_dataset=data_args.eval_dataset_name if training_args.eval_strategy != "no" else None,
-        peft_config=peft_config,
-        quantization_config=get_quantization_config(model_args),
-        convert_to_iha=model_args.convert_to_iha,
+        eval_dataset=data.eval_dataset_name if training.eval_strategy != "no" else None,
+        peft_config=lora_config_from_flags(model) if model.use_peft else None,
+        quantization_config=get_quantization_config(model),
+        convert_to_iha=iha_model.convert_to_iha,
         iha_options=iha_options,
-        dataset_config_name=data_args.dataset_config,
-        dataset_train_split=data_args.dataset_train_split,
-        dataset_test_split=data_args.dataset_test_split,
-        default_system_prompt=data_args.default_system_prompt,
-        max_train_rows=data_args.max_train_rows,
-        filter_long_rows=data_args.filter_long_rows,
-        resume_from_checkpoint=training_args.resume_from_checkpoint,
+        dataset_config_name=script.dataset_config,
+        dataset_train_split=script.dataset_train_split,
+        dataset_test_split=script.dataset_test_split,
+        default_system_prompt=data.default_system_prompt,
+        max_train_rows=data.max_train_rows,
+        filter_long_rows=data.filter_long_rows,
+        resume_from_checkpoint=training.resume_from_checkpoint,
     )
-    trainer.accelerator.print(f"Saved to {training_args.output_dir}.")
-    if model_args.use_peft and model_args.merge_adapter:
+    trainer.accelerator.print(f"Saved to {training.output_dir}.")
+    if model.use_peft and iha_model.merge_adapter:
         trainer.accelerator.wait_for_everyone()
         if trainer.accelerator.is_main_process:
-            merged_dir = merge_lora(training_args.output_dir, Path(training_args.output_dir) / "merged")
+            merged_dir = merge_lora(training.output_dir, Path(training.output_dir) / "merged")
             trainer.accelerator.print(f"Merged model saved to {merged_dir}.")
     trainer.accelerator.wait_for_everyone()
     trainer.end()  # finish the trackers, destroy the process group
     return trainer
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """`iha-sft` / `iha sft` / `python -m iha.sft` (`--help_trl` for every flag; `iha-sft --help`, answered by the
-    `iha` dispatcher, for the package's own).
-
-    The run's parser (`make_trl_parser`) reads the command line; under `iha-sft` / `iha sft` the dispatcher has
-    checked the package's own flags first (`iha.cli.run`), so `python -m iha.sft --help` lists TRL's flags too.
+def main(argv: Sequence[str] | None = None, prog: str = "iha-sft") -> int:
+    """`iha-sft` / `iha sft` / `python -m iha.sft`: parses the command line once (`parse_args`) and trains.
 
     Bad input prints one line (exit 2); Ctrl-C / SIGTERM exit 130 / 143, keeping the checkpoints already saved in
     OUTPUT_DIR (`--resume_from_checkpoint true` continues from the last one).
     """
 
     def sft() -> int:
-        run_cli(argv)
+        run_cli(argv, prog)
         return 0
 
     return run_command(

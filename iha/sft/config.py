@@ -22,7 +22,7 @@ from trl import SFTConfig
 
 import iha  # noqa: F401  (registers IHAConfig / IHAForCausalLM with the Auto classes)
 
-from .arguments import DEFAULT_LORA_TARGET_MODULES, DataArguments, IHATrainingArguments, ModelArguments
+from .arguments import DEFAULT_LORA_TARGET_MODULES, IHATrainingArguments
 
 
 logger = logging.getLogger(__name__)
@@ -92,9 +92,7 @@ __all__ = [
     "DEFAULT_LORA_TARGET_MODULES",
     "MIXING_MODULE_NAME",
     "MIXING_PARAMETER_PATTERN",
-    "DataArguments",
     "IHASFTConfig",
-    "ModelArguments",
     "bf16_supported_here",
     "is_mixing_parameter",
 ]

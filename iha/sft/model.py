@@ -169,26 +169,30 @@ def iha_lora_config(
     r: int = 16,
     lora_alpha: int = 32,
     lora_dropout: float = 0.05,
-    target_modules: Sequence[str] | None = None,
+    target_modules: str | Sequence[str] | None = None,
     modules_to_save: Sequence[str] | None = None,
     train_mixing: bool = True,
+    **lora_kwargs,
 ):
     """A LoRA config for IHA models: adapters on every projection, the mixing parameters trained in full.
 
-    PEFT has no default targets for a new model type, hence the explicit list. `train_mixing` adds `head_mixing` to
-    `modules_to_save`, so the coefficients are trained, saved with the adapter and merged with it.
+    PEFT has no default targets for a new model type, hence the explicit list (`target_modules` also takes what
+    PEFT does: "all-linear" or a regex of full module names). `train_mixing` adds `head_mixing` to
+    `modules_to_save`, so the coefficients are trained, saved with the adapter and merged with it. `lora_kwargs` go
+    to `peft.LoraConfig` as they are (`use_rslora`, `use_dora`, `task_type`, ...).
     """
     from peft import LoraConfig
 
     modules_to_save = list(modules_to_save or [])
     if train_mixing and MIXING_MODULE_NAME not in modules_to_save:
         modules_to_save.append(MIXING_MODULE_NAME)
+    if target_modules is None:
+        target_modules = DEFAULT_LORA_TARGET_MODULES
     return LoraConfig(
-        task_type="CAUSAL_LM",
+        **{"task_type": "CAUSAL_LM", "bias": "none", **lora_kwargs},
         r=r,
         lora_alpha=lora_alpha,
         lora_dropout=lora_dropout,
-        bias="none",
-        target_modules=list(target_modules or DEFAULT_LORA_TARGET_MODULES),
+        target_modules=target_modules if isinstance(target_modules, str) else list(target_modules),
         modules_to_save=modules_to_save or None,
     )

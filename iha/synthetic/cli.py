@@ -9,9 +9,9 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-from ..arguments import ArgumentParser
+from ..arguments import ArgumentParser, add_dataclass_arguments, dataclass_values
 from ..command_line import run_command
-from .config import PRESET_SEEDS, PRESETS, TASKS, SyntheticConfig
+from .config import PRESET_SEEDS, PRESETS, SyntheticConfig
 
 
 def _parse_m(values: list[str] | None) -> dict[str, list[int]] | None:
@@ -29,9 +29,9 @@ def _parse_m(values: list[str] | None) -> dict[str, list[int]] | None:
     return sizes
 
 
-def make_parser() -> argparse.ArgumentParser:
+def make_parser(prog: str = "iha synthetic") -> argparse.ArgumentParser:
     parser = ArgumentParser(
-        prog="iha synthetic",
+        prog=prog,
         description="Relation composition (paper appendix): MHA, 2-simplicial attention and IHA, one bidirectional "
         "attention layer trained from scratch.",
     )
@@ -47,31 +47,16 @@ def make_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--output-dir", default="runs/synthetic", help="writes results.json/.md and accuracy.png (default: %(default)s)"
     )
-    parser.add_argument("--tasks", nargs="+", choices=sorted(TASKS), default=None)
-    parser.add_argument(
+    # The settings of `SyntheticConfig`, each as a flag of its field, but the matrix sizes (`--m TASK=SIZE`).
+    settings = parser.add_argument_group("settings of the comparison")
+    settings.add_argument(
         "--m",
         nargs="+",
         default=None,
         metavar="TASK=SIZE",
-        help="matrix size per task: binary=6 (every example) or binary=6-10 (drawn per example)",
+        help="matrix size per task: binary=6 (every example) or binary=6-10 (drawn per example) (default: the preset's)",
     )
-    parser.add_argument("--num-train", type=int, default=None)
-    parser.add_argument("--num-val", type=int, default=None)
-    parser.add_argument("--num-test", type=int, default=None)
-    parser.add_argument("--hidden-size", type=int, default=None)
-    parser.add_argument("--num-heads", type=int, default=None)
-    parser.add_argument("--pseudo-heads", type=int, nargs="+", default=None, help="IHA variants (P values)")
-    parser.add_argument(
-        "--simplicial",
-        action=argparse.BooleanOptionalAction,
-        default=None,
-        help="train the 2-simplicial attention baseline too (default: the preset's)",
-    )
-    parser.add_argument("--learning-rates", type=float, nargs="+", default=None)
-    parser.add_argument("--batch-size", type=int, default=None)
-    parser.add_argument("--max-epochs", type=int, default=None)
-    parser.add_argument("--patience", type=int, default=None)
-    parser.add_argument("--seed", type=int, default=None, help="one comparison with this seed")
+    add_dataclass_arguments(settings, SyntheticConfig, from_preset=True, exclude=["m"])
     parser.add_argument(
         "--seeds",
         type=int,
@@ -104,10 +89,10 @@ def make_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = make_parser().parse_args(argv)
+def main(argv: list[str] | None = None, prog: str = "iha synthetic") -> int:
+    args = make_parser(prog).parse_args(argv)
     return run_command(
-        "iha synthetic",
+        prog,
         lambda: _run(args),
         errors=(ValueError,),
         interrupted=f"the runs finished so far are kept in {args.output_dir}: the same command resumes from them",
@@ -134,21 +119,7 @@ def _run(args: argparse.Namespace) -> int:
         return 0
     if args.seed is not None and args.seeds is not None:
         raise SystemExit("Give either --seed or --seeds, not both.")
-    overrides = {
-        "tasks": args.tasks,
-        "m": _parse_m(args.m),
-        "num_train": args.num_train,
-        "num_val": args.num_val,
-        "num_test": args.num_test,
-        "hidden_size": args.hidden_size,
-        "num_heads": args.num_heads,
-        "pseudo_heads": args.pseudo_heads,
-        "simplicial": args.simplicial,
-        "learning_rates": args.learning_rates,
-        "batch_size": args.batch_size,
-        "max_epochs": args.max_epochs,
-        "patience": args.patience,
-    }
+    overrides = {**dataclass_values(args, SyntheticConfig, exclude=["m", "seed"]), "m": _parse_m(args.m)}
     preset = PRESETS[args.preset]
     if overrides["m"] is not None:
         overrides["m"] = {**preset.m, **overrides["m"]}

@@ -15,26 +15,32 @@ TASKS = {
 
 @dataclass
 class SyntheticConfig:
-    tasks: list[str] = field(default_factory=lambda: ["binary", "ternary"])
+    """The settings of one comparison (`iha synthetic` makes a flag of each field but `m`, which `--m` reads)."""
+
+    tasks: list[str] = field(
+        default_factory=lambda: ["binary", "ternary"], metadata={"help": "tasks to run", "choices": sorted(TASKS)}
+    )
     # Matrix size per task, [low, high]: m drawn uniformly per example (low == high: every example the same m).
     m: dict[str, list[int]] = field(default_factory=lambda: {task: list(TASKS[task]["m"]) for task in TASKS})
-    num_train: int = 40_000
-    num_val: int = 5_000
-    num_test: int = 5_000
-    hidden_size: int = 128
-    num_heads: int = 8
-    pseudo_heads: list[int] = field(default_factory=lambda: [2, 8])  # IHA variants; MHA always runs
-    simplicial: bool = True  # also the 2-simplicial attention baseline
-    learning_rates: list[float] = field(default_factory=lambda: [1e-3, 1e-4])
-    batch_size: int = 128
+    num_train: int = field(default=40_000, metadata={"help": "training examples"})
+    num_val: int = field(default=5_000, metadata={"help": "validation examples (early stopping)"})
+    num_test: int = field(default=5_000, metadata={"help": "test examples"})
+    hidden_size: int = field(default=128, metadata={"help": "model width"})
+    num_heads: int = field(default=8, metadata={"help": "attention heads"})
+    pseudo_heads: list[int] = field(
+        default_factory=lambda: [2, 8], metadata={"help": "IHA variants (P values); MHA always runs"}
+    )
+    simplicial: bool = field(default=True, metadata={"help": "also train the 2-simplicial attention baseline"})
+    learning_rates: list[float] = field(default_factory=lambda: [1e-3, 1e-4], metadata={"help": "one run per rate"})
+    batch_size: int = field(default=128, metadata={"help": "examples per batch"})
     # Every training batch holds examples of one m (shuffled within each m, batches shuffled across m), so that a
     # batch pads to nothing instead of to its largest m; False: random batches padded to their largest m (how the
     # results written before this field existed were trained).
-    group_by_m: bool = True
-    max_epochs: int = 200
-    patience: int = 10
-    weight_decay: float = 0.01
-    seed: int = 0
+    group_by_m: bool = field(default=True, metadata={"help": "batch examples of one m together (no padding)"})
+    max_epochs: int = field(default=200, metadata={"help": "epoch budget of a run"})
+    patience: int = field(default=10, metadata={"help": "epochs without a better validation accuracy before stopping"})
+    weight_decay: float = field(default=0.01, metadata={"help": "AdamW weight decay"})
+    seed: int = field(default=0, metadata={"help": "one comparison with this seed (data, order and initial weights)"})
 
     def __post_init__(self):
         unknown = [task for task in self.tasks if task not in TASKS]

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from ..arguments import ArgumentParser
+from ..arguments import ArgumentParser, add_dataclass_arguments, dataclass_values
 from ..atomic_files import saved_figure, write_json_atomic, write_text_atomic
 from ..paired_stats import describe_paired, paired_differences
 from .models import reset_mixing_random
@@ -32,21 +32,33 @@ from .polynomial_filter import ATTENTION_KINDS, FILTER_ORDER, FilterAttention, f
 # ---------------------------------------------------------------------------------------------------------------------
 
 
+# name -> (heads, pseudo-heads)
+MODELS = {"MHA H=2": (2, None), "MHA H=4": (4, None), "IHA H=2 P=2": (2, 2)}
+
+
 @dataclass
 class PolynomialConfig:
-    num_tokens: int = 6
-    feature_size: int = 3
-    head_dim: int = 12  # 2 N: room for a softmax IHA layer to set its four patterns independently
-    models: list[str] = field(default_factory=lambda: ["MHA H=2", "MHA H=4", "IHA H=2 P=2"])
-    attentions: list[str] = field(default_factory=lambda: list(ATTENTION_KINDS))
+    """The settings of the polynomial-filter experiment (each a flag of `python -m iha.synthetic.polynomial`)."""
+
+    num_tokens: int = field(default=6, metadata={"help": "tokens (graph nodes) per example"})
+    feature_size: int = field(default=3, metadata={"help": "features per token"})
+    # 2 N: room for a softmax IHA layer to set its four patterns independently.
+    head_dim: int = field(default=12, metadata={"help": "head dimension"})
+    models: list[str] = field(
+        default_factory=lambda: list(MODELS), metadata={"help": "models to train", "choices": list(MODELS)}
+    )
+    attentions: list[str] = field(
+        default_factory=lambda: list(ATTENTION_KINDS),
+        metadata={"help": "attention kinds", "choices": list(ATTENTION_KINDS)},
+    )
     # Six seeds: the fewest with which the exact sign-flip test can reach p < 0.05 (its floor is 2 / 2^n).
-    seeds: list[int] = field(default_factory=lambda: [0, 1, 2, 3, 4, 5])
-    steps: int = 10_000
-    batch_size: int = 64
-    learning_rate: float = 1e-2
-    eval_every: int = 50
-    num_eval: int = 512
-    graph_seed: int = 1234
+    seeds: list[int] = field(default_factory=lambda: [0, 1, 2, 3, 4, 5], metadata={"help": "one run per seed"})
+    steps: int = field(default=10_000, metadata={"help": "optimizer steps per run"})
+    batch_size: int = field(default=64, metadata={"help": "examples per step"})
+    learning_rate: float = field(default=1e-2, metadata={"help": "Adam learning rate"})
+    eval_every: int = field(default=50, metadata={"help": "steps between evaluations"})
+    num_eval: int = field(default=512, metadata={"help": "evaluation examples"})
+    graph_seed: int = field(default=1234, metadata={"help": "seed of the graph (the task)"})
 
     def __post_init__(self):
         unknown = [model for model in self.models if model not in MODELS]
@@ -57,10 +69,6 @@ class PolynomialConfig:
             raise ValueError(f"Unknown attention(s) {unknown}: choose from {list(ATTENTION_KINDS)}.")
         if self.steps < 1 or self.eval_every < 1 or not self.seeds:
             raise ValueError("`steps` and `eval_every` must be >= 1 and `seeds` non-empty.")
-
-
-# name -> (heads, pseudo-heads)
-MODELS = {"MHA H=2": (2, None), "MHA H=4": (4, None), "IHA H=2 P=2": (2, 2)}
 
 
 def task_adjacency(num_tokens: int, attention: str, seed: int) -> torch.Tensor:
@@ -284,11 +292,8 @@ def make_parser() -> argparse.ArgumentParser:
         description="Train MHA (2 and 4 heads) and IHA (2 heads, P = 2) on the order-4 polynomial filter "
         "[X, AX, A^2 X, A^3 X], linear and softmax attention; report.md/.json and error.png in OUTPUT_DIR.",
     )
-    defaults = PolynomialConfig()
-    parser.add_argument("--output-dir", default="runs/polynomial-filter")
-    parser.add_argument("--seeds", type=int, nargs="+", default=defaults.seeds)
-    parser.add_argument("--steps", type=int, default=defaults.steps)
-    parser.add_argument("--attentions", nargs="+", choices=ATTENTION_KINDS, default=defaults.attentions)
+    parser.add_argument("--output-dir", default="runs/polynomial-filter", help="writes report.md/.json, error.png")
+    add_dataclass_arguments(parser, PolynomialConfig, "settings")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
     return parser
 
@@ -298,7 +303,7 @@ def main(argv: list[str] | None = None) -> int:
     args = make_parser().parse_args(argv)
     if args.threads is not None:
         torch.set_num_threads(args.threads)
-    config = PolynomialConfig(seeds=args.seeds, steps=args.steps, attentions=args.attentions)
+    config = PolynomialConfig(**dataclass_values(args, PolynomialConfig))
     report = run_experiment(config, args.output_dir, command=" ".join(["python -m iha.synthetic.polynomial", *argv]))
     print(render_markdown(config, report["summary"], report["runs"], report["command"]))
     return 0
