@@ -25,8 +25,9 @@ DEMO_ARGS ?=
 demo: install
 	$(VENV)/bin/iha demo $(DEMO_ARGS)
 
+# One worker per core (at most 4: each holds torch and a few models); a file's tests stay in one worker, in order.
 test: install
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q --numprocesses auto --maxprocesses 4 --dist loadfile
 
 # Converted models on the oldest supported, a middle, the development and the newest transformers release, each in
 # an environment without iha (built once into ~/.cache/iha/transformers-matrix, then reused).

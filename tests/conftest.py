@@ -27,6 +27,11 @@ REPO_ROOT = TESTS_DIR.parent
 SHARED_DATA = Path(os.environ.get("IHA_SHARED_DATA") or REPO_ROOT.parent / "shared" / "data")
 sys.path.insert(0, str(TESTS_DIR))
 
+# Under pytest-xdist (`make test`) the workers share the cores: torch threads per worker, not per core each, so
+# that they do not oversubscribe them.
+if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])))
+
 import iha  # noqa: E402  (registers the Auto classes)
 from iha.arguments import option_spellings  # noqa: E402
 
