@@ -19,6 +19,7 @@ from iha import builtin
 
 sys.path.insert(0, str(REPO_ROOT / "scripts"))
 import gpu_check  # noqa: E402
+from gpu_check_results import StepFailed, read_junit  # noqa: E402
 from gpu_smollm2 import cut_gguf  # noqa: E402
 
 
@@ -96,13 +97,13 @@ def test_a_cuda_test_skipped_on_a_cuda_run_fails_the_step(tmp_path):
     report = junit_report(
         tmp_path / "junit.xml", "torch's flex attention has no backward on CPU; runs with --device cuda"
     )
-    on_cpu = gpu_check.read_junit(report, "cpu")
+    on_cpu = read_junit(report, "cpu")
     assert (on_cpu["passed"], on_cpu["skipped"]) == (1, 1)
     assert on_cpu["flex"] == {"test_flex_b": "skipped"}
-    with pytest.raises(gpu_check.StepFailed, match="1 CUDA test"):
-        gpu_check.read_junit(report, "cuda")
+    with pytest.raises(StepFailed, match="1 CUDA test"):
+        read_junit(report, "cuda")
     other = junit_report(tmp_path / "other.xml", "could not import 'flash_attn'")
-    assert gpu_check.read_junit(other, "cuda")["skipped"] == 1  # a package the machine lacks is reported, not failed
+    assert read_junit(other, "cuda")["skipped"] == 1  # a package the machine lacks is reported, not failed
 
 
 def test_a_step_past_its_limit_is_stopped_with_what_it_started(tmp_path):
