@@ -347,7 +347,7 @@ def test_flex_attention_with_a_sliding_window_matches_the_reference(precision):
     flex, sdpa = flex_and_sdpa_models("flat_causal", precision, **layout)
     input_ids, position_ids = packed_row(lengths, seed=7)
     with torch.no_grad():
-        logits = run_flex(flex, input_ids, position_ids, precision)
+        logits = run_flex(flex, input_ids, position_ids, precision).double()
         expected = reference_per_document(sdpa.double(), input_ids, lengths)
     precision.assert_close(logits, expected, rtol=1e-4, atol=1e-5)
 
