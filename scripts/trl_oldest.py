@@ -46,6 +46,9 @@ TESTS = [
     "tests/training/test_sft.py::test_lora_adapter_saves_mixing_reloads_and_merges",
     "tests/training/test_qlora.py::test_qlora_4bit_on_a_llama_converted_on_the_fly_saves_reloads_and_merges",
     "tests/training/test_dpo_grpo.py",
+    # iha-sft's command line: TRL's own dataclasses, parsed by TRL's parser.
+    "tests/commands/test_fast_help.py::test_sft_parses_trls_model_and_script_flags_as_trl_declares_them",
+    "tests/commands/test_fast_help.py::test_sft_command_line_accepts_trl_flags_and_checks_its_own",
 ]
 
 
