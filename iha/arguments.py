@@ -1,9 +1,9 @@
 """The one flag style of every `iha` command: `--snake_case`, also accepted as `--kebab-case`.
 
 `iha sft` takes transformers' and TRL's arguments through TRL's parser (an `HfArgumentParser`), which names every
-flag after its field (`--model_name_or_path`) and accepts the dashed spelling too (`--model-name-or-path`). The other commands
-build their parsers with `ArgumentParser` below, which does the same for every option however it is declared: both
-spellings parse, so scripts written with either keep working, and help lists each flag once, as `--snake_case`
+flag after its field (`--model_name_or_path`) and accepts the dashed spelling too (`--model-name-or-path`). The other
+commands build their parsers with `ArgumentParser` below, which does the same for every option however it is
+declared: both spellings parse, so scripts written with either keep working, and help lists each flag once, as `--snake_case`
 (`--num_pseudo_heads NUM_PSEUDO_HEADS`). Every parser answers `--version`.
 
 A command's settings dataclass becomes its flags in one way, `add_dataclass_arguments`, the way `HfArgumentParser`
@@ -175,11 +175,9 @@ def add_dataclass_arguments(
     presets = from_preset if isinstance(from_preset, Mapping) else {}
 
     def preset_values(name: str) -> str:
-        return (
-            (": " + ", ".join(f"{preset} {getattr(settings, name)}" for preset, settings in presets.items()))
-            if presets
-            else ""
-        )
+        if not presets:
+            return ""
+        return ": " + ", ".join(f"{preset} {getattr(settings, name)}" for preset, settings in presets.items())
 
     groups = {}
     for setting in dataclasses.fields(dataclass_type):

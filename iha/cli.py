@@ -26,8 +26,8 @@ from .convert.architectures import SUPPORTED_FAMILIES
 from .optional_packages import missing_package_message
 
 
-# name -> (module with `make_parser(prog)` and `main(argv, prog)`, one-line summary). A command imports what its work needs
-# when it runs.
+# name -> (module with `make_parser(prog)` and `main(argv, prog)`, one-line summary). A command imports what its
+# work needs when it runs.
 COMMANDS = {
     "demo": ("iha.demo", "convert, verify, fine-tune, evaluate and save SmolLM2-135M-Instruct as IHA (offline)"),
     "convert": ("iha.convert.cli", f"convert a {SUPPORTED_FAMILIES} checkpoint to IHA"),

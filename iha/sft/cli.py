@@ -33,6 +33,7 @@ from ..command_line import run_command
 from ..convert import ConversionError, IHAConversionOptions
 from .arguments import IHADataArguments, IHAModelArguments
 from .config import IHASFTConfig
+from .model import iha_lora_config
 
 
 if typing.TYPE_CHECKING:
@@ -45,18 +46,20 @@ DESCRIPTION = (
     "QLoRA. TRL's flags mean what they mean to `trl sft`; the package's own are --mixing_learning_rate, "
     "--mixing_weight_decay and the groups marked (iha) at the end."
 )
-# The parser's dataclasses, in the order `--help` lists them and `parse_args` returns them.
-ARGUMENT_DATACLASSES = (ModelConfig, IHAModelArguments, ScriptArguments, IHADataArguments, IHASFTConfig)
 
 
 class SFTArguments(typing.NamedTuple):
-    """A run's arguments, one per dataclass of `ARGUMENT_DATACLASSES`."""
+    """A run's arguments, one per dataclass of the parser, in the order `--help` lists them."""
 
     model: ModelConfig
     iha_model: IHAModelArguments
     script: ScriptArguments
     data: IHADataArguments
     training: IHASFTConfig
+
+
+# The parser's dataclasses: SFTArguments' field types, so the two cannot disagree on the order.
+ARGUMENT_DATACLASSES = tuple(typing.get_type_hints(SFTArguments).values())
 
 
 def is_config_file(argv: Sequence[str]) -> bool:
@@ -115,8 +118,6 @@ def parse_args(argv: Sequence[str] | None = None, prog: str = "iha-sft") -> SFTA
 def lora_config_from_flags(model: ModelConfig):
     """The LoRA config of TRL's LoRA flags, for IHA (`iha_lora_config`: the mixing trained in full, every projection
     adapted unless --lora_target_modules says otherwise)."""
-    from .model import iha_lora_config
-
     target_modules = model.lora_target_modules
     if isinstance(target_modules, str) and target_modules.isidentifier():
         # TRL turns a one-item list into a string (for "all-linear"), which PEFT would read as a regex of full names.

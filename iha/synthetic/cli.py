@@ -54,7 +54,8 @@ def make_parser(prog: str = "iha synthetic") -> argparse.ArgumentParser:
         nargs="+",
         default=None,
         metavar="TASK=SIZE",
-        help="matrix size per task: binary=6 (every example) or binary=6-10 (drawn per example) (default: the preset's)",
+        help="matrix size per task: binary=6 (every example) or binary=6-10 (drawn per example) "
+        "(default: the preset's)",
     )
     add_dataclass_arguments(settings, SyntheticConfig, from_preset=True, exclude=["m"])
     parser.add_argument(
