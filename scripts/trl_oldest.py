@@ -121,7 +121,18 @@ def training_environment(cache_dir: Path, python: Path, pins: list[str]) -> Path
             if item["metadata"]["name"] != "iha-transformers"  # imported from this checkout
         ]
         subprocess.run(
-            [str(python), "-m", "pip", "install", "--quiet", "--no-deps", "--target", str(staging / "site"), *packages],
+            [
+                str(python),
+                "-m",
+                "pip",
+                "install",
+                "--quiet",
+                "--no-deps",
+                "--no-compile",
+                "--target",
+                str(staging / "site"),
+                *packages,
+            ],
             check=True,
         )
         write_versions = staging / "site" / "training-oldest.json"

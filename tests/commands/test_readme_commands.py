@@ -77,6 +77,11 @@ TINY_SETTINGS = {
         str(SHARED_DATA / "gsm8k" / "train.jsonl"),
         "--test-data",
         str(SHARED_DATA / "gsm8k" / "test.jsonl"),
+        # One seed, one mixing learning rate: 2 trainings instead of 5 (tests/experiments/test_ab.py runs them all).
+        "--seeds",
+        "0",
+        "--mixing-learning-rates",
+        "1e-3",
     ],
 }
 # Commands the README marks as needing the Hub or GPUs: a distinctive part of the command -> why it is not run here.
