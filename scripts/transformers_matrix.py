@@ -36,7 +36,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, as_completed
 from pathlib import Path
 
 
@@ -218,6 +218,9 @@ def run_check(python: Path, site: str, arguments: list[str], threads: str | None
     if threads is not None:
         environment["OMP_NUM_THREADS"] = threads
     with tempfile.TemporaryDirectory() as empty:
+        # Its own copy of the folders' code files: transformers copies them into the modules cache without a lock,
+        # and checks running at the same time would write the same files.
+        environment["HF_MODULES_CACHE"] = str(Path(empty) / "modules")
         completed = subprocess.run(
             [str(python), str(CHECK_SCRIPT), *arguments],
             cwd=empty,
@@ -241,6 +244,23 @@ def package_import_error(python: Path, site: Path) -> str:
     )
     output = (completed.stdout + completed.stderr).strip().splitlines()
     return output[-1] if output else ""
+
+
+def log_release(release: str, result: dict) -> None:
+    """One line per continuous-batching folder and per model of a release's check, then its crash if any."""
+    for batched in result.get("continuous_batching", []):
+        log(
+            f"transformers {release}, {batched['folder']}, continuous batching: {batched['continuous_batching']} "
+            f"({'ok' if batched['passed'] else 'FAILED'}, {batched['seconds']} s)"
+        )
+    for model in result.get("models", []):
+        log(
+            f"transformers {release}, {Path(model['source']).name}: {'ok' if model['passed'] else 'FAILED'} "
+            f"(logits {model['logit_difference']:.1e}, dynamic {model['dynamic_cache']}, static "
+            f"{model['static_cache']}, no cache {model['no_cache']}, bf16 {bf16_cell(model)}, {model['seconds']} s)"
+        )
+    if "crash" in result:
+        log(f"transformers {release}: the check crashed:\n" + "\n".join(result["crash"]))
 
 
 def bf16_cell(model: dict) -> str:
@@ -341,31 +361,27 @@ def main(argv=None) -> int:
             results.append(result)
         arguments = ["check", *[str(path) for pair in pairs for path in pair], "--batch", *tiny_folders]
         sites = {release: transformers_environment(args.cache_dir, python, release) for release in args.releases}
-        # The releases are independent processes: run `--jobs` at a time, torch's threads shared out among them.
-        threads = str(max(1, (os.cpu_count() or 1) // args.jobs))
+        # The releases are independent processes: run `--jobs` at a time, this machine's cores shared out among them
+        # (other jobs running beside the matrix are not counted). A user's own OMP_NUM_THREADS is kept.
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+        threads = os.environ.get("OMP_NUM_THREADS") or str(max(1, cores // args.jobs))
+        site_paths = {release: f"{site}{os.pathsep}{psutil_site}" for release, site in sites.items()}
+        by_release = {}
         with ThreadPoolExecutor(max_workers=args.jobs) as pool:
             checks = {
-                release: pool.submit(run_check, python, f"{site}{os.pathsep}{psutil_site}", arguments, threads)
-                for release, site in sites.items()
+                pool.submit(run_check, python, site_paths[release], arguments, threads): release for release in sites
             }
-        for release, check in checks.items():
-            result = check.result()
-            result.setdefault("transformers", release)
-            for batched in result.get("continuous_batching", []):
-                log(
-                    f"transformers {release}, {batched['folder']}, continuous batching: {batched['continuous_batching']} "
-                    f"({'ok' if batched['passed'] else 'FAILED'}, {batched['seconds']} s)"
-                )
-            for model in result.get("models", []):
-                log(
-                    f"transformers {release}, {Path(model['source']).name}: {'ok' if model['passed'] else 'FAILED'} "
-                    f"(logits {model['logit_difference']:.1e}, dynamic {model['dynamic_cache']}, static "
-                    f"{model['static_cache']}, no cache {model['no_cache']}, bf16 {bf16_cell(model)}, "
-                    f"{model['seconds']} s)"
-                )
-            if "crash" in result:
-                log(f"transformers {release}: the check crashed:\n" + "\n".join(result["crash"]))
-            results.append(result)
+            log(f"checking {', '.join(sites)}, {args.jobs} at a time")
+            for check in as_completed(checks):
+                release = checks[check]
+                try:
+                    result = check.result()
+                except Exception as error:  # one release's failure must not lose the others' report
+                    result = {"passed": False, "crash": [repr(error)]}
+                result.setdefault("transformers", release)
+                log_release(release, result)
+                by_release[release] = result
+        results += [by_release[release] for release in sites]  # the report keeps the order of --releases
     finally:
         shutil.rmtree(work_dir, ignore_errors=True)
 

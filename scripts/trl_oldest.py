@@ -121,20 +121,10 @@ def training_environment(cache_dir: Path, python: Path, pins: list[str]) -> Path
             if item["metadata"]["name"] != "iha-transformers"  # imported from this checkout
         ]
         subprocess.run(
-            [
-                str(python),
-                "-m",
-                "pip",
-                "install",
-                "--quiet",
-                "--no-deps",
-                "--no-compile",
-                "--target",
-                str(staging / "site"),
-                *packages,
-            ],
+            [str(python), "-m", "pip", "install", "--quiet", "--no-deps", "--no-compile",
+             "--target", str(staging / "site"), *packages],
             check=True,
-        )
+        )  # fmt: skip
         write_versions = staging / "site" / "training-oldest.json"
         write_versions.write_text(json.dumps(sorted(packages), indent=1))
         (staging / "site" / ".complete").touch()
@@ -160,6 +150,9 @@ def main(argv=None) -> int:
         PYTHONNOUSERSITE="1",
         TOKENIZERS_PARALLELISM="false",
     )
+    # .ci/run runs this beside the matrix (two checks of one thread each): one thread here too, unless the caller
+    # chose a number.
+    environment.setdefault("OMP_NUM_THREADS", "1")
     log(f"running {len(TESTS)} test groups on {', '.join(pins)}")
     completed = subprocess.run(
         [str(python), "-m", "pytest", "-q", "-p", "no:cacheprovider", *TESTS, *args.pytest_args],

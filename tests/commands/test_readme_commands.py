@@ -6,10 +6,11 @@ what earlier ones wrote, as they would for a user who follows the README). Each 
 1. **run as written**, with three mechanical changes, all listed below:
    - `LOCAL_COPIES`: a Hub id is replaced by a local stand-in: GSM8K / MATH-500 by the benchmark files the tests
      read, SmolLM2-135M-Instruct by `tiny-smollm2`, a tiny random Llama with SmolLM2's tokenizer and chat template
-     (the same code paths in seconds; the real weights go through them in tests/conversion/test_convert_smollm2.py and test_demo.py);
+     (the same code paths in seconds; the real weights go through them in tests/conversion/test_convert_smollm2.py
+     and test_demo.py);
    - `PLACEHOLDERS`: a name the README uses for "your folder" (`CONVERTED_DIR`, `./my-llama`) becomes a real one;
    - `TINY_SETTINGS`: flags appended to make the run small (argparse and `HfArgumentParser` keep the last value of
-     a repeated flag, so these override the README's own values: fewer steps, rows, tokens, examples, epochs);
+     a repeated flag, so these override the README's own values: fewer steps, rows, tokens, examples, epochs, seeds);
 2. or, when the README marks it "needs the Hub" or "needs GPUs" (and `NOT_RUN` says why), **parsed** by the
    command's own argument parser: its arguments must be valid, nothing runs;
 3. or, for `make` and `pip install`, checked without building or downloading anything: `make -n TARGET` must work,
