@@ -28,8 +28,10 @@ demo: install
 	$(VENV)/bin/iha demo $(DEMO_ARGS)
 
 # One worker per core (at most 4: each holds torch and a few models); a file's tests stay in one worker, in order.
+# --no-loadscope-reorder: files in their collected order, so the slow ones (tests/commands/: notebooks, the GPU
+# check, the README) start first; xdist's default order, most tests first, left them to the end for one worker.
 test: install
-	$(PY) -m pytest -q --numprocesses auto --maxprocesses 4 --dist loadfile
+	$(PY) -m pytest -q --numprocesses auto --maxprocesses 4 --dist loadfile --no-loadscope-reorder
 
 # Converted models on the oldest supported, a middle, the development and the newest transformers release, each in
 # an environment without iha (built once into ~/.cache/iha/transformers-matrix, then reused).

@@ -64,7 +64,7 @@ extras["dev"] = sorted(
         DEVELOPMENT_TRANSFORMERS,
         *DEVELOPMENT_TRAINING_STACK,
         "pytest>=8",
-        "pytest-xdist>=3.5",  # `make test` runs the suite on every core (at most 4 workers)
+        "pytest-xdist>=3.8",  # `make test`: every core, at most 4 workers; 3.8 has --no-loadscope-reorder
         "ruff>=0.6",
         "nbclient>=0.10",
         "nbformat>=5.9",
