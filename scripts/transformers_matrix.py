@@ -210,13 +210,13 @@ def convert_sources(sources: list[Path], work_dir: Path) -> list[tuple[Path, Pat
 
 def run_check(python: Path, site: str, arguments: list[str], threads: str | None = None) -> dict:
     """Run the check script in the clean environment, from an empty folder (so `iha` cannot be imported), with
-    `threads` torch threads (torch's default where None)."""
+    `threads` torch threads unless the caller's OMP_NUM_THREADS says otherwise (torch's default where None)."""
     environment = {
         key: value for key, value in os.environ.items() if key not in ("PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV")
     }
     environment.update(PYTHONPATH=site, HF_HUB_OFFLINE="1", PYTHONNOUSERSITE="1", TOKENIZERS_PARALLELISM="false")
     if threads is not None:
-        environment["OMP_NUM_THREADS"] = threads
+        environment.setdefault("OMP_NUM_THREADS", threads)  # a user's own choice is kept
     with tempfile.TemporaryDirectory() as empty:
         # Its own copy of the folders' code files: transformers copies them into the modules cache without a lock,
         # and checks running at the same time would write the same files.
@@ -360,16 +360,17 @@ def main(argv=None) -> int:
             log(f"transformers {release}: {'refused clearly' if result['passed'] else 'FAILED'}: {result.get('error')}")
             results.append(result)
         arguments = ["check", *[str(path) for pair in pairs for path in pair], "--batch", *tiny_folders]
-        sites = {release: transformers_environment(args.cache_dir, python, release) for release in args.releases}
+        sites = {
+            release: f"{transformers_environment(args.cache_dir, python, release)}{os.pathsep}{psutil_site}"
+            for release in args.releases
+        }
         # The releases are independent processes: run `--jobs` at a time, this machine's cores shared out among them
-        # (other jobs running beside the matrix are not counted). A user's own OMP_NUM_THREADS is kept.
-        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-        threads = os.environ.get("OMP_NUM_THREADS") or str(max(1, cores // args.jobs))
-        site_paths = {release: f"{site}{os.pathsep}{psutil_site}" for release, site in sites.items()}
+        # (other jobs running beside the matrix are not counted).
+        threads = str(max(1, (os.cpu_count() or 1) // args.jobs))
         by_release = {}
         with ThreadPoolExecutor(max_workers=args.jobs) as pool:
             checks = {
-                pool.submit(run_check, python, site_paths[release], arguments, threads): release for release in sites
+                pool.submit(run_check, python, site, arguments, threads): release for release, site in sites.items()
             }
             log(f"checking {', '.join(sites)}, {args.jobs} at a time")
             for check in as_completed(checks):

@@ -150,7 +150,7 @@ def main(argv=None) -> int:
         PYTHONNOUSERSITE="1",
         TOKENIZERS_PARALLELISM="false",
     )
-    # .ci/run runs this beside the matrix (two checks of one thread each): one thread here too, unless the caller
+    # .ci/run runs this beside the matrix's checks, which share out the cores: one thread here, unless the caller
     # chose a number.
     environment.setdefault("OMP_NUM_THREADS", "1")
     log(f"running {len(TESTS)} test groups on {', '.join(pins)}")
