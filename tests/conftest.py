@@ -28,9 +28,14 @@ SHARED_DATA = Path(os.environ.get("IHA_SHARED_DATA") or REPO_ROOT.parent / "shar
 sys.path.insert(0, str(TESTS_DIR))
 
 # Under pytest-xdist (`make test`) the workers share the cores: torch threads per worker, not per core each, so
-# that they do not oversubscribe them.
+# that they do not oversubscribe them. The processes the tests start (commands, notebook kernels, remote-code loads)
+# inherit the same share through OMP_NUM_THREADS: a child with a thread per core beside a busy worker leaves its
+# OpenMP threads spin-waiting for a core (a 2-worker run here: the remote-code SmolLM2 test 30 s -> 19 s, flex
+# attention 36 s -> 19 s, the run's CPU time 119 s -> 93 s). A share set by the caller is kept.
 if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])))
+    workers = int(os.environ["PYTEST_XDIST_WORKER_COUNT"])
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // workers)))
+    torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 import iha  # noqa: E402  (registers the Auto classes)
 from iha.arguments import option_spellings  # noqa: E402
