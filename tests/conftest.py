@@ -34,7 +34,8 @@ sys.path.insert(0, str(TESTS_DIR))
 # attention 36 s -> 19 s, the run's CPU time 119 s -> 93 s). A share set by the caller is kept.
 if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):
     workers = int(os.environ["PYTEST_XDIST_WORKER_COUNT"])
-    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // workers)))
+    if not os.environ.get("OMP_NUM_THREADS"):
+        os.environ["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // workers))
     torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 import iha  # noqa: E402  (registers the Auto classes)
