@@ -254,7 +254,7 @@ class Steps:
         rows = self.work / "gsm8k_openthoughts.jsonl"
         data = [self.python, "-m", "iha.cli", "data", "gsm8k-to-openthoughts", str(self.data("gsm8k", "train.jsonl"))]
         data += [str(rows), "--limit", "64"]
-        steps, length, batch = ("2", "256", "1") if self.quick else ("6", "1024", "4")
+        steps, length, batch = ("2", "512", "1") if self.quick else ("6", "1024", "4")
         sft = [self.python, "-m", "iha.cli", "sft", "--model_name_or_path", str(self.iha_dir)]
         sft += ["--dataset_name", str(rows), "--output_dir", str(self.work / "sft"), "--max_steps", steps]
         sft += ["--max_length", length, "--per_device_train_batch_size", batch, "--packing", "true", "--bf16", "true"]
