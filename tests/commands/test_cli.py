@@ -1,5 +1,6 @@
 """The `iha` dispatcher reaches every command."""
 
+import importlib.metadata
 import re
 import subprocess
 import sys
@@ -38,16 +39,37 @@ def test_every_command_has_help_under_its_own_name_with_each_flag_and_default_on
     assert not re.search(r"\(default:[^)]*\)\s*\(default:", page), "a default said twice"
 
 
-@pytest.mark.parametrize("script", ["iha", "iha-convert", "iha-sft", "iha-eval"])
-def test_every_console_script_answers_version(script):
+CONSOLE_SCRIPTS = {"iha": cli.main, "iha-convert": cli.convert, "iha-sft": cli.sft, "iha-eval": cli.evaluate}
+
+
+@pytest.mark.parametrize("script", sorted(CONSOLE_SCRIPTS))
+def test_every_console_script_answers_version_and_help(script, capsys, monkeypatch):
     from iha import __version__
 
-    executable = Path(sys.executable).parent / script
+    # The installed entry point is the function below (pip's wrapper calls it with sys.argv; it is run in its own
+    # process once, in the next test: each such process spends seconds importing torch, transformers and TRL).
+    (entry_point,) = [
+        point for point in importlib.metadata.entry_points(group="console_scripts") if point.name == script
+    ]
+    assert entry_point.load() is CONSOLE_SCRIPTS[script]
+    for flag, expected in (("--version", f"{script} {__version__} (transformers "), ("--help", f"usage: {script} ")):
+        monkeypatch.setattr(sys, "argv", [str(Path(sys.executable).parent / script), flag])
+        try:
+            status = CONSOLE_SCRIPTS[script]()
+        except SystemExit as exit:
+            status = exit.code
+        out = capsys.readouterr().out
+        assert status == 0
+        assert out.startswith("usage: iha COMMAND" if script == "iha" and flag == "--help" else expected), out[:200]
+
+
+def test_a_console_script_runs_in_its_own_process():
+    from iha import __version__
+
+    executable = Path(sys.executable).parent / "iha-convert"
     result = subprocess.run([str(executable), "--version"], capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-2000:]
-    assert result.stdout.startswith(f"{script} {__version__} (transformers "), result.stdout
-    help_text = subprocess.run([str(executable), "--help"], capture_output=True, text=True, timeout=300).stdout
-    assert help_text.startswith("usage: iha COMMAND" if script == "iha" else f"usage: {script} "), help_text[:200]
+    assert result.stdout.startswith(f"iha-convert {__version__} (transformers "), result.stdout
 
 
 def test_push_refuses_a_folder_that_is_not_iha(tmp_path, capsys):
