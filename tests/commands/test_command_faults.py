@@ -34,21 +34,25 @@ def problems_file(tmp_path_factory):
 DEMO_ARGS = ["--num-train", "8", "--num-eval", "2", "--max-steps", "1", "--max-new-tokens", "2", "--max-length", "256"]
 
 
-@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
-def test_interrupted_demo_leaves_nothing_and_keeps_an_old_folder(paused_command, tiny_llama_dir, tmp_path, signum):
+# Both signals reach the same handler (`iha.command_line.run_command`: SIGTERM is raised as KeyboardInterrupt), so
+# each signal is sent once, one to a demo writing a new folder, the other to one replacing an old folder.
+@pytest.mark.parametrize("signum, overwrite", [(signal.SIGINT, False), (signal.SIGTERM, True)])
+def test_interrupted_demo_leaves_nothing_and_keeps_an_old_folder(
+    paused_command, tiny_llama_dir, tmp_path, signum, overwrite
+):
     work = tmp_path / "work"
     (work / "old").mkdir(parents=True)
     (work / "old" / "notes.txt").write_text("mine")
-    for output, extra in ((work / "new" / "demo", []), (work / "old", ["--overwrite"])):
-        ready = tmp_path / f"ready-{output.name}"
-        argv = ["demo", "--model", str(tiny_llama_dir), "--output-dir", str(output), *DEMO_ARGS, *extra]
-        # Stopped before the first evaluation: the converted model is already written (in the staging folder).
-        process = paused_command(ready, "iha.demo:evaluate", 1, argv)
-        assert any(".iha-demo-" in name for name in listing(output.parent))
-        process.send_signal(signum)
-        out, err = finish(process)
-        last = assert_one_line_interruption(process, "iha demo", signum, out, err)
-        assert last.endswith(f"nothing was written to {output}")
+    output, extra = (work / "old", ["--overwrite"]) if overwrite else (work / "new" / "demo", [])
+    ready = tmp_path / "ready"
+    argv = ["demo", "--model", str(tiny_llama_dir), "--output-dir", str(output), *DEMO_ARGS, *extra]
+    # Stopped before the first evaluation: the converted model is already written (in the staging folder).
+    process = paused_command(ready, "iha.demo:evaluate", 1, argv)
+    assert any(".iha-demo-" in name for name in listing(output.parent))
+    process.send_signal(signum)
+    out, err = finish(process)
+    last = assert_one_line_interruption(process, "iha demo", signum, out, err)
+    assert last.endswith(f"nothing was written to {output}")
     assert listing(work) == ["old"] and listing(work / "old") == ["notes.txt"]
 
 
