@@ -12,7 +12,9 @@ what earlier ones wrote, as they would for a user who follows the README). Each 
    - `TINY_SETTINGS`: flags appended to make the run small (argparse and `HfArgumentParser` keep the last value of
      a repeated flag, so these override the README's own values: fewer steps, rows, tokens, examples, epochs, seeds);
 2. or, when the README marks it "needs the Hub" or "needs GPUs" (and `NOT_RUN` says why), **parsed** by the
-   command's own argument parser: its arguments must be valid, nothing runs;
+   command's own argument parser: its arguments must be valid, nothing runs; so is a command whose tiny run would
+   repeat one that runs elsewhere (`RUN_ELSEWHERE` says where: once shrunk, every `iha synthetic` preset is the tiny
+   one, which the README's own `--preset tiny` command runs);
 3. or, for `make` and `pip install`, checked without building or downloading anything: `make -n TARGET` must work,
    and the versions `pip install` pins must be the ones installed;
 4. or, for a server (`iha serve`), started in the background on a free port instead of the README's, kept running
@@ -69,21 +71,6 @@ TINY_SETTINGS = {
     ("iha-eval", "needle"): ["--num-examples", "1", "--lengths", "256", "--max-new-tokens", "8"],
     ("iha", "synthetic"): ["--preset", "tiny", "--tasks", "binary", "--max-epochs", "1", "--num-train", "128"],
     ("python", "-m iha.synthetic.polynomial"): ["--steps", "100", "--seeds", "0", "1", "--attentions", "linear"],
-    ("iha", "ab"): [
-        "--preset",
-        "tiny",
-        "--model",
-        "tiny-smollm2",
-        "--train-data",
-        str(SHARED_DATA / "gsm8k" / "train.jsonl"),
-        "--test-data",
-        str(SHARED_DATA / "gsm8k" / "test.jsonl"),
-        # One seed, one mixing learning rate: 2 trainings instead of 5 (tests/experiments/test_ab.py runs them all).
-        "--seeds",
-        "0",
-        "--mixing-learning-rates",
-        "1e-3",
-    ],
 }
 # Commands the README marks as needing the Hub or GPUs: a distinctive part of the command -> why it is not run here.
 NOT_RUN = {
@@ -92,6 +79,12 @@ NOT_RUN = {
     "examples/accelerate/fsdp.yaml": "the GPU configuration as shipped (8 processes, bf16); its CPU run is run",
     "iha ab --preset gpu": "the gpu preset trains on all of GSM8K on a CUDA device (tests/experiments/test_ab.py runs the tiny one)",
     "lm_eval --model hf": "the lm-eval gsm8k task downloads GSM8K (tests/evaluation/test_lm_eval.py runs lm_eval offline)",
+}
+# Commands that, given their tiny settings, would only repeat a run made elsewhere: a start of the command -> where
+# that run is made. They are parsed instead (the presets' own settings are what a user's run takes; none is tiny).
+RUN_ELSEWHERE = {
+    "iha synthetic": "shrunk to the tiny preset, as the README's `iha synthetic --preset tiny` command runs it",
+    "iha ab --preset cpu": "shrunk to the tiny preset, which tests/experiments/test_ab.py runs whole",
 }
 MARKER = re.compile(r"#.*needs (the Hub|GPUs)")
 # The port the README's server commands use, replaced by a free one; how long a server may take to answer /health.
@@ -228,6 +221,10 @@ def parse_only(program: str, arguments: list[str]) -> None:
         from iha.ab.cli import make_parser
 
         make_parser().parse_args(arguments[1:])
+    elif program == "iha" and arguments[:1] == ["synthetic"]:
+        from iha.synthetic.cli import make_parser
+
+        make_parser().parse_args(arguments[1:])
     elif program == "lm_eval":
         from lm_eval._cli import HarnessCLI
 
@@ -260,6 +257,18 @@ def check_without_running(program: str, arguments: list[str]) -> None:
             assert extras <= provided, (extras, provided)
 
 
+def run_elsewhere(command: str) -> str | None:
+    """Where the run this command's tiny run would repeat is made (`RUN_ELSEWHERE`), or None."""
+    if "--preset tiny" in command:
+        return None
+    return next((where for start, where in RUN_ELSEWHERE.items() if command.startswith(start)), None)
+
+
+def test_every_command_run_elsewhere_is_in_the_readme():
+    for start in RUN_ELSEWHERE:
+        assert any(command.startswith(start) and run_elsewhere(command) for command, _ in COMMANDS), start
+
+
 def test_every_marked_command_is_listed_with_its_reason():
     marked = [command for command, marker in COMMANDS if marker]
     listed = {key: [command for command in marked if key in command] for key in NOT_RUN}
@@ -284,7 +293,7 @@ def test_readme_command(command, marker, scratch, servers):
     if program != "python" and program not in CONSOLE_SCRIPTS:
         pytest.fail(f"README command with an unknown program {program!r}: {command}")
     arguments = substitute(arguments, program)
-    if marker:
+    if marker or run_elsewhere(command):
         parse_only(program, arguments)
         return
     if program == "iha" and arguments[:1] == ["serve"]:
