@@ -62,6 +62,7 @@ _EXPORTS = {
     "evaluate": "train",
     "masked_loss": "train",
     "run_comparison": "train",
+    "runs_in_progress": "train",
     "train_one": "train",
 }
 

@@ -78,8 +78,9 @@ def make_parser(prog: str = "iha synthetic") -> argparse.ArgumentParser:
     parser.add_argument(
         "--report",
         action="store_true",
-        help="no training: write seeds.md/.json/.png in OUTPUT_DIR from the runs the same command (same preset "
-        "and settings) has finished so far, finished or not; the unfinished runs are named as such",
+        help="no training: write seeds.md/.json/.png and curves.png in OUTPUT_DIR from the runs the same command "
+        "(same preset and settings) has finished so far; the unfinished runs are named as such, and the ones in "
+        "progress shown as far as they got",
     )
     parser.add_argument(
         "--fresh",
@@ -134,11 +135,14 @@ def _run(args: argparse.Namespace) -> int:
         raise SystemExit(f"--seeds must be distinct, got {seeds}.")
     output_dir = Path(args.output_dir)
     if args.report:
-        results_per_seed = [
-            _finished_so_far(replace(config, seed=seed), output_dir if len(seeds) == 1 else output_dir / f"seed-{seed}")
-            for seed in seeds
-        ]
-        paths = write_seed_summary(results_per_seed, output_dir)
+        from .train import runs_in_progress
+
+        results_per_seed, in_progress = [], []
+        for seed in seeds:
+            seed_dir = output_dir if len(seeds) == 1 else output_dir / f"seed-{seed}"
+            results_per_seed.append(_finished_so_far(replace(config, seed=seed), seed_dir))
+            in_progress += runs_in_progress(replace(config, seed=seed), seed_dir / "results.partial.json")
+        paths = write_seed_summary(results_per_seed, output_dir, in_progress)
         print(paths["table"].read_text(encoding="utf-8"))
         print("wrote " + ", ".join(str(path) for path in paths.values()))
         return 0

@@ -1,4 +1,5 @@
-"""The pictures of finished comparisons: accuracy per model and m, and the spread over seeds."""
+"""The pictures of comparisons: accuracy per model and m, the spread over seeds, and the learning curves of every
+run (finished or in progress)."""
 
 from __future__ import annotations
 
@@ -125,4 +126,38 @@ def plot_seed_summary(summary: dict, path: str | os.PathLike) -> Path:
             size_axis.set_title(f"{task}: test accuracy against m", fontsize=10)
             size_axis.legend(fontsize=7)
             size_axis.grid(alpha=0.3)
+    return Path(path)
+
+
+def plot_learning_curves(results_per_seed: list[dict], in_progress: list[dict], path: str | os.PathLike) -> Path:
+    """Validation error per epoch (log scale), one panel per task and seed: every model's validation-selected run
+    (solid) and every run still training (dashed, its last epoch marked), so an unfinished run reads against the
+    finished ones at equal epochs."""
+    config = results_per_seed[0]["config"]
+    tasks, models = config["tasks"], model_names(config)
+    colors = {model: f"C{index}" for index, model in enumerate(models)}  # matplotlib's default color cycle
+    grid = dict(nrows=len(tasks), ncols=len(results_per_seed), squeeze=False, sharey="row")
+    size = (4.5 * len(results_per_seed), 3.6 * len(tasks))
+    with saved_figure(path, dpi=110, figsize=size, **grid) as (_, axes):
+        for row, task in enumerate(tasks):
+            for column, results in enumerate(results_per_seed):
+                axis, seed = axes[row][column], results["config"]["seed"]
+                for (run_task, model), run in best_runs(results).items():
+                    if run_task == task:
+                        epochs = [point["epoch"] for point in run["history"]]
+                        errors = [100 * (1 - point["val_accuracy"]) for point in run["history"]]
+                        axis.plot(epochs, errors, "-", color=colors[model], label=model)
+                for run in in_progress:
+                    if run["task"] == task and run["seed"] == seed:
+                        epochs = [point["epoch"] for point in run["history"]]
+                        errors = [100 * (1 - point["val_accuracy"]) for point in run["history"]]
+                        label = f"{run['model']} (in progress)"
+                        axis.plot(epochs, errors, "--", color=colors[run["model"]], label=label)
+                        axis.plot(epochs[-1:], errors[-1:], "o", color=colors[run["model"]])
+                axis.set_yscale("log")
+                axis.set_xlabel("epoch")
+                axis.set_ylabel("validation error (%, log)")
+                axis.set_title(f"{task}, m = {describe_m(config['m'][task])}, seed {seed}", fontsize=10)
+                axis.grid(alpha=0.3, which="both")
+                axis.legend(fontsize=7)
     return Path(path)

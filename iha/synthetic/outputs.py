@@ -6,17 +6,22 @@ import os
 from pathlib import Path
 
 from ..atomic_files import write_json_atomic, write_text_atomic
-from .figures import plot_results, plot_seed_summary
+from .figures import plot_learning_curves, plot_results, plot_seed_summary
 from .report import results_table, seed_summary
 
 
-def write_seed_summary(results_per_seed: list[dict], output_dir: str | os.PathLike) -> dict[str, Path]:
-    """seeds.md (the table), seeds.json and seeds.png in `output_dir`."""
+def write_seed_summary(
+    results_per_seed: list[dict], output_dir: str | os.PathLike, in_progress: list[dict] | None = None
+) -> dict[str, Path]:
+    """seeds.md (the table), seeds.json, seeds.png and curves.png (validation per epoch) in `output_dir`; with
+    `in_progress` (`train.runs_in_progress`), the unfinished runs as far as they got, in seeds.md and curves.png."""
     output_dir = Path(output_dir)
-    table, summary = seed_summary(results_per_seed)
+    table, summary = seed_summary(results_per_seed, in_progress)
     paths = {"table": output_dir / "seeds.md", "json": output_dir / "seeds.json", "plot": output_dir / "seeds.png"}
     write_text_atomic(table + "\n", paths["table"])
     write_json_atomic(summary, paths["json"])
+    if any(results["runs"] for results in results_per_seed) or in_progress:
+        paths["curves"] = plot_learning_curves(results_per_seed, in_progress or [], output_dir / "curves.png")
     if summary:
         plot_seed_summary(summary, paths["plot"])
     else:  # nothing finished yet: no picture (and none left from an earlier call that would disagree with the table)

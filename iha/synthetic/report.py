@@ -180,11 +180,66 @@ def unfinished_runs(results_per_seed: list[dict]) -> list[tuple[str, str, list[i
     return unfinished
 
 
-def seed_summary(results_per_seed: list[dict]) -> tuple[str, dict]:
+def _best_by_epoch(history: list[dict], epoch: int) -> float:
+    """The best validation accuracy (%) of a run's first `epoch` epochs."""
+    return 100 * max(point["val_accuracy"] for point in history if point["epoch"] <= epoch)
+
+
+def progress_lines(results_per_seed: list[dict], in_progress: list[dict]) -> list[str]:
+    """Markdown for the runs still training (`train.runs_in_progress`): how far each got, and, beside it, what the
+    finished runs of the same seed and task had reached by the same epoch (validation accuracy: the only measure an
+    unfinished run has)."""
+    if not in_progress:
+        return []
+    config = results_per_seed[0]["config"]
+    finished_by_seed = {results["config"]["seed"]: results["runs"] for results in results_per_seed}
+    finished_models = [
+        model
+        for model in model_names(config)
+        if any(run["model"] == model for runs in finished_by_seed.values() for run in runs)
+    ]
+    header = ["Task", "Model", "seed", "epochs run", "best val acc (epoch)", "epochs without a gain"]
+    header += [f"{model} by that epoch" for model in finished_models]
+    lines = [
+        "",
+        f"**Runs in progress** (not in the tables above): how far each got, out of at most {config['max_epochs']} "
+        f"epochs with patience {config['patience']}; validation accuracy (%), the best of the epochs run so far. "
+        "Beside it, the best validation accuracy the finished runs of the same seed had reached by the same epoch "
+        "(the run stopped earlier: its best, and where it stopped).",
+        "",
+        "| " + " | ".join(header) + " |",
+        "|---|---|---:|---:|---:|---:|" + "---:|" * len(finished_models),
+    ]
+    for run in sorted(in_progress, key=lambda run: (run["task"], run["model"], run["seed"])):
+        epoch = run["epochs_run"]
+        row = [run["task"], run["model"], str(run["seed"]), str(epoch)]
+        row += [f"{100 * run['val_accuracy']:.2f} ({run['best_epoch']})", str(run["epochs_without_gain"])]
+        for model in finished_models:
+            matching = [
+                finished
+                for finished in finished_by_seed.get(run["seed"], [])
+                if finished["task"] == run["task"]
+                and finished["model"] == model
+                and finished["learning_rate"] == run["learning_rate"]
+            ]
+            if not matching:
+                row.append("–")
+                continue
+            history = matching[0]["history"]
+            cell = f"{_best_by_epoch(history, epoch):.2f}"
+            if len(history) < epoch:
+                cell += f" (stopped at {len(history)})"
+            row.append(cell)
+        lines.append("| " + " | ".join(row) + " |")
+    return lines
+
+
+def seed_summary(results_per_seed: list[dict], in_progress: list[dict] | None = None) -> tuple[str, dict]:
     """Test accuracy over several seeds: mean ± std per task, model and learning rate, for the validation-selected
     learning rate (with every seed's value and the gap to each baseline), and per m; a markdown table and its numbers.
 
-    Every element of `results_per_seed` is the output of one `run_comparison` (same tasks and models, another seed).
+    Every element of `results_per_seed` is the output of one `run_comparison` (same tasks and models, another seed);
+    `in_progress` (`train.runs_in_progress`) adds a table of the unfinished runs, as far as they got.
     """
     if not results_per_seed:
         raise ValueError("No results to summarise.")
@@ -288,13 +343,22 @@ def seed_summary(results_per_seed: list[dict]) -> tuple[str, dict]:
             lines.append("| " + " | ".join([model, *cells]) + " |")
         lines.append("")
     lines.append(_stopping_line([run for results in results_per_seed for run in results["runs"]]))
+    lines += progress_lines(results_per_seed, in_progress or [])
     unfinished = unfinished_runs(results_per_seed)
     if unfinished:
         total = len(first["tasks"]) * len(models) * len(seeds)
         finished = total - sum(len(missing) for _, _, missing in unfinished)
+        running = {(run["task"], run["model"], run["seed"]) for run in in_progress or []}
+
+        def missing_seeds(task: str, model: str, missing: list[int]) -> str:
+            text = f"seed{'s' if len(missing) > 1 else ''} {', '.join(map(str, missing))}"
+            training = [str(seed) for seed in missing if (task, model, seed) in running]
+            if training:
+                text += f"; seed{'s' if len(training) > 1 else ''} {', '.join(training)} in progress, below"
+            return text
+
         missing_text = "; ".join(
-            f"{task} {model} (seed{'s' if len(missing) > 1 else ''} {', '.join(map(str, missing))})"
-            for task, model, missing in unfinished
+            f"{task} {model} ({missing_seeds(task, model, missing)})" for task, model, missing in unfinished
         )
         lines = [
             f"**Partial results: {finished} of {total} runs finished.** Not finished, so not in the tables: "

@@ -247,6 +247,38 @@ def epoch_states(checkpoint: Path) -> list[Path]:
     return sorted((checkpoint.parent / ".epochs").glob(f"{checkpoint.stem}.*.pt"))
 
 
+def runs_in_progress(config: SyntheticConfig, checkpoint: Path) -> list[dict]:
+    """The runs of `config` that are being trained (or were left unfinished) beside `checkpoint`, as far as they got:
+    each one's epoch state (`epoch_state_path`) read back without its weights: task, model, learning rate, seed,
+    epochs run, the best validation accuracy and its epoch, epochs since a gain, seconds and the per-epoch history."""
+    progress = []
+    for task in config.tasks:
+        for name, _, _ in model_variants(config):
+            for learning_rate in config.learning_rates:
+                path = epoch_state_path(checkpoint, (task, name, learning_rate))
+                if not path.is_file():
+                    continue
+                # States are replaced atomically (`save_epoch_state`): a file read while its run trains is whole.
+                state = torch.load(path, map_location="cpu", weights_only=True)
+                if state.get("config", config_as_saved(config)) != config_as_saved(config):
+                    raise ValueError(f"{path} holds an unfinished run of another configuration.")
+                progress.append(
+                    {
+                        "task": task,
+                        "model": name,
+                        "learning_rate": learning_rate,
+                        "seed": config.seed,
+                        "epochs_run": len(state["history"]),
+                        "best_epoch": state["best_epoch"],
+                        "val_accuracy": state["best_accuracy"],
+                        "epochs_without_gain": state["epochs_without_gain"],
+                        "train_seconds": state["seconds"],
+                        "history": state["history"],
+                    }
+                )
+    return progress
+
+
 def lock_path(checkpoint: Path, name: str) -> Path:
     """A lock file beside `checkpoint`, in a hidden `.locks` folder (the files stay; they are empty)."""
     return checkpoint.parent / ".locks" / f"{checkpoint.name}.{name}.lock"

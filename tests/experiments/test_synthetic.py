@@ -22,6 +22,7 @@ from iha.synthetic import (
     run_comparison,
     valid_positions,
     write_outputs,
+    write_seed_summary,
 )
 from iha.synthetic.cli import main
 
@@ -288,6 +289,19 @@ def test_a_run_interrupted_between_epochs_continues_to_the_result_of_an_uninterr
     state_file = synthetic_training.epoch_state_path(checkpoint, ("binary", "MHA", config.learning_rates[0]))
     assert len(torch.load(state_file, weights_only=False)["history"]) == 2
     monkeypatch.setattr(synthetic_training, "evaluate", real_evaluate)
+    # The report shows the unfinished run as far as it got, beside a finished run of the same seed at the same epoch
+    # (here the uninterrupted run itself: by epoch 2 it had what the interrupted one has).
+    (in_progress,) = synthetic_training.runs_in_progress(config, checkpoint)
+    assert (in_progress["model"], in_progress["epochs_run"], in_progress["seed"]) == ("MHA", 2, config.seed)
+    assert in_progress["history"] == uninterrupted["history"][:2]
+    best = max(point["val_accuracy"] for point in uninterrupted["history"][:2])
+    assert in_progress["val_accuracy"] == best
+    finished = {"config": synthetic_training.config_as_saved(config), "runs": [uninterrupted]}
+    paths = write_seed_summary([finished], tmp_path / "report", [in_progress])
+    table = paths["table"].read_text()
+    row = f"| binary | MHA | {config.seed} | 2 | {100 * best:.2f} ({in_progress['best_epoch']}) |"
+    assert "**Runs in progress**" in table and row in table and table.rstrip().endswith(f"| {100 * best:.2f} |")
+    assert paths["curves"].is_file()
     # Another configuration in the same folder does not continue this run's state.
     with pytest.raises(ValueError, match="unfinished run of another configuration"):
         run_comparison(replace(config, patience=9), progress=False, checkpoint=checkpoint)
