@@ -129,12 +129,25 @@ def plot_seed_summary(summary: dict, path: str | os.PathLike) -> Path:
     return Path(path)
 
 
+# Validation error drawn for an epoch with none, on the log axis of `plot_learning_curves` (it has no 0).
+ZERO_ERROR_DRAWN_AT = 1e-3
+
+
+def _error_curve(history: list[dict]) -> tuple[list[int], list[float]]:
+    """Epochs and validation error (%) of a run's history, a perfect epoch drawn at `ZERO_ERROR_DRAWN_AT`."""
+    epochs = [point["epoch"] for point in history]
+    return epochs, [max(100 * (1 - point["val_accuracy"]), ZERO_ERROR_DRAWN_AT) for point in history]
+
+
 def plot_learning_curves(results_per_seed: list[dict], in_progress: list[dict], path: str | os.PathLike) -> Path:
     """Validation error per epoch (log scale), one panel per task and seed: every model's validation-selected run
     (solid) and every run still training (dashed, its last epoch marked), so an unfinished run reads against the
     finished ones at equal epochs."""
+    from matplotlib.ticker import MaxNLocator
+
     config = results_per_seed[0]["config"]
     tasks, models = config["tasks"], model_names(config)
+    several_rates = len(config["learning_rates"]) > 1
     colors = {model: f"C{index}" for index, model in enumerate(models)}  # matplotlib's default color cycle
     grid = dict(nrows=len(tasks), ncols=len(results_per_seed), squeeze=False, sharey="row")
     size = (4.5 * len(results_per_seed), 3.6 * len(tasks))
@@ -144,20 +157,22 @@ def plot_learning_curves(results_per_seed: list[dict], in_progress: list[dict], 
                 axis, seed = axes[row][column], results["config"]["seed"]
                 for (run_task, model), run in best_runs(results).items():
                     if run_task == task:
-                        epochs = [point["epoch"] for point in run["history"]]
-                        errors = [100 * (1 - point["val_accuracy"]) for point in run["history"]]
-                        axis.plot(epochs, errors, "-", color=colors[model], label=model)
+                        label = f"{model}, lr {run['learning_rate']:g}" if several_rates else model
+                        axis.plot(*_error_curve(run["history"]), "-", color=colors[model], label=label)
                 for run in in_progress:
                     if run["task"] == task and run["seed"] == seed:
-                        epochs = [point["epoch"] for point in run["history"]]
-                        errors = [100 * (1 - point["val_accuracy"]) for point in run["history"]]
-                        label = f"{run['model']} (in progress)"
-                        axis.plot(epochs, errors, "--", color=colors[run["model"]], label=label)
+                        epochs, errors = _error_curve(run["history"])
+                        label = run["model"] + (f", lr {run['learning_rate']:g}" if several_rates else "")
+                        axis.plot(epochs, errors, "--", color=colors[run["model"]], label=f"{label} (in progress)")
                         axis.plot(epochs[-1:], errors[-1:], "o", color=colors[run["model"]])
-                axis.set_yscale("log")
-                axis.set_xlabel("epoch")
-                axis.set_ylabel("validation error (%, log)")
                 axis.set_title(f"{task}, m = {describe_m(config['m'][task])}, seed {seed}", fontsize=10)
+                axis.set_xlabel("epoch")
+                axis.xaxis.set_major_locator(MaxNLocator(integer=True))
+                if not axis.get_legend_handles_labels()[0]:
+                    axis.text(0.5, 0.5, "no epoch run yet", ha="center", va="center", transform=axis.transAxes)
+                    continue
+                axis.set_yscale("log")
+                axis.set_ylabel(f"validation error (%, log; none drawn at {ZERO_ERROR_DRAWN_AT:g})")
                 axis.grid(alpha=0.3, which="both")
                 axis.legend(fontsize=7)
     return Path(path)

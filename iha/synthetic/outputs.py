@@ -1,4 +1,5 @@
-"""The files of a comparison: results.json / .md and accuracy.png of one seed, seeds.md / .json / .png over seeds."""
+"""The files of a comparison: results.json / .md and accuracy.png of one seed, seeds.md / .json / .png over seeds
+(and curves.png for a report of runs in progress)."""
 
 from __future__ import annotations
 
@@ -13,20 +14,26 @@ from .report import results_table, seed_summary
 def write_seed_summary(
     results_per_seed: list[dict], output_dir: str | os.PathLike, in_progress: list[dict] | None = None
 ) -> dict[str, Path]:
-    """seeds.md (the table), seeds.json, seeds.png and curves.png (validation per epoch) in `output_dir`; with
-    `in_progress` (`train.runs_in_progress`), the unfinished runs as far as they got, in seeds.md and curves.png."""
+    """seeds.md (the table), seeds.json and seeds.png in `output_dir`. With `in_progress` (`train.runs_in_progress`,
+    what `iha synthetic --report` passes), the runs still training as far as they got, in seeds.md, and curves.png:
+    validation error per epoch of every run, finished or not."""
     output_dir = Path(output_dir)
     table, summary = seed_summary(results_per_seed, in_progress)
     paths = {"table": output_dir / "seeds.md", "json": output_dir / "seeds.json", "plot": output_dir / "seeds.png"}
     write_text_atomic(table + "\n", paths["table"])
     write_json_atomic(summary, paths["json"])
-    if any(results["runs"] for results in results_per_seed) or in_progress:
-        paths["curves"] = plot_learning_curves(results_per_seed, in_progress or [], output_dir / "curves.png")
+    # Nothing to draw: no picture, and none left from an earlier call that would disagree with the table.
     if summary:
         plot_seed_summary(summary, paths["plot"])
-    else:  # nothing finished yet: no picture (and none left from an earlier call that would disagree with the table)
+    else:
         paths["plot"].unlink(missing_ok=True)
         del paths["plot"]
+    if in_progress is not None:
+        curves = output_dir / "curves.png"
+        if in_progress or any(results["runs"] for results in results_per_seed):
+            paths["curves"] = plot_learning_curves(results_per_seed, in_progress, curves)
+        else:
+            curves.unlink(missing_ok=True)
     return paths
 
 

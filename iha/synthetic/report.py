@@ -185,42 +185,53 @@ def _best_by_epoch(history: list[dict], epoch: int) -> float:
     return 100 * max(point["val_accuracy"] for point in history if point["epoch"] <= epoch)
 
 
-def progress_lines(results_per_seed: list[dict], in_progress: list[dict]) -> list[str]:
-    """Markdown for the runs still training (`train.runs_in_progress`): how far each got, and, beside it, what the
-    finished runs of the same seed and task had reached by the same epoch (validation accuracy: the only measure an
-    unfinished run has)."""
+def _in_progress_order(config: dict, run: dict) -> tuple:
+    """Tasks, models and learning rates in the comparison's own order, then seeds."""
+    return (
+        config["tasks"].index(run["task"]),
+        model_names(config).index(run["model"]),
+        config["learning_rates"].index(run["learning_rate"]),
+        run["seed"],
+    )
+
+
+def _in_progress_lines(results_per_seed: list[dict], in_progress: list[dict]) -> list[str]:
+    """Markdown for the runs still training (`train.runs_in_progress`): how far each got and, beside it, what the
+    finished runs of the same seed, task and learning rate had reached by the same epoch (validation accuracy: the
+    only measure an unfinished run has)."""
     if not in_progress:
         return []
     config = results_per_seed[0]["config"]
+    several_rates = len(config["learning_rates"]) > 1
     finished_by_seed = {results["config"]["seed"]: results["runs"] for results in results_per_seed}
     finished_models = [
         model
         for model in model_names(config)
         if any(run["model"] == model for runs in finished_by_seed.values() for run in runs)
     ]
-    header = ["Task", "Model", "seed", "epochs run", "best val acc (epoch)", "epochs without a gain"]
-    header += [f"{model} by that epoch" for model in finished_models]
-    lines = [
-        "",
+    header = ["Task", "Model", *(["lr"] if several_rates else []), "seed", "epochs run", "best val acc (epoch)"]
+    header += ["epochs without a gain", *[f"{model} by that epoch" for model in finished_models]]
+    text = (
         f"**Runs in progress** (not in the tables above): how far each got, out of at most {config['max_epochs']} "
-        f"epochs with patience {config['patience']}; validation accuracy (%), the best of the epochs run so far. "
-        "Beside it, the best validation accuracy the finished runs of the same seed had reached by the same epoch "
-        "(the run stopped earlier: its best, and where it stopped).",
-        "",
-        "| " + " | ".join(header) + " |",
-        "|---|---|---:|---:|---:|---:|" + "---:|" * len(finished_models),
-    ]
-    for run in sorted(in_progress, key=lambda run: (run["task"], run["model"], run["seed"])):
+        f"epochs with patience {config['patience']}; validation accuracy (%), the best of the epochs run so far."
+    )
+    if finished_models:
+        text += (
+            " Beside it, the best validation accuracy the finished runs of the same seed and learning rate had reached "
+            "by the same epoch (a run that stopped earlier: its best, and the epoch it stopped at)."
+        )
+    lines = ["", text, "", "| " + " | ".join(header) + " |", "|---|---|" + "---:|" * (len(header) - 2)]
+    for run in sorted(in_progress, key=lambda run: _in_progress_order(config, run)):
         epoch = run["epochs_run"]
-        row = [run["task"], run["model"], str(run["seed"]), str(epoch)]
-        row += [f"{100 * run['val_accuracy']:.2f} ({run['best_epoch']})", str(run["epochs_without_gain"])]
+        row = [run["task"], run["model"], *([f"{run['learning_rate']:g}"] if several_rates else [])]
+        row += [str(run["seed"]), str(epoch), f"{100 * run['val_accuracy']:.2f} ({run['best_epoch']})"]
+        row.append(str(run["epochs_without_gain"]))
         for model in finished_models:
             matching = [
                 finished
                 for finished in finished_by_seed.get(run["seed"], [])
-                if finished["task"] == run["task"]
-                and finished["model"] == model
-                and finished["learning_rate"] == run["learning_rate"]
+                if (finished["task"], finished["model"], finished["learning_rate"])
+                == (run["task"], model, run["learning_rate"])
             ]
             if not matching:
                 row.append("–")
@@ -232,6 +243,19 @@ def progress_lines(results_per_seed: list[dict], in_progress: list[dict]) -> lis
             row.append(cell)
         lines.append("| " + " | ".join(row) + " |")
     return lines
+
+
+def _unfinished_text(unfinished: list[tuple[str, str, list[int]]], in_progress: list[dict]) -> str:
+    """The unfinished (task, model) pairs and their seeds, in one sentence; the seeds in progress are marked."""
+    training = {(run["task"], run["model"], run["seed"]) for run in in_progress}
+    parts = []
+    for task, model, missing in unfinished:
+        text = f"{task} {model} (seed{'s' if len(missing) > 1 else ''} {', '.join(map(str, missing))}"
+        running = [str(seed) for seed in missing if (task, model, seed) in training]
+        if running:
+            text += f"; seed{'s' if len(running) > 1 else ''} {', '.join(running)} in progress, below"
+        parts.append(text + ")")
+    return "; ".join(parts)
 
 
 def seed_summary(results_per_seed: list[dict], in_progress: list[dict] | None = None) -> tuple[str, dict]:
@@ -343,26 +367,14 @@ def seed_summary(results_per_seed: list[dict], in_progress: list[dict] | None = 
             lines.append("| " + " | ".join([model, *cells]) + " |")
         lines.append("")
     lines.append(_stopping_line([run for results in results_per_seed for run in results["runs"]]))
-    lines += progress_lines(results_per_seed, in_progress or [])
+    lines += _in_progress_lines(results_per_seed, in_progress or [])
     unfinished = unfinished_runs(results_per_seed)
     if unfinished:
         total = len(first["tasks"]) * len(models) * len(seeds)
         finished = total - sum(len(missing) for _, _, missing in unfinished)
-        running = {(run["task"], run["model"], run["seed"]) for run in in_progress or []}
-
-        def missing_seeds(task: str, model: str, missing: list[int]) -> str:
-            text = f"seed{'s' if len(missing) > 1 else ''} {', '.join(map(str, missing))}"
-            training = [str(seed) for seed in missing if (task, model, seed) in running]
-            if training:
-                text += f"; seed{'s' if len(training) > 1 else ''} {', '.join(training)} in progress, below"
-            return text
-
-        missing_text = "; ".join(
-            f"{task} {model} ({missing_seeds(task, model, missing)})" for task, model, missing in unfinished
-        )
         lines = [
             f"**Partial results: {finished} of {total} runs finished.** Not finished, so not in the tables: "
-            f"{missing_text}.",
+            f"{_unfinished_text(unfinished, in_progress or [])}.",
             "",
             *lines,
         ]

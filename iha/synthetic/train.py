@@ -249,19 +249,29 @@ def epoch_states(checkpoint: Path) -> list[Path]:
 
 def runs_in_progress(config: SyntheticConfig, checkpoint: Path) -> list[dict]:
     """The runs of `config` that are being trained (or were left unfinished) beside `checkpoint`, as far as they got:
-    each one's epoch state (`epoch_state_path`) read back without its weights: task, model, learning rate, seed,
-    epochs run, the best validation accuracy and its epoch, epochs since a gain, seconds and the per-epoch history."""
+    from each one's epoch state (`epoch_state_path`), its task, model, learning rate, seed, epochs run, best
+    validation accuracy and its epoch, epochs since a gain, seconds and per-epoch history (the weights are not
+    returned). A run already in `checkpoint` is finished, even if its state is still there (a process stopped
+    between saving the result and deleting the state)."""
+    finished = {run_key(run) for run in _load_checkpoint(checkpoint, config)}
     progress = []
     for task in config.tasks:
         for name, _, _ in model_variants(config):
             for learning_rate in config.learning_rates:
-                path = epoch_state_path(checkpoint, (task, name, learning_rate))
-                if not path.is_file():
+                key = (task, name, learning_rate)
+                if key in finished:
                     continue
-                # States are replaced atomically (`save_epoch_state`): a file read while its run trains is whole.
-                state = torch.load(path, map_location="cpu", weights_only=True)
+                # States are replaced atomically (`save_epoch_state`): a file read while its run trains is whole,
+                # but it is deleted when the run finishes, which may happen between the listing and the reading.
+                try:
+                    state = torch.load(epoch_state_path(checkpoint, key), map_location="cpu", weights_only=True)
+                except FileNotFoundError:
+                    continue
                 if state.get("config", config_as_saved(config)) != config_as_saved(config):
-                    raise ValueError(f"{path} holds an unfinished run of another configuration.")
+                    raise ValueError(
+                        f"{epoch_state_path(checkpoint, key)} holds an unfinished run of another configuration: give "
+                        "the preset and settings that made it."
+                    )
                 progress.append(
                     {
                         "task": task,

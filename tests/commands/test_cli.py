@@ -25,7 +25,7 @@ def test_unknown_command_is_an_error(capsys):
 
 @pytest.mark.parametrize("command", sorted(cli.COMMANDS))
 def test_every_command_has_help_under_its_own_name_with_each_flag_and_default_once(command, capsys, monkeypatch):
-    # In this process (`iha COMMAND --help` is cli.main's argv; the console scripts themselves are run below).
+    # In this process (`iha COMMAND --help` is cli.main's argv; the console scripts' own --help is checked below).
     monkeypatch.setenv("COLUMNS", "80")
     with pytest.raises(SystemExit) as exit:
         cli.main([command, "--help"])

@@ -69,7 +69,7 @@ TINY_SETTINGS = {
     ("accelerate", "launch"): [*SFT_TINY, "--max_train_rows", "8"],
     ("iha-eval", "math"): ["--limit", "1", "--num-samples", "2", "--max-new-tokens", "8"],
     ("iha-eval", "needle"): ["--num-examples", "1", "--lengths", "256", "--max-new-tokens", "8"],
-    ("iha", "synthetic"): ["--preset", "tiny", "--tasks", "binary", "--max-epochs", "1", "--num-train", "128"],
+    ("iha", "synthetic"): ["--tasks", "binary", "--max-epochs", "1", "--num-train", "128"],
     ("python", "-m iha.synthetic.polynomial"): ["--steps", "100", "--seeds", "0", "1", "--attentions", "linear"],
 }
 # Commands the README marks as needing the Hub or GPUs: a distinctive part of the command -> why it is not run here.
@@ -80,11 +80,12 @@ NOT_RUN = {
     "iha ab --preset gpu": "the gpu preset trains on all of GSM8K on a CUDA device (tests/experiments/test_ab.py runs the tiny one)",
     "lm_eval --model hf": "the lm-eval gsm8k task downloads GSM8K (tests/evaluation/test_lm_eval.py runs lm_eval offline)",
 }
-# Commands that, given their tiny settings, would only repeat a run made elsewhere: a start of the command -> where
-# that run is made. They are parsed instead (the presets' own settings are what a user's run takes; none is tiny).
+# Commands that, given their tiny settings, would only repeat a run made elsewhere: (program, command) -> where that
+# run is made. Every such command that trains a preset other than `tiny` is parsed instead (the presets' own
+# settings are what a user's run takes; none is tiny); `--preset tiny`, --report and --summarize run as written.
 RUN_ELSEWHERE = {
-    "iha synthetic": "shrunk to the tiny preset, as the README's `iha synthetic --preset tiny` command runs it",
-    "iha ab --preset cpu": "shrunk to the tiny preset, which tests/experiments/test_ab.py runs whole",
+    ("iha", "synthetic"): "shrunk to the tiny preset, as the README's `iha synthetic --preset tiny` command runs it",
+    ("iha", "ab"): "shrunk to the tiny preset, which tests/experiments/test_ab.py runs whole",
 }
 MARKER = re.compile(r"#.*needs (the Hub|GPUs)")
 # The port the README's server commands use, replaced by a free one; how long a server may take to answer /health.
@@ -257,16 +258,19 @@ def check_without_running(program: str, arguments: list[str]) -> None:
             assert extras <= provided, (extras, provided)
 
 
-def run_elsewhere(command: str) -> str | None:
+def run_elsewhere(program: str, arguments: list[str]) -> str | None:
     """Where the run this command's tiny run would repeat is made (`RUN_ELSEWHERE`), or None."""
-    if "--preset tiny" in command:
+    where = RUN_ELSEWHERE.get((program, arguments[0] if arguments else ""))
+    preset = arguments[arguments.index("--preset") + 1] if "--preset" in arguments[:-1] else None
+    if where is None or preset == "tiny" or {"--report", "--summarize"} & set(arguments):
         return None
-    return next((where for start, where in RUN_ELSEWHERE.items() if command.startswith(start)), None)
+    return where
 
 
 def test_every_command_run_elsewhere_is_in_the_readme():
-    for start in RUN_ELSEWHERE:
-        assert any(command.startswith(start) and run_elsewhere(command) for command, _ in COMMANDS), start
+    split = [shlex.split(command, comments=True) for command, _ in COMMANDS]
+    for program, command in RUN_ELSEWHERE:
+        assert any(run_elsewhere(words[0], words[1:]) for words in split if words[:2] == [program, command]), command
 
 
 def test_every_marked_command_is_listed_with_its_reason():
@@ -293,7 +297,7 @@ def test_readme_command(command, marker, scratch, servers):
     if program != "python" and program not in CONSOLE_SCRIPTS:
         pytest.fail(f"README command with an unknown program {program!r}: {command}")
     arguments = substitute(arguments, program)
-    if marker or run_elsewhere(command):
+    if marker or run_elsewhere(program, arguments):
         parse_only(program, arguments)
         return
     if program == "iha" and arguments[:1] == ["serve"]:

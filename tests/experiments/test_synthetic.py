@@ -582,10 +582,27 @@ def test_report_summarizes_unfinished_runs_with_paired_differences(tiny_results,
     partial = {"config": seed_1["config"], "runs": [run for run in seed_1["runs"] if run["model"] != "2-simplicial"]}
     (tmp_path / "seed-1").mkdir()
     (tmp_path / "seed-1" / "results.partial.json").write_text(json.dumps(partial))
+    # Seed 1's binary 2-simplicial run is training: its state after 2 epochs is where the training command keeps it.
+    import iha.synthetic.train as synthetic_training
+
+    history = [
+        {"epoch": 1, "train_loss": 0.5, "val_accuracy": 0.75},
+        {"epoch": 2, "train_loss": 0.4, "val_accuracy": 0.8},
+    ]
+    state = {"config": seed_1["config"], "history": history, "best_accuracy": 0.8, "best_epoch": 2}
+    state.update(epochs_without_gain=0, seconds=12.0)
+    key = ("binary", "2-simplicial", seed_1["config"]["learning_rates"][0])
+    state_path = synthetic_training.epoch_state_path(tmp_path / "seed-1" / "results.partial.json", key)
+    state_path.parent.mkdir()
+    torch.save(state, state_path)
     assert main(["--preset", "tiny", "--seeds", "0", "1", "2", "--output-dir", str(tmp_path), "--report"]) == 0
     table = (tmp_path / "seeds.md").read_text()
     assert table.startswith("**Partial results: 10 of 18 runs finished.**")
-    assert "binary 2-simplicial (seeds 1, 2)" in table and "binary MHA (seed 2)" in table
+    assert "binary 2-simplicial (seeds 1, 2; seed 1 in progress, below)" in table and "binary MHA (seed 2)" in table
+    mha_by_epoch_2 = max(100 * point["val_accuracy"] for point in seed_1["runs"][0]["history"][:2])
+    assert seed_1["runs"][0]["model"] == "MHA" and seed_1["runs"][0]["task"] == "binary"
+    assert f"| binary | 2-simplicial | 1 | 2 | 80.00 (2) | 0 | {mha_by_epoch_2:.2f} |" in table
+    assert (tmp_path / "curves.png").is_file()
     summary = json.loads((tmp_path / "seeds.json").read_text())
     entry = summary["binary/IHA P=2"]
     assert entry["seeds"] == [0, 1] and entry["unfinished_seeds"] == [2]
