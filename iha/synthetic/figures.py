@@ -168,11 +168,12 @@ def plot_learning_curves(results_per_seed: list[dict], in_progress: list[dict], 
                 axis.set_title(f"{task}, m = {describe_m(config['m'][task])}, seed {seed}", fontsize=10)
                 axis.set_xlabel("epoch")
                 axis.xaxis.set_major_locator(MaxNLocator(integer=True))
+                if column == 0:  # the panels of a row share their y axis
+                    axis.set_ylabel(f"validation error (%, log; none drawn at {ZERO_ERROR_DRAWN_AT:g})")
                 if not axis.get_legend_handles_labels()[0]:
                     axis.text(0.5, 0.5, "no epoch run yet", ha="center", va="center", transform=axis.transAxes)
                     continue
                 axis.set_yscale("log")
-                axis.set_ylabel(f"validation error (%, log; none drawn at {ZERO_ERROR_DRAWN_AT:g})")
                 axis.grid(alpha=0.3, which="both")
                 axis.legend(fontsize=7)
     return Path(path)
