@@ -119,7 +119,10 @@ class Steps:
         return sys.executable
 
     def env(self) -> dict:
-        env = dict(os.environ)
+        # Bytecode written even where PYTHONDONTWRITEBYTECODE is set (container images often set it): the carried
+        # wheels are installed --no-compile, and every step's processes would compile torch, transformers and TRL
+        # from source again (importing TRL's SFT trainer: 20 s that way, 9 s with its bytecode; measured on a CPU).
+        env = {name: value for name, value in os.environ.items() if name != "PYTHONDONTWRITEBYTECODE"}
         paths = [str(self.site), str(REPO_ROOT)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else [])
         env.update(
             PYTHONPATH=os.pathsep.join(paths),
