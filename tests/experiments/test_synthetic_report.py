@@ -1,0 +1,128 @@
+"""What the relation-composition comparison writes: one comparison's tables and plot, the summary over seeds with
+paired differences, and `--report` on runs still in progress."""
+
+import copy
+import json
+import struct
+
+import pytest
+import torch
+
+from iha.synthetic import (
+    write_outputs,
+)
+from iha.synthetic.cli import main
+
+
+def test_outputs_are_written(tiny_results, tmp_path):
+    paths = write_outputs(tiny_results, tmp_path)
+    data = json.loads(paths["json"].read_text())
+    assert len(data["runs"]) == 6
+    table = paths["table"].read_text()
+    assert table.startswith("| Task | m | Model | Parameters | test acc, lr 0.01 |")
+    for line in (
+        "| binary | 3..4 | MHA |",
+        "| binary | 3..4 | 2-simplicial |",
+        "| binary | 3..4 | IHA P=2 |",
+        "| ternary | 3..4 | constant (majority label) |",
+        "| binary: model | m = 3 | m = 4 |",
+    ):
+        assert line in table
+    stopped = sum(run["stopped_by"] == "patience" for run in tiny_results["runs"])
+    assert f"{stopped} of 6 runs stopped by patience, {6 - stopped} by the epoch budget." in table
+    png = paths["plot"].read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n"
+    width, height = struct.unpack(">II", png[16:24])
+    assert width > 400 and height > 400
+    assert not list(tmp_path.glob(".*tmp*"))  # no temporary files left behind
+
+
+def test_seed_summary(tiny_results, tmp_path, capsys):
+    other = copy.deepcopy(tiny_results)
+    other["config"]["seed"] = 1
+    for run in other["runs"]:
+        run["test_accuracy"] = 0.5 if run["model"] == "MHA" else 0.7
+    for index, results in enumerate((tiny_results, other)):
+        (tmp_path / f"r{index}.json").write_text(json.dumps(results))
+    main(["--summarize", str(tmp_path / "r0.json"), str(tmp_path / "r1.json"), "--output-dir", str(tmp_path / "s")])
+    summary = json.loads((tmp_path / "s" / "seeds.json").read_text())
+    first = next(r for r in tiny_results["runs"] if r["task"] == "binary" and r["model"] == "IHA P=2")
+    entry = summary["binary/IHA P=2"]
+    assert entry["test_accuracy"] == pytest.approx([100 * first["test_accuracy"], 70.0])
+    assert entry["mean"] == pytest.approx((100 * first["test_accuracy"] + 70.0) / 2)
+    assert entry["std"] == pytest.approx(abs(100 * first["test_accuracy"] - 70.0) / 2**0.5)
+    table = (tmp_path / "s" / "seeds.md").read_text()
+    assert "| Task | m | Model | lr 0.01 | val-selected lr | seed 0 | seed 1 | − MHA | − 2-simplicial |" in table
+    mha_mean = summary["binary/MHA"]["mean"]
+    assert f"| {entry['mean']:.2f} ± {entry['std']:.2f}" in table and f"{entry['mean'] - mha_mean:+.2f}" in table
+    assert set(entry["by_m"]) == {"3", "4"}
+    # The same seed twice is bad input: one line, exit 2.
+    assert (
+        main(["--summarize", str(tmp_path / "r0.json"), str(tmp_path / "r0.json"), "--output-dir", str(tmp_path)]) == 2
+    )
+    assert capsys.readouterr().err.startswith("iha synthetic: error: Each result must come from a different seed")
+    # A running call's checkpoint (seed 1 without its 2-simplicial runs yet) summarises over the seeds that have them.
+    partial = {"config": other["config"], "runs": [run for run in other["runs"] if run["model"] != "2-simplicial"]}
+    (tmp_path / "partial.json").write_text(json.dumps(partial))
+    main(
+        ["--summarize", str(tmp_path / "r0.json"), str(tmp_path / "partial.json"), "--output-dir", str(tmp_path / "p")]
+    )
+    summary = json.loads((tmp_path / "p" / "seeds.json").read_text())
+    assert summary["binary/2-simplicial"]["seeds"] == [0] and summary["binary/IHA P=2"]["seeds"] == [0, 1]
+    assert "(1 of 2 seeds)" in (tmp_path / "p" / "seeds.md").read_text()
+    assert (tmp_path / "s" / "seeds.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_report_summarizes_unfinished_runs_with_paired_differences(tiny_results, tmp_path, capsys):
+    # Seed 0 finished, seed 1 interrupted before its 2-simplicial runs, seed 2 not started: --report (the training
+    # command's settings) summarizes what is there and names what is not.
+    seed_1 = copy.deepcopy(tiny_results)
+    seed_1["config"]["seed"] = 1
+    for index, run in enumerate(seed_1["runs"]):
+        run["test_accuracy"] = min(1.0, run["test_accuracy"] + 0.01 * index)
+    (tmp_path / "seed-0").mkdir()
+    (tmp_path / "seed-0" / "results.json").write_text(json.dumps(tiny_results))
+    partial = {"config": seed_1["config"], "runs": [run for run in seed_1["runs"] if run["model"] != "2-simplicial"]}
+    (tmp_path / "seed-1").mkdir()
+    (tmp_path / "seed-1" / "results.partial.json").write_text(json.dumps(partial))
+    # Seed 1's binary 2-simplicial run is training: its state after 2 epochs is where the training command keeps it.
+    import iha.synthetic.train as synthetic_training
+
+    history = [
+        {"epoch": 1, "train_loss": 0.5, "val_accuracy": 0.75},
+        {"epoch": 2, "train_loss": 0.4, "val_accuracy": 0.8},
+    ]
+    state = {"config": seed_1["config"], "history": history, "best_accuracy": 0.8, "best_epoch": 2}
+    state.update(epochs_without_gain=0, seconds=12.0)
+    key = ("binary", "2-simplicial", seed_1["config"]["learning_rates"][0])
+    state_path = synthetic_training.epoch_state_path(tmp_path / "seed-1" / "results.partial.json", key)
+    state_path.parent.mkdir()
+    torch.save(state, state_path)
+    assert main(["--preset", "tiny", "--seeds", "0", "1", "2", "--output-dir", str(tmp_path), "--report"]) == 0
+    table = (tmp_path / "seeds.md").read_text()
+    assert table.startswith("**Partial results: 10 of 18 runs finished.**")
+    assert "binary 2-simplicial (seeds 1, 2; seed 1 in progress, below)" in table and "binary MHA (seed 2)" in table
+    mha_by_epoch_2 = max(100 * point["val_accuracy"] for point in seed_1["runs"][0]["history"][:2])
+    assert seed_1["runs"][0]["model"] == "MHA" and seed_1["runs"][0]["task"] == "binary"
+    assert f"| binary | 2-simplicial | 1 | 2 | 80.00 (2) | 0 | {mha_by_epoch_2:.2f} |" in table
+    assert (tmp_path / "curves.png").is_file()
+    summary = json.loads((tmp_path / "seeds.json").read_text())
+    entry = summary["binary/IHA P=2"]
+    assert entry["seeds"] == [0, 1] and entry["unfinished_seeds"] == [2]
+    paired = entry["paired"]["MHA"]["accuracy"]
+    by_seed = [
+        {run["model"]: 100 * run["test_accuracy"] for run in results["runs"] if run["task"] == "binary"}
+        for results in (tiny_results, seed_1)
+    ]
+    assert paired["differences"] == pytest.approx([values["IHA P=2"] - values["MHA"] for values in by_seed])
+    assert paired["labels"] == [0, 1] and paired["smallest_permutation_p_value"] == 0.5
+    exact = entry["paired"]["MHA"]["exact_match"]
+    assert exact["n"] == 2 and "exact match" in table and "| binary | IHA P=2 − MHA | accuracy | 2 |" in table
+    single = summary["binary/IHA P=2"]["paired"]["2-simplicial"]["accuracy"]  # only seed 0 has both
+    assert single["n"] == 1 and single["ci"] is None and single["t_p_value"] is None
+    # Runs of other settings are refused rather than summarized under the wrong name.
+    assert (
+        main(["--preset", "tiny", "--seeds", "0", "1", "--num-train", "8", "--output-dir", str(tmp_path), "--report"])
+        == 2
+    )
+    assert "another configuration" in capsys.readouterr().err
