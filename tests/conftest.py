@@ -1,4 +1,5 @@
-"""Shared fixtures: tiny IHA / Llama models, the offline environment, and the device the model tests run on.
+"""Shared fixtures: tiny IHA / Llama models, the tiny synthetic comparison, the offline environment, and the device
+the model tests run on.
 
 The model tests that take the `precision` fixture (the model against the reference, caches and generation, packed
 rows, torch.compile) run on `--device` (default cpu) in `--dtype` (default: each test's own dtype, mostly float64
@@ -151,6 +152,16 @@ def tiny_llama_dir(tmp_path_factory):
     tiny_llama_for_tokenizer(tokenizer, hidden_size=64, intermediate_size=128).save_pretrained(folder)
     tokenizer.save_pretrained(folder)
     return folder
+
+
+@pytest.fixture(scope="module")
+def tiny_results():
+    """The tiny relation-composition comparison (`iha synthetic --preset tiny`), trained once per test module that reads
+    it (tests/experiments/test_synthetic_training.py and test_synthetic_report.py)."""
+    from iha.synthetic import TINY, run_comparison
+
+    torch.manual_seed(0)
+    return run_comparison(TINY, progress=False)
 
 
 @pytest.fixture
