@@ -98,7 +98,7 @@ def push_to_hub(
     commit_message: str | None = None,
     retry_command: str = "iha push",
 ) -> str:
-    """Upload an IHA folder to the Hub in one commit; returns the commit URL.
+    """Upload an IHA folder to the Hub in one commit; returns the commit URL the Hub gives (or names the repository).
 
     The uploaded model card loads the model from `repo_id`; the folder itself is not modified. On failure the
     error says to retry with `retry_command FOLDER REPO_ID`.
@@ -123,7 +123,7 @@ def push_to_hub(
             f"with `{retry_command} {folder} {repo_id}` once the Hub is reachable and you are logged in "
             "(`hf auth login`)."
         ) from error
-    return str(getattr(commit, "commit_url", None) or f"https://huggingface.co/{repo_id}")
+    return str(getattr(commit, "commit_url", None) or f"the Hub repository {repo_id}")
 
 
 def make_parser(prog: str = "iha push") -> argparse.ArgumentParser:

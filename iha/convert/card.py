@@ -124,10 +124,9 @@ def write_conversion_card(
         metadata["base_model"] = report.base_model
     base = report.base_model or Path(report.source).name
     metadata["license"], license_section = license_card_parts(folder, card_license(source_card), base)
-    base_link = f"[{base}](https://huggingface.co/{base})" if report.base_model else f"`{base}`"
     intro = (
-        f"{base_link} converted to **Interleaved Head Attention** (IHA, "
-        f"[arXiv 2602.21371](https://arxiv.org/abs/2602.21371)) with P = {report.num_pseudo_heads} pseudo-heads per "
+        f"`{base}` converted to **Interleaved Head Attention** (IHA, "
+        f"arXiv 2602.21371) with P = {report.num_pseudo_heads} pseudo-heads per "
         "head. "
         + (
             "It computes what the source model computes and is ready to fine-tune."

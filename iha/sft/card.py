@@ -71,13 +71,12 @@ def hub_base_model(source) -> str | None:
 def finetuned_intro(
     base, *, adapter: bool = False, converted: bool = False, trainer: str = "TRL's `SFTTrainer`"
 ) -> str:
-    """The intro of a training output's card: what it was trained from (a Hub link where the base has an id)."""
-    hub_base = hub_base_model(base)
-    base_label = f"[{hub_base}](https://huggingface.co/{hub_base})" if hub_base else f"`{Path(str(base)).name}`"
+    """The intro of a training output's card: what it was trained from (its Hub id where it has one)."""
+    base_label = f"`{hub_base_model(base) or Path(str(base)).name}`"
     what = "A LoRA adapter for" if adapter else "A fine-tuned version of"
     return (
         f"{what} {base_label}" + (" converted" if converted else "") + " with **Interleaved Head Attention** (IHA, "
-        f"[arXiv 2602.21371](https://arxiv.org/abs/2602.21371)), trained with {trainer}. The modeling code is stored "
+        f"arXiv 2602.21371), trained with {trainer}. The modeling code is stored "
         "next to the weights: load with `trust_remote_code=True`, or with `import iha`."
     )
 

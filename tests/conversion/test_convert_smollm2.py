@@ -65,6 +65,9 @@ def test_smollm2_default_conversion_is_exact_and_hub_ready(smollm2):
     card = read_model_card(output)
     assert card.metadata["base_model"] == "HuggingFaceTB/SmolLM2-135M-Instruct"
     assert "P = 2" in card.intro and "computes what the source model computes" in card.intro
+    # The base and the paper are named, not linked: the card points nowhere outside the folder.
+    assert "`HuggingFaceTB/SmolLM2-135M-Instruct` converted" in card.intro and "arXiv 2602.21371" in card.intro
+    assert "://" not in (output / "README.md").read_text()
     assert (
         f"| max absolute logit difference | {report.verification.max_abs_diff:.2e} |" in card.sections["Verification"]
     )
