@@ -24,6 +24,8 @@ TRAINING_STACK = {
     "datasets": "datasets>=4.7.0,<5.3",
     # 4-bit / 8-bit bases (QLoRA) on CPU from 0.50 on.
     "bitsandbytes": "bitsandbytes>=0.50.0,<0.51",
+    # The GRPO reward and the evaluation read answers with it; 0.5 and 0.6 read adjacent boxes one by one.
+    "math-verify": "math-verify>=0.7.0,<0.10",
 }
 DEVELOPMENT_TRAINING_STACK = [
     "trl==1.16.0",
@@ -31,8 +33,8 @@ DEVELOPMENT_TRAINING_STACK = [
     "accelerate==1.15.0",
     "datasets==5.2.0",
     "bitsandbytes==0.50.2",
+    "math-verify==0.9.0",
 ]
-MATH_VERIFY = "math-verify==0.9.0"
 
 extras = {
     # torch is not pinned here on purpose: install it first (`pip install torch==2.13.0` takes the CPU wheel;
@@ -44,13 +46,13 @@ extras = {
         TRAINING_STACK["peft"],
         TRAINING_STACK["accelerate"],
         TRAINING_STACK["datasets"],
-        MATH_VERIFY,
+        TRAINING_STACK["math-verify"],
         "matplotlib>=3.7",
         GGUF,
     ],
     # QLoRA (`iha-sft --load_in_4bit / --load_in_8bit --use_peft`).
     "qlora": [TRAINING_STACK["bitsandbytes"]],
-    "eval": [MATH_VERIFY, "lm-eval==0.4.13", TRAINING_STACK["datasets"], "matplotlib>=3.7", GGUF],
+    "eval": [TRAINING_STACK["math-verify"], "lm-eval==0.4.13", TRAINING_STACK["datasets"], "matplotlib>=3.7", GGUF],
     "convert": [GGUF],
     # `iha serve`: what transformers' server needs (transformers' own `serving` extra).
     "serve": ["fastapi>=0.110", "uvicorn>=0.29", "openai>=1.98", "pydantic>=2"],

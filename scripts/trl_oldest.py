@@ -1,6 +1,6 @@
 """Run the training tests on the oldest release of every training dependency's range, in an environment of its own.
 
-setup.py states ranges for trl, peft, accelerate, datasets and bitsandbytes (`TRAINING_STACK`); development and
+setup.py states ranges for trl, peft, accelerate, datasets, bitsandbytes and math-verify (`TRAINING_STACK`); development and
 `make test` use the newest releases. `IHASFTTrainer` and `with_iha_mixing` lean on TRL internals (SFTTrainer's set-up
 and model cards, its cast of a quantized model's trainable weights, the DPO and GRPO trainers' arguments), which break
 first at the old end of the range. This script builds (once, then reuses) an environment with torch, the development
@@ -49,6 +49,8 @@ TESTS = [
     # iha-sft's command line: TRL's own dataclasses, parsed by TRL's parser.
     "tests/commands/test_fast_help.py::test_sft_parses_trls_model_and_script_flags_as_trl_declares_them",
     "tests/commands/test_fast_help.py::test_sft_command_line_accepts_trl_flags_and_checks_its_own",
+    # math-verify reads the answers of the evaluation and of the GRPO reward (its oldest release: the reading rules).
+    "tests/evaluation/test_eval_answers.py",
 ]
 
 
