@@ -12,8 +12,9 @@
 # See the License for the specific language governing permissions and
 # limitations under the License.
 """`iha ab`: does converting to IHA pay off? SFT of a Llama-style model as it is (arm A) against SFT of its exact IHA
-conversion (arm B), same data, order, steps, optimizer and seeds; validation loss, test accuracy with paired tests,
-the power of the run, the drift of the mixing from identity.
+conversion (arm B), same data, order, steps, optimizer and seeds. Headline: the per-token loss of the GSM8K test
+problems' reference solutions, teacher-forced and paired per problem; then validation loss, test accuracy with
+paired tests, the power of the run, the drift of the mixing from identity.
 
     iha ab --preset cpu --output_dir runs/ab-cpu                    # SmolLM2-135M-Instruct, 2 seeds per arm, CPU
     iha ab --preset gpu --output_dir runs/ab-gpu                    # all of GSM8K, 3 seeds, one CUDA device

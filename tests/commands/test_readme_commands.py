@@ -93,12 +93,12 @@ README_SERVER_PORT = "8000"
 SERVER_STARTUP_SECONDS = 300
 
 
-def readme_commands() -> list[tuple[str, str]]:
-    """(command as one line, its README comment) for every command of the ```bash blocks, in order."""
+def readme_commands(page: Path = README) -> list[tuple[str, str]]:
+    """(command as one line, its comment) for every command of the page's ```bash blocks, in order."""
     commands = []
     in_block = False
     pending = ""
-    for line in README.read_text(encoding="utf-8").splitlines():
+    for line in page.read_text(encoding="utf-8").splitlines():
         if line.startswith("```"):
             in_block = line.strip() == "```bash" if not in_block else False
             continue
@@ -311,6 +311,26 @@ def test_readme_command(command, marker, scratch, servers):
 # of the servers it starts.
 STAND_INS = {"examples", "tiny-smollm2", ".hf_modules"}
 SERVER_LOG_PREFIX = "server-"
+
+
+# The docs pages' training commands (full, on the fly, LoRA, multi-process): what a user copies from there must
+# parse as well. Their runs are the README's (a command ending in `...` is a pattern, not a command).
+DOCS_TRAINING_COMMANDS = [
+    command
+    for page in sorted((REPO_ROOT / "docs").glob("*.md"))
+    for command, _ in readme_commands(page)
+    if command.split()[0] in {"iha-sft", "accelerate"} and "..." not in command
+]
+
+
+def test_the_docs_have_training_commands():
+    assert len(DOCS_TRAINING_COMMANDS) >= 4
+
+
+@pytest.mark.parametrize("command", DOCS_TRAINING_COMMANDS, ids=[command[:60] for command in DOCS_TRAINING_COMMANDS])
+def test_docs_training_command_parses(command):
+    program, *arguments = shlex.split(command.split("#")[0])
+    parse_only(program, arguments)
 
 
 def test_everything_the_commands_wrote_is_ignored_by_git(scratch):
