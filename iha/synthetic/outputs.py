@@ -15,8 +15,9 @@ def write_seed_summary(
     results_per_seed: list[dict], output_dir: str | os.PathLike, in_progress: list[dict] | None = None
 ) -> dict[str, Path]:
     """seeds.md (the table), seeds.json and seeds.png in `output_dir`. With `in_progress` (`train.runs_in_progress`,
-    what `iha synthetic --report` passes), the runs still training as far as they got, in seeds.md, and curves.png:
-    validation error per epoch of every run, finished or not."""
+    what `iha synthetic --report` passes), the runs still training as far as they got, in seeds.md and
+    in_progress.json (with their per-epoch history), and curves.png: validation error per epoch of every run,
+    finished or not."""
     output_dir = Path(output_dir)
     table, summary = seed_summary(results_per_seed, in_progress)
     paths = {"table": output_dir / "seeds.md", "json": output_dir / "seeds.json", "plot": output_dir / "seeds.png"}
@@ -29,6 +30,12 @@ def write_seed_summary(
         paths["plot"].unlink(missing_ok=True)
         del paths["plot"]
     if in_progress is not None:
+        # A run that finished since the last report is in seeds.json now: no stale in_progress.json beside it.
+        progress_path = output_dir / "in_progress.json"
+        if in_progress:
+            paths["in_progress"] = write_json_atomic(in_progress, progress_path)
+        else:
+            progress_path.unlink(missing_ok=True)
         curves = output_dir / "curves.png"
         if in_progress or any(results["runs"] for results in results_per_seed):
             paths["curves"] = plot_learning_curves(results_per_seed, in_progress, curves)

@@ -106,6 +106,10 @@ def test_report_summarizes_unfinished_runs_with_paired_differences(tiny_results,
     assert seed_1["runs"][0]["model"] == "MHA" and seed_1["runs"][0]["task"] == "binary"
     assert f"| binary | 2-simplicial | 1 | 2 | 80.00 (2) | 0 | {mha_by_epoch_2:.2f} |" in table
     assert (tmp_path / "curves.png").is_file()
+    # ... and in in_progress.json, with the per-epoch history the curves are drawn from.
+    (progress,) = json.loads((tmp_path / "in_progress.json").read_text())
+    assert (progress["task"], progress["model"], progress["seed"]) == ("binary", "2-simplicial", 1)
+    assert progress["history"] == history and progress["epochs_run"] == 2
     summary = json.loads((tmp_path / "seeds.json").read_text())
     entry = summary["binary/IHA P=2"]
     assert entry["seeds"] == [0, 1] and entry["unfinished_seeds"] == [2]
@@ -126,3 +130,9 @@ def test_report_summarizes_unfinished_runs_with_paired_differences(tiny_results,
         == 2
     )
     assert "another configuration" in capsys.readouterr().err
+    # Once nothing is training, the report leaves no in_progress.json to disagree with seeds.json.
+    state_path.unlink()
+    assert main(["--preset", "tiny", "--seeds", "0", "1", "2", "--output-dir", str(tmp_path), "--report"]) == 0
+    assert (
+        not (tmp_path / "in_progress.json").exists() and "Runs in progress" not in (tmp_path / "seeds.md").read_text()
+    )

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from iha.synthetic import (
+    PRESET_SEEDS,
     PRESETS,
     TINY,
     run_comparison,
@@ -57,6 +58,23 @@ def test_presets_and_size_ranges_on_the_command_line(tmp_path, capsys):
     )
     assert 8 in paper.pseudo_heads and paper.patience == 10 and paper.learning_rates == [1e-3, 1e-4]
     assert paper.m == {"binary": [6, 10], "ternary": [5, 8]}
+    # The affordable part of it: ternary at m = 5 with the paper's data, width and heads, P = 2 and the paper's P = H,
+    # lr 1e-3, patience 10, three seeds (2-simplicial trained last).
+    ternary = PRESETS["paper-ternary"]
+    assert (ternary.tasks, ternary.m, ternary.learning_rates, ternary.patience) == (
+        ["ternary"],
+        {"ternary": [5, 5]},
+        [1e-3],
+        10,
+    )
+    assert (ternary.num_train, ternary.num_val, ternary.num_test, ternary.hidden_size, ternary.num_heads) == (
+        40_000,
+        5_000,
+        5_000,
+        128,
+        8,
+    )
+    assert sorted(ternary.pseudo_heads) == [2, 8] and ternary.simplicial and PRESET_SEEDS["paper-ternary"] == [0, 1, 2]
     # The CPU preset runs the same comparison (models, tasks, ranges, heads, patience) smaller.
     assert (cpu.m, cpu.num_heads, cpu.pseudo_heads, cpu.simplicial, cpu.patience) == (
         paper.m,
