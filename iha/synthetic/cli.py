@@ -154,7 +154,9 @@ def _run(args: argparse.Namespace) -> int:
         seed_dir = output_dir if len(seeds) == 1 else output_dir / f"seed-{seed}"
         results_per_seed.append(_run_and_write(replace(config, seed=seed), seed_dir, args.fresh, args.device))
     if len(seeds) > 1:
-        paths = write_seed_summary(results_per_seed, output_dir)
+        # Every run has finished: no run is in progress, so an earlier --report's in_progress.json and curves of
+        # unfinished runs are replaced, not left beside the final tables.
+        paths = write_seed_summary(results_per_seed, output_dir, in_progress=[])
         print("\n" + paths["table"].read_text(encoding="utf-8"))
         print("wrote " + ", ".join(str(path) for path in paths.values()))
     return 0

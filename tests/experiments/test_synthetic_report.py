@@ -8,9 +8,7 @@ import struct
 import pytest
 import torch
 
-from iha.synthetic import (
-    write_outputs,
-)
+from iha.synthetic import write_outputs
 from iha.synthetic.cli import main
 
 
@@ -136,3 +134,16 @@ def test_report_summarizes_unfinished_runs_with_paired_differences(tiny_results,
     assert (
         not (tmp_path / "in_progress.json").exists() and "Runs in progress" not in (tmp_path / "seeds.md").read_text()
     )
+
+
+def test_the_finished_comparison_replaces_a_report_of_runs_in_progress(tmp_path):
+    # A --report made while runs were training left in_progress.json and curves of unfinished runs; the call that
+    # finishes the comparison leaves neither beside its final tables.
+    (tmp_path / "in_progress.json").write_text('[{"task": "binary", "model": "MHA", "seed": 0, "epochs_run": 1}]')
+    (tmp_path / "curves.png").write_bytes(b"curves of a run in progress")
+    arguments = ["--preset", "tiny", "--tasks", "binary", "--max-epochs", "1", "--no-simplicial", "--seeds", "0", "1"]
+    assert main([*arguments, "--output-dir", str(tmp_path)]) == 0
+    assert (
+        not (tmp_path / "in_progress.json").exists() and "Runs in progress" not in (tmp_path / "seeds.md").read_text()
+    )
+    assert (tmp_path / "curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -75,6 +75,7 @@ def test_presets_and_size_ranges_on_the_command_line(tmp_path, capsys):
         8,
     )
     assert sorted(ternary.pseudo_heads) == [2, 8] and ternary.simplicial and PRESET_SEEDS["paper-ternary"] == [0, 1, 2]
+    assert (ternary.batch_size, ternary.max_epochs) == (128, 100)
     # The CPU preset runs the same comparison (models, tasks, ranges, heads, patience) smaller.
     assert (cpu.m, cpu.num_heads, cpu.pseudo_heads, cpu.simplicial, cpu.patience) == (
         paper.m,
