@@ -125,9 +125,8 @@ def write_conversion_card(
     base = report.base_model or Path(report.source).name
     metadata["license"], license_section = license_card_parts(folder, card_license(source_card), base)
     intro = (
-        f"`{base}` converted to **Interleaved Head Attention** (IHA, "
-        f"arXiv 2602.21371) with P = {report.num_pseudo_heads} pseudo-heads per "
-        "head. "
+        f"`{base}` converted to **Interleaved Head Attention** (IHA, arXiv 2602.21371) with "
+        f"P = {report.num_pseudo_heads} pseudo-heads per head. "
         + (
             "It computes what the source model computes and is ready to fine-tune."
             if report.exact

@@ -76,15 +76,16 @@ def finetuned_intro(
     what = "A LoRA adapter for" if adapter else "A fine-tuned version of"
     return (
         f"{what} {base_label}" + (" converted" if converted else "") + " with **Interleaved Head Attention** (IHA, "
-        f"arXiv 2602.21371), trained with {trainer}. The modeling code is stored "
-        "next to the weights: load with `trust_remote_code=True`, or with `import iha`."
+        f"arXiv 2602.21371), trained with {trainer}. The modeling code is stored next to the weights: load with "
+        "`trust_remote_code=True`, or with `import iha`."
     )
 
 
 def rewrite_trainer_card(folder: str | os.PathLike, base: str) -> Path:
     """Turn the generic card a trainer wrote (TRL's "fine-tuned version of None", a quick start without
     `trust_remote_code`) into an IHA card: the base named (Hub metadata only for a Hub id), how to load it, the
-    base's IHA settings. The trainer's other sections (training procedure, versions, citations) are kept."""
+    base's IHA settings. The trainer's other sections (training procedure, versions, citations) are kept, without
+    the lines that link outside the folder (tracker badges, the citation's URL): the card points nowhere else."""
     folder = Path(folder)
     card = read_model_card(folder) or ModelCardContent(title=folder.resolve().name)
     hub_base = hub_base_model(base)
@@ -99,7 +100,10 @@ def rewrite_trainer_card(folder: str | os.PathLike, base: str) -> Path:
     base_card = read_model_card(base) if Path(str(base)).is_dir() else None
     if base_card is not None and "IHA settings" in base_card.sections:
         sections["IHA settings"] = base_card.sections["IHA settings"]
-    sections.update((heading, body) for heading, body in card.sections.items() if heading not in ("Quick start",))
+    for heading, body in card.sections.items():
+        kept = "\n".join(line for line in body.splitlines() if "://" not in line).strip()
+        if heading != "Quick start" and kept:
+            sections[heading] = kept
     card.metadata["license"], sections["License"] = license_card_parts(folder, card_license(base_card), str(base))
     card.sections = sections
     return write_model_card(folder, card)

@@ -94,12 +94,13 @@ def test_trl_sft_cli_trains_a_converted_folder_without_the_iha_package(tmp_path)
         assert (value - identity[name]).abs().max() > 1e-4, name
     assert not torch.equal(trained.model.embed_tokens.weight, initial.model.embed_tokens.weight)
 
-    # TRL's card names no local base ("fine-tuned version of [None]") and loads without remote code;
-    # `iha card` makes it the IHA card and keeps TRL's own sections.
-    assert "[None]" in (output_dir / "README.md").read_text()
+    # TRL's card names no local base ("fine-tuned version of [None]"), loads without remote code and links to TRL;
+    # `iha card` makes it the IHA card and keeps TRL's own sections, with nothing pointing outside the folder.
+    assert "[None]" in (output_dir / "README.md").read_text() and "://" in (output_dir / "README.md").read_text()
     assert iha_main(["card", str(output_dir), "--base-model", str(model_dir)]) == 0
     card = read_model_card(output_dir)
-    assert "None" not in (output_dir / "README.md").read_text()
+    assert "None" not in (output_dir / "README.md").read_text() and "://" not in (output_dir / "README.md").read_text()
+    assert "Citations" in card.sections and "Framework versions" in card.sections["Training procedure"]
     assert "trust_remote_code=True" in card.sections["How to load"] and "Quick start" not in card.sections
     assert "Training procedure" in card.sections and "base_model" not in card.metadata
     assert f"`{model_dir.name}`" in card.intro and "iha" in card.metadata["tags"]
