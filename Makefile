@@ -43,9 +43,9 @@ test: install
 matrix: install
 	$(PY) scripts/transformers_matrix.py
 
-# The training tests on the lowest release of each training dependency's range in setup.py (trl, peft, accelerate,
-# datasets, bitsandbytes, math-verify), in an environment of its own (built once into ~/.cache/iha/trl-oldest, then
-# reused).
+# The training tests on the lowest release of each training dependency's range in setup.py (trl, peft,
+# accelerate, datasets, bitsandbytes, math-verify), in an environment of its own (built once into
+# ~/.cache/iha/trl-oldest, then reused).
 trl-oldest: install
 	$(PY) scripts/trl_oldest.py
 

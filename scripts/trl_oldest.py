@@ -1,11 +1,11 @@
 """Run the training tests on the oldest release of every training dependency's range, in an environment of its own.
 
-setup.py states ranges for trl, peft, accelerate, datasets, bitsandbytes and math-verify (`TRAINING_STACK`); development and
-`make test` use the newest releases. `IHASFTTrainer` and `with_iha_mixing` lean on TRL internals (SFTTrainer's set-up
-and model cards, its cast of a quantized model's trainable weights, the DPO and GRPO trainers' arguments), which break
-first at the old end of the range. This script builds (once, then reuses) an environment with torch, the development
-transformers and the lowest release of each range, and runs the tests in TESTS there, with `iha` imported from this
-checkout. Exits with pytest's status.
+setup.py states ranges for trl, peft, accelerate, datasets, bitsandbytes and math-verify (`TRAINING_STACK`);
+development and `make test` use the newest releases. `IHASFTTrainer` and `with_iha_mixing` lean on TRL internals
+(SFTTrainer's set-up and model cards, its cast of a quantized model's trainable weights, the DPO and GRPO trainers'
+arguments), which break first at the old end of the range; math-verify's reading rules change between releases.
+This script builds (once, then reuses) an environment with torch, the development transformers and the lowest release
+of each range, and runs the tests in TESTS there, with `iha` imported from this checkout. Exits with pytest's status.
 
     python scripts/trl_oldest.py                  # build the environment if needed, run TESTS
     python scripts/trl_oldest.py -- -k dpo -x     # with more pytest arguments

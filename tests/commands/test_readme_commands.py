@@ -313,8 +313,9 @@ STAND_INS = {"examples", "tiny-smollm2", ".hf_modules"}
 SERVER_LOG_PREFIX = "server-"
 
 
-# The docs pages' training commands (full, on the fly, LoRA, multi-process): what a user copies from there must
-# parse as well. Their runs are the README's (a command ending in `...` is a pattern, not a command).
+# The docs pages' `iha-sft` and `accelerate launch` commands (full, on the fly, LoRA, multi-process): what a user
+# copies from there must parse as well. Their runs are the README's (a command ending in `...` is a pattern, not a
+# command).
 DOCS_TRAINING_COMMANDS = [
     command
     for page in sorted((REPO_ROOT / "docs").glob("*.md"))
@@ -329,7 +330,7 @@ def test_the_docs_have_training_commands():
 
 @pytest.mark.parametrize("command", DOCS_TRAINING_COMMANDS, ids=[command[:60] for command in DOCS_TRAINING_COMMANDS])
 def test_docs_training_command_parses(command):
-    program, *arguments = shlex.split(command.split("#")[0])
+    program, *arguments = shlex.split(command, comments=True)
     parse_only(program, arguments)
 
 
