@@ -70,6 +70,23 @@ def plot_results(results: dict, path: str | os.PathLike) -> Path:
     return Path(path)
 
 
+def seeds_note(entry: dict, all_seeds: list[int]) -> str:
+    """Nothing for a model every seed has finished; else which seeds it stands on ("seed 0 only", "2 of 3 seeds"), so
+    that a picture never shows one seed's value as a mean with no spread."""
+    seeds = entry["seeds"]
+    if len(seeds) == len(all_seeds):
+        return ""
+    return f"seed {seeds[0]} only" if len(seeds) == 1 else f"{len(seeds)} of {len(all_seeds)} seeds"
+
+
+def accuracy_label(entry: dict, all_seeds: list[int]) -> str:
+    """The text over a model's bar: mean ± std over its seeds, or its one seed's value and which seed."""
+    note = seeds_note(entry, all_seeds)
+    if len(entry["seeds"]) == 1 and note:
+        return f"{entry['mean']:.2f}\n({note})"
+    return f"{entry['mean']:.2f} ± {entry['std']:.2f}" + (f"\n({note})" if note else "")
+
+
 def plot_seed_summary(summary: dict, path: str | os.PathLike) -> Path:
     """Per task (one column): mean test accuracy per model over seeds (bars, +-1 std, every seed a dot), and mean
     test accuracy against m (+-1 std)."""
@@ -94,14 +111,15 @@ def plot_seed_summary(summary: dict, path: str | os.PathLike) -> Path:
             tops = [max(entry["mean"] + entry["std"], *entry["test_accuracy"]) for entry in entries]
             bottoms = [min(entry["mean"] - entry["std"], *entry["test_accuracy"]) for entry in entries]
             span = max(max(tops) - min(bottoms), 1.0)
+            all_seeds = sorted({seed for entry in entries for seed in entry["seeds"]})
             for position, entry, top in zip(positions, entries, tops):
                 values = entry["test_accuracy"]
                 axis.scatter([position] * len(values), values, color="black", s=12, zorder=3)
-                label = f"{entry['mean']:.2f} ± {entry['std']:.2f}"
+                label = accuracy_label(entry, all_seeds)
                 axis.text(position, top + 0.03 * span, label, ha="center", va="bottom", fontsize=8)
             axis.set_ylim(min(bottoms) - 0.3 * span, max(tops) + 0.15 * span)
             axis.set_xticks(list(positions), [entry["model"] for entry in entries], fontsize=8)
-            seeds = ", ".join(str(seed) for seed in entries[0]["seeds"])
+            seeds = ", ".join(str(seed) for seed in all_seeds)
             m = describe_m(entries[0]["m"])
             axis.set_title(f"{task} composition, m = {m}: test accuracy, seeds {seeds}", fontsize=10)
             axis.set_ylabel("per-position accuracy (%)")
@@ -118,7 +136,7 @@ def plot_seed_summary(summary: dict, path: str | os.PathLike) -> Path:
                     fmt="o-",
                     capsize=3,
                     color=colors[index],
-                    label=entry["model"],
+                    label=entry["model"] + (f" ({note})" if (note := seeds_note(entry, all_seeds)) else ""),
                 )
                 size_axis.set_xticks(sizes)
             size_axis.set_xlabel("m (relation size)")

@@ -68,6 +68,13 @@ def test_seed_summary(tiny_results, tmp_path, capsys):
     summary = json.loads((tmp_path / "p" / "seeds.json").read_text())
     assert summary["binary/2-simplicial"]["seeds"] == [0] and summary["binary/IHA P=2"]["seeds"] == [0, 1]
     assert "(1 of 2 seeds)" in (tmp_path / "p" / "seeds.md").read_text()
+    # ... and its picture says so: one seed's value with the seed named, not a mean with no spread.
+    from iha.synthetic.figures import accuracy_label
+
+    one_seed = summary["binary/2-simplicial"]
+    assert accuracy_label(one_seed, [0, 1]) == f"{one_seed['mean']:.2f}\n(seed 0 only)"
+    both = summary["binary/IHA P=2"]
+    assert accuracy_label(both, [0, 1]) == f"{both['mean']:.2f} ± {both['std']:.2f}"
     assert (tmp_path / "s" / "seeds.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
