@@ -165,13 +165,13 @@ def _run(args: argparse.Namespace) -> int:
 def _finished_so_far(config: SyntheticConfig, seed_dir: Path) -> dict:
     """The runs of `config` finished in `seed_dir`: its results.json, else its results.partial.json (a running or
     interrupted call), else none; a file of another configuration is refused."""
-    from .train import config_as_saved
+    from .train import config_as_saved, same_config
 
     for name in ("results.json", "results.partial.json"):
         path = seed_dir / name
         if path.is_file():
             results = _read_results(str(path))
-            if results["config"] != config_as_saved(config):
+            if not same_config(results["config"], config):
                 raise ValueError(
                     f"{path} holds runs of another configuration: give --report the preset and settings that made it."
                 )
@@ -198,7 +198,7 @@ def _train_cheap_models_first(config: SyntheticConfig, seeds: list[int], output_
     """Several seeds: train every seed's MHA and IHA P = 2 first, then the costly models (`_work_in_cost_order`),
     so that an interrupted call has whole models over all seeds. Runs go to each seed's checkpoint; the outputs are
     written afterwards. A run another process is training (the same command started twice) is left to it."""
-    from .train import config_as_saved, run_comparison
+    from .train import run_comparison, same_config
 
     for only in _work_in_cost_order(config):
         for seed in seeds:
@@ -207,7 +207,7 @@ def _train_cheap_models_first(config: SyntheticConfig, seeds: list[int], output_
             finished = seed_dir / "results.json"
             if finished.is_file():
                 saved = json.loads(finished.read_text(encoding="utf-8"))
-                if saved.get("config") == config_as_saved(seed_config):
+                if same_config(saved.get("config"), seed_config):
                     continue  # done; another configuration is refused by _run_and_write
                 return
             run_comparison(
@@ -240,7 +240,7 @@ def _run_and_write(config: SyntheticConfig, output_dir: Path, fresh: bool, devic
 def _finish_comparison(config: SyntheticConfig, output_dir: Path, fresh: bool, device: str | None) -> dict:
     from .outputs import write_outputs
     from .report import results_table
-    from .train import config_as_saved, epoch_states, run_comparison
+    from .train import epoch_states, run_comparison, same_config
 
     checkpoint = output_dir / "results.partial.json"
     finished = output_dir / "results.json"
@@ -250,7 +250,7 @@ def _finish_comparison(config: SyntheticConfig, output_dir: Path, fresh: bool, d
             state.unlink()
     elif finished.is_file():
         saved = json.loads(finished.read_text(encoding="utf-8"))
-        if saved.get("config") == config_as_saved(config):
+        if same_config(saved.get("config"), config):
             print(f"{finished}: this comparison has already run; reusing it (--fresh runs it again).")
             return saved
         raise SystemExit(

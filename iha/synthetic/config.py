@@ -13,6 +13,12 @@ TASKS = {
 }
 
 
+DATA_STREAMS = ("independent", "shifted")
+# The value a results file written before a field existed stands for (`config_from_saved`): those files ran
+# without the 2-simplicial baseline, on batches of mixed m, with shifted data streams.
+BEFORE_THE_FIELD_EXISTED = {"simplicial": False, "group_by_m": False, "data_streams": "shifted"}
+
+
 @dataclass
 class SyntheticConfig:
     """The settings of one comparison (`iha synthetic` makes a flag of each field but `m`, which `--m` reads)."""
@@ -41,6 +47,15 @@ class SyntheticConfig:
     patience: int = field(default=10, metadata={"help": "epochs without a better validation accuracy before stopping"})
     weight_decay: float = field(default=0.01, metadata={"help": "AdamW weight decay"})
     seed: int = field(default=0, metadata={"help": "one comparison with this seed (data, order and initial weights)"})
+    # How a seed's train / validation / test sets are drawn (`task.split_seeds`). "independent": one stream per
+    # (seed, task, split) from numpy's SeedSequence, so no two seeds or splits share draws; "shifted": generator
+    # seeds s, s + 1, s + 2 (and + 1000 per task), how every comparison before this field was drawn: seed s + 1's
+    # validation set is then seed s's test set. paper-ternary keeps "shifted" so that its runs pair with the ones
+    # finished before.
+    data_streams: str = field(
+        default="independent",
+        metadata={"help": "how each seed's splits are drawn", "choices": sorted(DATA_STREAMS)},
+    )
 
     def __post_init__(self):
         unknown = [task for task in self.tasks if task not in TASKS]
@@ -54,11 +69,19 @@ class SyntheticConfig:
         for task, (low, high) in self.m.items():
             if not 2 <= low <= high:
                 raise ValueError(f"`m` of {task} must be a range [low, high] with 2 <= low <= high, got {[low, high]}.")
+        if self.data_streams not in DATA_STREAMS:
+            raise ValueError(f"`data_streams` must be one of {list(DATA_STREAMS)}, got {self.data_streams!r}.")
         if any(p < 1 for p in self.pseudo_heads):
             raise ValueError(f"Every pseudo-head count must be >= 1, got {self.pseudo_heads}.")
         for name in ("num_train", "num_val", "num_test", "batch_size", "max_epochs", "patience"):
             if getattr(self, name) < 1:
                 raise ValueError(f"`{name}` must be >= 1, got {getattr(self, name)}.")
+
+
+def config_from_saved(saved: dict) -> SyntheticConfig:
+    """The config a results file or epoch state was written with; a field it lacks has the value it had before
+    the field existed (`BEFORE_THE_FIELD_EXISTED`)."""
+    return SyntheticConfig(**{**BEFORE_THE_FIELD_EXISTED, **saved})
 
 
 def describe_m(low_high: list[int] | int) -> str:
@@ -115,6 +138,7 @@ PAPER_TERNARY = replace(
     m={"ternary": [5, 5]},
     learning_rates=[1e-3],
     max_epochs=100,
+    data_streams="shifted",
 )
 # Seconds, for the tests.
 TINY = SyntheticConfig(

@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 
 from ..paired_stats import paired_differences
-from .config import SyntheticConfig, describe_m
+from .config import config_from_saved, describe_m
 from .train import model_variants
 
 
@@ -19,18 +19,12 @@ def best_runs(results: dict) -> dict[tuple[str, str], dict]:
     return best
 
 
-def _saved_config(config: dict) -> SyntheticConfig:
-    """A results file's config; those written before the 2-simplicial baseline existed ran without it, those
-    written before batches were grouped by m trained on mixed batches."""
-    return SyntheticConfig(**{"simplicial": False, "group_by_m": False, **config})
-
-
 def model_names(config: dict) -> list[str]:
-    return [name for name, _, _ in model_variants(_saved_config(config))]
+    return [name for name, _, _ in model_variants(config_from_saved(config))]
 
 
 def task_sizes(config: dict, task: str) -> list[int]:
-    low, high = _saved_config(config).m[task]
+    low, high = config_from_saved(config).m[task]
     return list(range(low, high + 1))
 
 

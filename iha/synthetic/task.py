@@ -5,9 +5,13 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import NamedTuple
 
+import numpy as np
 import torch
 
-from .config import TASKS
+from .config import DATA_STREAMS, TASKS
+
+
+SPLITS = ("train", "val", "test")
 
 
 class CompositionData(NamedTuple):
@@ -69,3 +73,38 @@ def make_composition_data(
         composed = compose_relation(block, TASKS[task]["order"])
         labels[examples, : size * size] = composed.reshape(-1, size * size).float()
     return CompositionData(bits, labels, sizes)
+
+
+def split_seeds(seed: int, task: str, task_index: int, data_streams: str) -> dict[str, int]:
+    """The generator seed of each split (train, val, test) of one seed's data for `task` (the comparison's
+    `task_index`-th task).
+
+    "independent": the three children of numpy's `SeedSequence([seed, task id])`, whose streams cannot collide with
+    those of another seed, task or split. "shifted": seed + 1000 * task_index, + 1, + 2 (how comparisons were drawn
+    before; seed s + 1's validation set is seed s's test set).
+    """
+    if data_streams not in DATA_STREAMS:
+        raise ValueError(f"`data_streams` must be one of {list(DATA_STREAMS)}, got {data_streams!r}.")
+    if data_streams == "shifted":
+        first = seed + 1000 * task_index
+        return {split: first + offset for offset, split in enumerate(SPLITS)}
+    # The task by its place among all tasks, not among the comparison's, so that a task's data do not depend on
+    # which other tasks run beside it.
+    children = np.random.SeedSequence([seed, sorted(TASKS).index(task)]).spawn(len(SPLITS))
+    # torch's manual_seed takes 64 bits; one 63-bit draw of each child's stream stays a valid non-negative seed.
+    return {split: int(child.generate_state(1, np.uint64)[0] >> np.uint64(1)) for split, child in zip(SPLITS, children)}
+
+
+def relation_keys(data: CompositionData) -> list[bytes]:
+    """Each example's relation as bytes (its m, then its m^2 bits): equal keys are the same relation."""
+    sizes = data.sizes.tolist()
+    bits = data.bits.to(torch.uint8).cpu().numpy()
+    return [bytes([size]) + bits[index, : size * size].tobytes() for index, size in enumerate(sizes)]
+
+
+def fraction_seen_in(data: CompositionData, reference: CompositionData) -> float:
+    """The fraction of `data`'s relations that occur verbatim in `reference` (test relations present in the
+    training set: small m at the paper's densities repeats relations by chance)."""
+    seen = set(relation_keys(reference))
+    keys = relation_keys(data)
+    return sum(key in seen for key in keys) / max(len(keys), 1)

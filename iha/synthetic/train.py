@@ -17,10 +17,11 @@ from filelock import FileLock, Timeout
 from torch import nn
 from tqdm.auto import tqdm
 
-from ..atomic_files import atomic_destination, write_json_atomic
-from .config import SyntheticConfig, describe_m
+from ..atomic_files import write_json_atomic
+from .config import SyntheticConfig, config_from_saved, describe_m
 from .models import build_model, count_parameters
-from .task import CompositionData, make_composition_data, valid_positions
+from .states import load_epoch_state, save_epoch_state, save_run_weights
+from .task import CompositionData, fraction_seen_in, make_composition_data, split_seeds, valid_positions
 
 
 def default_device() -> torch.device:
@@ -87,13 +88,6 @@ def epoch_batches(
     return [batches[index] for index in torch.randperm(len(batches), generator=generator).tolist()]
 
 
-def save_epoch_state(path: Path, state: dict) -> None:
-    """Write a run's state after an epoch (`train_one`'s `resume_path`) atomically: an interruption while writing
-    leaves the previous epoch's file."""
-    with atomic_destination(path) as temporary:
-        torch.save(state, temporary)
-
-
 def train_one(
     model: nn.Module,
     data: dict[str, CompositionData],
@@ -105,10 +99,14 @@ def train_one(
     """Train with early stopping on validation accuracy; returns history and the test metrics of the best epoch.
 
     With `resume_path`, the run's whole state (weights, optimizer, the batch order's generator, the best epoch so
-    far, history, time spent) is saved there after every epoch, and a run that finds the file continues after its
-    last finished epoch: an interrupted run loses at most one epoch, and resumes to the result it would have reached
-    without the interruption (every epoch's batches come from the saved generator state). The caller deletes the
-    file once the run's result is saved.
+    far, history, time spent) is saved there after every epoch (`states.save_epoch_state`: safetensors and JSON),
+    and a run that finds the file continues after its last finished epoch: an interrupted run loses at most one
+    epoch, and resumes to the result it would have reached without the interruption (every epoch's batches come
+    from the saved generator state). The caller deletes the file once the run's result is saved.
+
+    Every epoch that improves the best validation accuracy also records the test accuracy and exact match of that
+    model in the history (never used to choose anything), so that models can be compared at equal epochs.
+    The model ends holding the best epoch's weights.
     """
     train_data = data["train"]
     device = train_data.sizes.device
@@ -119,9 +117,8 @@ def train_one(
     resume_path = Path(resume_path) if resume_path is not None else None
     if resume_path is not None and resume_path.is_file():
         # On the CPU: the batch order's generator is a CPU one; weights and optimizer state move to the model's device.
-        state = torch.load(resume_path, map_location="cpu", weights_only=False)
-        # (A state written before states carried their configuration has none to compare.)
-        if state.get("config", config_as_saved(config)) != config_as_saved(config):
+        state = load_epoch_state(resume_path)
+        if not same_config(state["config"], config):
             raise ValueError(
                 f"{resume_path} holds an unfinished run of another configuration. Delete it (or pass --fresh) to "
                 "start over, or use another output folder."
@@ -162,6 +159,8 @@ def train_one(
             if validation["accuracy"] > best_accuracy:
                 best_accuracy, best_epoch, epochs_without_gain = validation["accuracy"], epoch, 0
                 best_state = copy.deepcopy(model.state_dict())
+                test_now = evaluate(model, data["test"], config.batch_size)
+                history[-1].update(test_accuracy=test_now["accuracy"], test_exact_match=test_now["exact_match"])
             else:
                 epochs_without_gain += 1
             if resume_path is not None:
@@ -213,12 +212,17 @@ def config_as_saved(config: SyntheticConfig) -> dict:
     return json.loads(json.dumps(asdict(config)))
 
 
+def same_config(saved: dict | None, config: SyntheticConfig) -> bool:
+    """Whether a results file's or epoch state's config is `config` (fields it predates at their old values)."""
+    return saved is not None and config_as_saved(config_from_saved(saved)) == config_as_saved(config)
+
+
 def _load_checkpoint(path: Path | None, config: SyntheticConfig) -> list[dict]:
     """Finished runs from an earlier, interrupted call with the same config (none if there is no checkpoint)."""
     if path is None or not path.is_file():
         return []
     saved = json.loads(path.read_text(encoding="utf-8"))
-    if saved.get("config") != config_as_saved(config):
+    if not same_config(saved.get("config"), config):
         raise ValueError(
             f"{path} holds runs of a different configuration. Delete it (or pass --fresh) to start over, or use "
             "another output folder."
@@ -238,13 +242,25 @@ def run_file_name(key: tuple[str, str, float]) -> str:
 
 def epoch_state_path(checkpoint: Path, key: tuple[str, str, float]) -> Path:
     """Where a run of `checkpoint` keeps its state between epochs (`train_one`'s `resume_path`), in a hidden
-    `.epochs` folder beside it."""
-    return checkpoint.parent / ".epochs" / f"{checkpoint.stem}.{run_file_name(key)}.pt"
+    `.epochs` folder beside it. A pickled state of an older release (`.pt`) there is refused, not unpickled."""
+    path = checkpoint.parent / ".epochs" / f"{checkpoint.stem}.{run_file_name(key)}.safetensors"
+    pickled = path.with_suffix(".pt")
+    if pickled.exists():
+        raise ValueError(
+            f"{pickled} is an epoch state in the old pickle format, which is never unpickled: delete it to train "
+            "that run from its start (the runs already finished are kept)."
+        )
+    return path
+
+
+def weights_path(checkpoint: Path, key: tuple[str, str, float]) -> Path:
+    """Where a finished run of `checkpoint` keeps its best weights: `weights/<run>.safetensors` beside it."""
+    return checkpoint.parent / "weights" / f"{run_file_name(key)}.safetensors"
 
 
 def epoch_states(checkpoint: Path) -> list[Path]:
     """The epoch states of `checkpoint`'s unfinished runs (`epoch_state_path`)."""
-    return sorted((checkpoint.parent / ".epochs").glob(f"{checkpoint.stem}.*.pt"))
+    return sorted((checkpoint.parent / ".epochs").glob(f"{checkpoint.stem}.*.safetensors"))
 
 
 def runs_in_progress(config: SyntheticConfig, checkpoint: Path) -> list[dict]:
@@ -264,10 +280,10 @@ def runs_in_progress(config: SyntheticConfig, checkpoint: Path) -> list[dict]:
                 # States are replaced atomically (`save_epoch_state`): a file read while its run trains is whole,
                 # but it is deleted when the run finishes, which may happen between the listing and the reading.
                 try:
-                    state = torch.load(epoch_state_path(checkpoint, key), map_location="cpu", weights_only=True)
+                    state = load_epoch_state(epoch_state_path(checkpoint, key), with_tensors=False)
                 except FileNotFoundError:
                     continue
-                if state.get("config", config_as_saved(config)) != config_as_saved(config):
+                if not same_config(state["config"], config):
                     raise ValueError(
                         f"{epoch_state_path(checkpoint, key)} holds an unfinished run of another configuration: give "
                         "the preset and settings that made it."
@@ -327,6 +343,23 @@ def save_run(checkpoint: Path, config: SyntheticConfig, run: dict) -> list[dict]
     return runs
 
 
+def weights_description(run: dict, m: list[int], config: SyntheticConfig) -> dict:
+    """What `models.build_model` needs to rebuild a run's model from its saved weights, and which run they are."""
+    return {
+        "task": run["task"],
+        "model": run["model"],
+        "attention": run["attention"],
+        "num_pseudo_heads": run["num_pseudo_heads"],
+        "learning_rate": run["learning_rate"],
+        "max_m": m[1],
+        "hidden_size": config.hidden_size,
+        "num_heads": config.num_heads,
+        "seed": config.seed,
+        "best_epoch": run["best_epoch"],
+        "val_accuracy": run["val_accuracy"],
+    }
+
+
 def majority_baseline(data: CompositionData) -> dict:
     """Accuracy of always predicting the more frequent label, over all real positions and per m."""
     is_real = valid_positions(data.sizes, data.bits.shape[1])
@@ -371,13 +404,14 @@ def run_comparison(
     with tqdm(total=total, desc="synthetic runs", unit="run", disable=not progress) as overall:
         for task_index, task in enumerate(config.tasks):
             m = config.m[task]
-            seed = config.seed + 1000 * task_index
-            data = {
-                "train": make_composition_data(task, m, config.num_train, seed),
-                "val": make_composition_data(task, m, config.num_val, seed + 1),
-                "test": make_composition_data(task, m, config.num_test, seed + 2),
+            seeds = split_seeds(config.seed, task, task_index, config.data_streams)
+            sizes = {"train": config.num_train, "val": config.num_val, "test": config.num_test}
+            data = {split: make_composition_data(task, m, sizes[split], seeds[split]) for split in sizes}
+            baselines[task] = {
+                "m": m,
+                **majority_baseline(data["test"]),
+                "test_seen_in_train": fraction_seen_in(data["test"], data["train"]),
             }
-            baselines[task] = {"m": m, **majority_baseline(data["test"])}
             data = {split: split_data.to(device) for split, split_data in data.items()}
             for name, attention, num_pseudo_heads in variants:
                 if only is not None and (task, name) not in only:
@@ -416,6 +450,11 @@ def run_comparison(
                             "parameters": count_parameters(model),
                             **result,
                         }
+                        if checkpoint is not None:
+                            # The weights first: a result that names them always has them.
+                            weights = weights_path(checkpoint, key)
+                            save_run_weights(weights, model.state_dict(), weights_description(run, m, config))
+                            run["weights"] = weights.relative_to(checkpoint.parent).as_posix()
                         runs.append(run)
                         if checkpoint is not None:
                             finished = {run_key(saved): saved for saved in save_run(checkpoint, config, run)}

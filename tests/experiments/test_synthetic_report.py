@@ -10,6 +10,7 @@ import torch
 
 from iha.synthetic import write_outputs
 from iha.synthetic.cli import main
+from iha.synthetic.states import save_epoch_state
 
 
 def test_outputs_are_written(tiny_results, tmp_path):
@@ -102,7 +103,8 @@ def test_report_summarizes_unfinished_runs_with_paired_differences(tiny_results,
     key = ("binary", "2-simplicial", seed_1["config"]["learning_rates"][0])
     state_path = synthetic_training.epoch_state_path(tmp_path / "seed-1" / "results.partial.json", key)
     state_path.parent.mkdir()
-    torch.save(state, state_path)
+    no_tensors = {"model": {}, "best_state": {}, "optimizer": {"state": {}, "param_groups": []}}
+    save_epoch_state(state_path, {**state, **no_tensors, "generator": torch.zeros(1, dtype=torch.uint8)})
     assert main(["--preset", "tiny", "--seeds", "0", "1", "2", "--output-dir", str(tmp_path), "--report"]) == 0
     table = (tmp_path / "seeds.md").read_text()
     assert table.startswith("**Partial results: 10 of 18 runs finished.**")

@@ -5,7 +5,7 @@ import json
 from dataclasses import replace
 
 import pytest
-import torch
+from safetensors import safe_open
 
 from iha.synthetic import (
     PRESET_SEEDS,
@@ -15,6 +15,9 @@ from iha.synthetic import (
     write_seed_summary,
 )
 from iha.synthetic.cli import main
+from iha.synthetic.models import build_model
+from iha.synthetic.states import load_epoch_state, load_run_weights
+from iha.synthetic.task import make_composition_data, split_seeds
 
 
 def test_tiny_comparison_trains_every_variant(tiny_results):
@@ -139,21 +142,21 @@ def test_a_run_interrupted_between_epochs_continues_to_the_result_of_an_uninterr
     config = replace(TINY, tasks=["binary"], max_epochs=4, patience=10, simplicial=False, pseudo_heads=[])
     uninterrupted = run_comparison(config, progress=False)["runs"][0]
     checkpoint = tmp_path / "results.partial.json"
-    real_evaluate = synthetic_training.evaluate
-    validations = []
+    real_epoch_batches = synthetic_training.epoch_batches
+    epochs_started = []
 
-    def evaluate_then_fail_in_the_third_epoch(model, data, batch_size=256):
-        validations.append(len(data))
-        if len(validations) == 3:
+    def batches_then_fail_in_the_third_epoch(*args, **kwargs):
+        epochs_started.append(1)
+        if len(epochs_started) == 3:
             raise KeyboardInterrupt  # the machine went away in epoch 3, after epoch 2's state was saved
-        return real_evaluate(model, data, batch_size)
+        return real_epoch_batches(*args, **kwargs)
 
-    monkeypatch.setattr(synthetic_training, "evaluate", evaluate_then_fail_in_the_third_epoch)
+    monkeypatch.setattr(synthetic_training, "epoch_batches", batches_then_fail_in_the_third_epoch)
     with pytest.raises(KeyboardInterrupt):
         run_comparison(config, progress=False, checkpoint=checkpoint)
     state_file = synthetic_training.epoch_state_path(checkpoint, ("binary", "MHA", config.learning_rates[0]))
-    assert len(torch.load(state_file, weights_only=False)["history"]) == 2
-    monkeypatch.setattr(synthetic_training, "evaluate", real_evaluate)
+    assert len(load_epoch_state(state_file, with_tensors=False)["history"]) == 2
+    monkeypatch.setattr(synthetic_training, "epoch_batches", real_epoch_batches)
     # The report shows the unfinished run as far as it got, beside a finished run of the same seed at the same epoch
     # (here the uninterrupted run itself: by epoch 2 it had what the interrupted one has).
     (in_progress,) = synthetic_training.runs_in_progress(config, checkpoint)
@@ -172,7 +175,6 @@ def test_a_run_interrupted_between_epochs_continues_to_the_result_of_an_uninterr
         run_comparison(replace(config, patience=9), progress=False, checkpoint=checkpoint)
 
     epochs_trained = []
-    real_epoch_batches = synthetic_training.epoch_batches
     monkeypatch.setattr(
         synthetic_training,
         "epoch_batches",
@@ -186,12 +188,59 @@ def test_a_run_interrupted_between_epochs_continues_to_the_result_of_an_uninterr
 
 
 def test_fresh_discards_the_unfinished_runs_states(tmp_path):
-    stale = tmp_path / ".epochs" / "results.partial.ternary-MHA-lr0.01.pt"  # a run this call would never finish
+    stale = tmp_path / ".epochs" / "results.partial.ternary-MHA-lr0.01.safetensors"  # a run this call never finishes
     stale.parent.mkdir()
     stale.write_bytes(b"state of an interrupted run")
     argv = ["--preset", "tiny", "--tasks", "binary", "--max-epochs", "1", "--output-dir", str(tmp_path)]
     assert main(argv) == 0 and stale.exists()  # kept for the call that resumes it
     assert main([*argv, "--fresh"]) == 0 and not stale.exists()
+
+
+def test_a_pickled_epoch_state_is_refused_not_unpickled(tmp_path, capsys):
+    """States of older releases were pickles: a file from a checkout must never run code when a run resumes."""
+    pickled = tmp_path / ".epochs" / "results.partial.binary-MHA-lr0.01.pt"
+    pickled.parent.mkdir()
+    pickled.write_bytes(b"not to be unpickled")
+    argv = ["--preset", "tiny", "--tasks", "binary", "--max-epochs", "1", "--output-dir", str(tmp_path)]
+    assert main(argv) == 2
+    error = capsys.readouterr().err
+    assert "old pickle format, which is never unpickled" in error and str(pickled) in error
+    assert not (tmp_path / "results.json").exists()
+
+
+def test_finished_runs_save_their_best_weights_and_epoch_states_are_no_pickles(tmp_path, monkeypatch):
+    """Every finished run's best weights are a safetensors file named in its result: rebuilt from them, the model
+    gives the run's test metrics again; epoch states hold tensors and JSON only, and resume bit for bit."""
+    import iha.synthetic.train as synthetic_training
+
+    config = replace(TINY, tasks=["binary"], max_epochs=3, patience=10)
+    results = run_comparison(config, progress=False, checkpoint=tmp_path / "results.partial.json")
+    data = make_composition_data(
+        "binary",
+        config.m["binary"],
+        config.num_test,
+        split_seeds(config.seed, "binary", 0, config.data_streams)["test"],
+    )
+    for run in results["runs"]:
+        state_dict, description = load_run_weights(tmp_path / run["weights"])
+        assert (description["model"], description["best_epoch"]) == (run["model"], run["best_epoch"])
+        model = build_model(
+            description["max_m"],
+            description["hidden_size"],
+            description["num_heads"],
+            description["num_pseudo_heads"],
+            0,
+            description["attention"],
+        )
+        model.load_state_dict(state_dict)
+        metrics = synthetic_training.evaluate(model, data, config.batch_size)
+        assert metrics["accuracy"] == pytest.approx(run["test_accuracy"], abs=1e-6)
+        assert metrics["exact_match"] == pytest.approx(run["test_exact_match"], abs=1e-6)
+        # The epoch that set the best validation accuracy recorded that model's test metrics too.
+        best = next(point for point in run["history"] if point["epoch"] == run["best_epoch"])
+        assert best["test_accuracy"] == pytest.approx(run["test_accuracy"], abs=1e-6)
+    with safe_open(str(tmp_path / results["runs"][0]["weights"]), framework="pt") as handle:
+        assert json.loads(handle.metadata()["state"])["format"] == "iha-synthetic-run-weights/1"
 
 
 def test_a_finished_comparison_is_reused_and_never_overwritten_by_another(tmp_path, monkeypatch):
