@@ -1,7 +1,8 @@
-"""The paper's polynomial-filter claim, trained: `run_experiment` trains MHA with 2 and with 4 heads and IHA with 2
-heads (P = 2) from random initialisations on fresh random features every step, with linear and softmax attention,
-and reports the relative error on held-out features against steps (`python -m iha.synthetic.polynomial
---output-dir DIR`).
+"""The paper's polynomial-filter claim, trained: `run_experiment` trains, from random initialisations on fresh random
+features every step, MHA with ceil(sqrt(k)) and with k heads and IHA with ceil(sqrt(k)) heads (P = the same) on the
+filter of order k (k = 4: 2, 4 and 2 heads; k = 9: 3, 9 and 3), with linear and softmax attention, and reports the
+relative error on held-out features against steps (`python -m iha.synthetic.polynomial --output-dir DIR`; `--order 9`
+for k = 9).
 
 The task, the attention layer and the hand-set constructions that show why the claim holds are in
 `iha.synthetic.polynomial_filter`.
@@ -22,9 +23,16 @@ import torch
 
 from ..arguments import ArgumentParser, add_dataclass_arguments, dataclass_values
 from ..atomic_files import saved_figure, write_json_atomic, write_text_atomic
-from ..paired_stats import describe_paired, paired_differences
+from ..paired_stats import paired_differences
 from .models import reset_mixing_random
-from .polynomial_filter import ATTENTION_KINDS, FILTER_ORDER, FilterAttention, filter_target, mha_error_floor
+from .polynomial_filter import (
+    ATTENTION_KINDS,
+    FILTER_ORDER,
+    FilterAttention,
+    filter_target,
+    kronecker_rank,
+    mha_error_floor,
+)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -33,19 +41,50 @@ from .polynomial_filter import ATTENTION_KINDS, FILTER_ORDER, FilterAttention, f
 
 
 # name -> (heads, pseudo-heads)
-MODELS = {"MHA H=2": (2, None), "MHA H=4": (4, None), "IHA H=2 P=2": (2, 2)}
+MODELS = {
+    "MHA H=2": (2, None),
+    "MHA H=4": (4, None),
+    "IHA H=2 P=2": (2, 2),
+    "MHA H=3": (3, None),
+    "MHA H=9": (9, None),
+    "IHA H=3 P=3": (3, 3),
+}
+# The comparison of each filter order: MHA with ceil(sqrt(k)) heads, IHA with as many (P = H), MHA with k heads.
+ORDER_MODELS = {4: ["MHA H=2", "MHA H=4", "IHA H=2 P=2"], 9: ["MHA H=3", "IHA H=3 P=3", "MHA H=9"]}
+# The graphs of a task, per attention kind (`task_adjacency`).
+GRAPHS = ("gaussian", "persistent")
+# The persistent softmax graph: a directed cycle whose logits exceed the Gaussian noise's by this much (most of a
+# row's weight on the next node, about 70% on average), so that its powers stay apart up to A^8 instead of all
+# nearing the stationary distribution within a few steps.
+PERSISTENT_CYCLE_LOGIT = 4.0
 
 
 @dataclass
 class PolynomialConfig:
     """The settings of the polynomial-filter experiment (each a flag of `python -m iha.synthetic.polynomial`)."""
 
-    num_tokens: int = field(default=6, metadata={"help": "tokens (graph nodes) per example"})
+    order: int = field(
+        default=FILTER_ORDER,
+        metadata={"help": "filter order k: [X, AX, ..., A^(k-1) X]", "choices": list(ORDER_MODELS)},
+    )
+    num_tokens: int = field(default=6, metadata={"help": "tokens (graph nodes) per example; >= k for rank k"})
     feature_size: int = field(default=3, metadata={"help": "features per token"})
-    # 2 N: room for a softmax IHA layer to set its four patterns independently.
+    # H N: room for a softmax IHA layer to set its H^2 patterns independently (2 N at k = 4, 3 N at k = 9).
     head_dim: int = field(default=12, metadata={"help": "head dimension"})
-    models: list[str] = field(
-        default_factory=lambda: list(MODELS), metadata={"help": "models to train", "choices": list(MODELS)}
+    models: list[str] | None = field(
+        default=None,
+        metadata={
+            "help": "models to train (default: the order's three, MHA sqrt(k), IHA sqrt(k), MHA k heads)",
+            "choices": list(MODELS),
+        },
+    )
+    graphs: str = field(
+        default="gaussian",
+        metadata={
+            "help": "gaussian: linear A Gaussian / spectral norm 1, softmax A = softmax(Gaussian) (high powers "
+            "fade); persistent: linear A a random rotation, softmax a noisy directed cycle (every power counts)",
+            "choices": list(GRAPHS),
+        },
     )
     attentions: list[str] = field(
         default_factory=lambda: list(ATTENTION_KINDS),
@@ -61,24 +100,43 @@ class PolynomialConfig:
     graph_seed: int = field(default=1234, metadata={"help": "seed of the graph (the task)"})
 
     def __post_init__(self):
+        if self.order not in ORDER_MODELS:
+            raise ValueError(f"Unknown order {self.order}: choose one of {list(ORDER_MODELS)}.")
+        if self.models is None:
+            self.models = list(ORDER_MODELS[self.order])
         unknown = [model for model in self.models if model not in MODELS]
         if unknown:
             raise ValueError(f"Unknown model(s) {unknown}: choose from {sorted(MODELS)}.")
         unknown = [kind for kind in self.attentions if kind not in ATTENTION_KINDS]
         if unknown:
             raise ValueError(f"Unknown attention(s) {unknown}: choose from {list(ATTENTION_KINDS)}.")
+        if self.graphs not in GRAPHS:
+            raise ValueError(f"Unknown graphs {self.graphs!r}: choose one of {list(GRAPHS)}.")
         if self.steps < 1 or self.eval_every < 1 or not self.seeds:
             raise ValueError("`steps` and `eval_every` must be >= 1 and `seeds` non-empty.")
 
 
-def task_adjacency(num_tokens: int, attention: str, seed: int) -> torch.Tensor:
-    """The fixed graph of a task: linear attention a Gaussian matrix of spectral norm 1 (powers neither grow nor
-    vanish fast); softmax a random row-stochastic matrix with positive entries (what a softmax pattern can be)."""
+def task_adjacency(num_tokens: int, attention: str, seed: int, graphs: str = "gaussian") -> torch.Tensor:
+    """The fixed graph of a task. `gaussian`: linear attention a Gaussian matrix of spectral norm 1 (powers never
+    grow; they shrink, A^8 to a few percent of I); softmax a random row-stochastic matrix with positive entries (what
+    a softmax pattern can be; its powers near the stationary distribution within a few steps). `persistent`: linear
+    a random rotation (every power the norm of I); softmax the row-stochastic softmax of a directed cycle's logits
+    plus Gaussian noise, whose powers stay distinct to high order."""
     generator = torch.Generator().manual_seed(seed)
     weights = torch.randn(num_tokens, num_tokens, generator=generator)
+    if graphs == "gaussian":
+        if attention == "linear":
+            return weights / torch.linalg.matrix_norm(weights, ord=2)
+        return torch.softmax(weights, dim=-1)
     if attention == "linear":
-        return weights / torch.linalg.matrix_norm(weights, ord=2)
-    return torch.softmax(weights, dim=-1)
+        rotation, triangle = torch.linalg.qr(weights)
+        return rotation * torch.sign(torch.diagonal(triangle))  # signs fixed: a uniformly random rotation
+    cycle = torch.roll(torch.eye(num_tokens), 1, dims=1)
+    return torch.softmax(PERSISTENT_CYCLE_LOGIT * cycle + weights, dim=-1)
+
+
+def config_adjacency(config: PolynomialConfig, attention: str) -> torch.Tensor:
+    return task_adjacency(config.num_tokens, attention, config.graph_seed, config.graphs)
 
 
 def relative_error(prediction: torch.Tensor, target: torch.Tensor) -> float:
@@ -89,14 +147,14 @@ def train_filter(config: PolynomialConfig, model_name: str, attention: str, seed
     """Train one model on fresh random features every step (Adam, cosine decay); relative error on a fixed
     held-out set of features every `eval_every` steps."""
     num_heads, num_pseudo_heads = MODELS[model_name]
-    adjacency = task_adjacency(config.num_tokens, attention, config.graph_seed)
+    adjacency = config_adjacency(config, attention)
     torch.manual_seed(seed)
     layer = FilterAttention(
         config.num_tokens,
         config.feature_size,
         num_heads,
         config.head_dim,
-        FILTER_ORDER * config.feature_size,
+        config.order * config.feature_size,
         num_pseudo_heads,
         attention,
     )
@@ -109,14 +167,14 @@ def train_filter(config: PolynomialConfig, model_name: str, attention: str, seed
         config.feature_size,
         generator=torch.Generator().manual_seed(config.graph_seed + 1),
     )
-    held_out_target = filter_target(adjacency, held_out)
+    held_out_target = filter_target(adjacency, held_out, config.order)
     optimizer = torch.optim.Adam(layer.parameters(), lr=config.learning_rate)
     schedule = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, config.steps)
     curve = []
     started = time.process_time()
     for step in range(1, config.steps + 1):
         features = torch.randn(config.batch_size, config.num_tokens, config.feature_size, generator=data)
-        loss = (layer(features) - filter_target(adjacency, features)).pow(2).mean()
+        loss = (layer(features) - filter_target(adjacency, features, config.order)).pow(2).mean()
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         optimizer.step()
@@ -142,9 +200,27 @@ def _log10(value: float | None) -> float:
     return math.log10(value) if value is not None and value > 0 else float("inf")
 
 
+def holm_adjusted(p_values: list[float]) -> list[float]:
+    """Holm's step-down adjustment of a family of p-values (same order as given): the i-th smallest is multiplied
+    by (m - i + 1) and capped at 1, and none is smaller than the one before it. Rejecting the adjusted p < alpha
+    keeps the chance of any false rejection in the family at most alpha."""
+    count = len(p_values)
+    adjusted = [1.0] * count
+    running = 0.0
+    for rank, index in enumerate(sorted(range(count), key=lambda i: p_values[i])):
+        running = max(running, min(1.0, (count - rank) * p_values[index]))
+        adjusted[index] = running
+    return adjusted
+
+
+def is_iha(model: str) -> bool:
+    return MODELS[model][1] is not None
+
+
 def summarize(config: PolynomialConfig, runs: list[dict]) -> dict:
     """Per attention and model: the final relative error over seeds (median, range, seeds below 1e-3); per
-    attention, IHA against each MHA paired by seed on log10 of the final error."""
+    attention, each IHA model against each MHA paired by seed on log10 of the final error, with Holm-adjusted
+    p-values over all the pairs of the report (one family)."""
     summary = {"models": {}, "paired": {}}
     for attention in config.attentions:
         for model in config.models:
@@ -164,28 +240,56 @@ def summarize(config: PolynomialConfig, runs: list[dict]) -> dict:
                 "max": max(finite) if finite else None,
                 "below_1e-3": sum(value is not None and value < 1e-3 for value in finals),
             }
-        iha = {run["seed"]: run for run in runs if run["attention"] == attention and run["model"] == "IHA H=2 P=2"}
-        for baseline in ("MHA H=2", "MHA H=4"):
-            other = {run["seed"]: run for run in runs if run["attention"] == attention and run["model"] == baseline}
-            seeds = sorted(set(iha) & set(other))
-            values = [(_log10(other[s]["final_relative_error"]), _log10(iha[s]["final_relative_error"])) for s in seeds]
-            if seeds and all(math.isfinite(a) and math.isfinite(b) for a, b in values):
-                summary["paired"][f"{attention}/IHA H=2 P=2 - {baseline}"] = paired_differences(
-                    [a for a, _ in values], [b for _, b in values], labels=seeds
-                )
+        for iha in [model for model in config.models if is_iha(model)]:
+            ours = {run["seed"]: run for run in runs if run["attention"] == attention and run["model"] == iha}
+            for baseline in [model for model in config.models if not is_iha(model)]:
+                other = {run["seed"]: run for run in runs if run["attention"] == attention and run["model"] == baseline}
+                seeds = sorted(set(ours) & set(other))
+                values = [
+                    (_log10(other[s]["final_relative_error"]), _log10(ours[s]["final_relative_error"])) for s in seeds
+                ]
+                if seeds and all(math.isfinite(a) and math.isfinite(b) for a, b in values):
+                    summary["paired"][f"{attention}/{iha} - {baseline}"] = paired_differences(
+                        [a for a, _ in values], [b for _, b in values], labels=seeds
+                    )
+    tested = [paired for paired in summary["paired"].values() if paired["t_p_value"] is not None]
+    for key in ("t_p_value", "permutation_p_value"):
+        for paired, adjusted in zip(tested, holm_adjusted([paired[key] for paired in tested])):
+            paired[f"holm_{key}"] = adjusted
+    for paired in tested:
+        paired["holm_family_size"] = len(tested)
     return summary
 
 
+def _cell(value: float | None) -> str:
+    return "–" if value is None else f"{value:.2g}"
+
+
+def _filter_text(order: int) -> str:
+    powers = ["X", "AX"] + [f"A^{power} X" for power in range(2, order)]
+    return "[" + ", ".join(powers if order <= 4 else [*powers[:3], "...", powers[-1]]) + "]"
+
+
+def _graphs_text(config: PolynomialConfig) -> str:
+    if config.graphs == "gaussian":
+        return "Linear attention: A Gaussian with spectral norm 1; softmax: A row-stochastic with positive entries"
+    return (
+        "Linear attention: A a random rotation (every power has the norm of I); softmax: A the row-stochastic softmax "
+        f"of a directed cycle's logits ({PERSISTENT_CYCLE_LOGIT:g}) plus Gaussian noise (powers stay distinct)"
+    )
+
+
 def render_markdown(config: PolynomialConfig, summary: dict, runs: list[dict], command: str) -> str:
+    mha_heads = sorted(MODELS[model][0] for model in config.models if not is_iha(model))
+    fewest = mha_heads[0] if mha_heads else None
     lines = [
-        "# The polynomial-filter claim: one attention layer computing [X, AX, A^2 X, A^3 X]",
+        f"# The polynomial-filter claim: one attention layer computing {_filter_text(config.order)} (k = {config.order})",
         "",
         f"N = {config.num_tokens} tokens with one-hot positions and d_x = {config.feature_size} features, head dim "
         f"{config.head_dim}; one bidirectional attention layer, nothing else. Trained from random initialisations "
         f"(IHA mixing drawn N(0, 1/H), collapse N(0, 1/P)) on fresh Gaussian features every step: Adam, lr "
         f"{config.learning_rate:g} with cosine decay, batch {config.batch_size}, {config.steps} steps; relative error "
-        f"||Y_hat - Y|| / ||Y|| on {config.num_eval} held-out feature sets. Linear attention: A Gaussian with spectral "
-        "norm 1; softmax: A row-stochastic with positive entries (graph seed "
+        f"||Y_hat - Y|| / ||Y|| on {config.num_eval} held-out feature sets. {_graphs_text(config)} (graph seed "
         f"{config.graph_seed}). The hand-set constructions are tested in tests/experiments/test_polynomial_filter.py "
         "(exact in float64).",
         "",
@@ -196,28 +300,49 @@ def render_markdown(config: PolynomialConfig, summary: dict, runs: list[dict], c
     ]
     for entry in summary["models"].values():
         per_seed = ", ".join("diverged" if value is None else f"{value:.2g}" for value in entry["final_relative_error"])
-
-        def cell(value):
-            return "–" if value is None else f"{value:.2g}"
-
         lines.append(
-            f"| {entry['attention']} | {entry['model']} | {entry['parameters']:,} | {cell(entry['median'])} | "
-            f"{cell(entry['min'])} | {cell(entry['max'])} | {entry['below_1e-3']} of {len(entry['seeds'])} | "
+            f"| {entry['attention']} | {entry['model']} | {entry['parameters']:,} | {_cell(entry['median'])} | "
+            f"{_cell(entry['min'])} | {_cell(entry['max'])} | {entry['below_1e-3']} of {len(entry['seeds'])} | "
             f"{per_seed} |"
         )
-    floors = ", ".join(
-        f"{attention} {mha_error_floor(task_adjacency(config.num_tokens, attention, config.graph_seed).double(), 2):.3g}"
-        for attention in config.attentions
-    )
+    if fewest is not None:
+        adjacencies = {attention: config_adjacency(config, attention).double() for attention in config.attentions}
+        floors = ", ".join(
+            f"{attention} {mha_error_floor(adjacency, fewest, config.order):.3g}"
+            for attention, adjacency in adjacencies.items()
+        )
+        ranks = ", ".join(
+            f"{attention} {kronecker_rank(adjacency, config.order)}" for attention, adjacency in adjacencies.items()
+        )
+        lines += [
+            "",
+            f"The floor of {fewest}-head MHA with position-only patterns (the best sum of {fewest} Kronecker products): "
+            f"{floors}; the filter's Kronecker rank: {ranks}. A trained {fewest}-head MHA can also read the features "
+            f"in its patterns; {config.order}-head MHA and {math.isqrt(config.order - 1) + 1}-head IHA can reach 0.",
+        ]
     lines += [
         "",
-        f"The floor of 2-head MHA with position-only patterns (the best sum of two Kronecker products; the filter's "
-        f"Kronecker rank is 4): {floors}. A trained 2-head MHA can also read the features in its patterns; 4-head MHA "
-        "and 2-head IHA can reach 0.",
+        "## IHA against MHA, paired by seed (log10 of the final relative error, IHA - MHA)",
+        "",
+        "Negative: IHA lower. Holm: adjusted over the "
+        f"{len(summary['paired'])} comparisons of this table (one family); with {len(config.seeds)} seeds the exact "
+        f"sign-flip test cannot go below {2 / 2 ** len(config.seeds):.3g} raw, nor below "
+        f"{min(1.0, len(summary['paired']) * 2 / 2 ** len(config.seeds)):.3g} after Holm.",
+        "",
+        "| attention | comparison | mean [95% t interval] | seeds IHA higher | paired t p | Holm | sign-flip p | Holm |",
+        "|---|---|---|---:|---:|---:|---:|---:|",
     ]
-    lines += ["", "## IHA against MHA, paired by seed (log10 of the final relative error, IHA - MHA)", ""]
     for name, paired in summary["paired"].items():
-        lines.append(f"- {name}: {describe_paired(paired, digits=2)} (negative: IHA lower).")
+        attention, comparison = name.split("/", 1)
+        if paired["ci"] is None:
+            lines.append(f"| {attention} | {comparison} | {paired['mean']:+.2f} (one seed: no test) | | | | | |")
+            continue
+        low, high = paired["ci"]
+        lines.append(
+            f"| {attention} | {comparison} | {paired['mean']:+.2f} [{low:+.2f}, {high:+.2f}] | "
+            f"{paired['positive']} of {paired['n']} | {paired['t_p_value']:.3g} | {paired['holm_t_p_value']:.3g} | "
+            f"{paired['permutation_p_value']:.3g} | {paired['holm_permutation_p_value']:.3g} |"
+        )
     lines += [
         "",
         "![relative error against steps](error.png)",
@@ -232,7 +357,7 @@ def render_markdown(config: PolynomialConfig, summary: dict, runs: list[dict], c
 
 def plot_curves(config: PolynomialConfig, runs: list[dict], path: Path) -> Path:
     """Relative error against steps, one panel per attention, one line per run (colour: model)."""
-    colors = {model: f"C{index}" for index, model in enumerate(MODELS)}
+    colors = {model: f"C{index}" for index, model in enumerate(config.models)}
     with saved_figure(
         path, dpi=110, ncols=len(config.attentions), figsize=(6 * len(config.attentions), 4.2), squeeze=False
     ) as (_, axes):
@@ -248,22 +373,31 @@ def plot_curves(config: PolynomialConfig, runs: list[dict], path: Path) -> Path:
             axis.set_yscale("log")
             axis.set_xlabel("training step")
             axis.set_ylabel("relative error on held-out features")
-            axis.set_title(f"{attention} attention: [X, AX, A²X, A³X]")
+            axis.set_title(f"{attention} attention: {_filter_text(config.order)}")
             axis.grid(alpha=0.3, which="both")
             axis.legend(fontsize=8)
     return Path(path)
 
 
+def _saved_runs(path: Path, config: PolynomialConfig) -> list[dict] | None:
+    """The runs saved in `path` (a checkpoint or a finished report) if they were made with `config`; a saved
+    configuration from before a setting existed takes that setting's default."""
+    if not path.is_file():
+        return None
+    saved = json.loads(path.read_text(encoding="utf-8"))
+    try:
+        saved_config = PolynomialConfig(**saved["config"])
+    except (TypeError, ValueError):
+        return None
+    return saved["runs"] if asdict(saved_config) == json.loads(json.dumps(asdict(config))) else None
+
+
 def run_experiment(config: PolynomialConfig, output_dir: str | Path, command: str = "", progress: bool = True) -> dict:
-    """Every attention x model x seed (resuming from OUTPUT_DIR/runs.partial.json), then report.md/.json and
-    error.png in `output_dir`."""
+    """Every attention x model x seed (resuming from OUTPUT_DIR/runs.partial.json, or reusing a finished
+    OUTPUT_DIR/report.json made with the same settings), then report.md/.json and error.png in `output_dir`."""
     output_dir = Path(output_dir)
     checkpoint = output_dir / "runs.partial.json"
-    runs = []
-    if checkpoint.is_file():
-        saved = json.loads(checkpoint.read_text(encoding="utf-8"))
-        if saved["config"] == json.loads(json.dumps(asdict(config))):
-            runs = saved["runs"]
+    runs = _saved_runs(checkpoint, config) or _saved_runs(output_dir / "report.json", config) or []
     done = {(run["attention"], run["model"], run["seed"]) for run in runs}
     work = [(a, m, s) for a in config.attentions for m in config.models for s in config.seeds if (a, m, s) not in done]
     for index, (attention, model, seed) in enumerate(work, 1):
@@ -289,8 +423,10 @@ def run_experiment(config: PolynomialConfig, output_dir: str | Path, command: st
 def make_parser() -> argparse.ArgumentParser:
     parser = ArgumentParser(
         prog="python -m iha.synthetic.polynomial",
-        description="Train MHA (2 and 4 heads) and IHA (2 heads, P = 2) on the order-4 polynomial filter "
-        "[X, AX, A^2 X, A^3 X], linear and softmax attention; report.md/.json and error.png in OUTPUT_DIR.",
+        description="Train MHA (ceil(sqrt(k)) and k heads) and IHA (ceil(sqrt(k)) heads, P = the same) on the "
+        "polynomial filter [X, AX, ..., A^(k-1) X] (k = 4 by default; --order 9), linear and softmax attention; "
+        "report.md/.json and error.png in OUTPUT_DIR. Resumes after every finished run; a finished report with the "
+        "same settings is re-rendered, not retrained.",
     )
     parser.add_argument("--output-dir", default="runs/polynomial-filter", help="writes report.md/.json, error.png")
     add_dataclass_arguments(parser, PolynomialConfig, "settings")

@@ -1,19 +1,31 @@
-"""The paper's polynomial-filter claim: 2 IHA heads with P = 2 compute [X, AX, A^2 X, A^3 X], which MHA needs 4
-heads for (hand-set weights, float64), and the trained comparison's outputs."""
+"""The paper's polynomial-filter claim: ceil(sqrt(k)) IHA heads with P = H compute [X, AX, ..., A^(k-1) X], which
+MHA with position-only patterns needs k heads for (hand-set weights, float64, k = 4, 9, 16 and orders in between),
+and the trained comparison's outputs (k = 4 and k = 9)."""
 
 import json
+import math
 
 import pytest
 import torch
 
-from iha.synthetic.polynomial import PolynomialConfig, run_experiment
+from iha.synthetic.polynomial import PolynomialConfig, holm_adjusted, run_experiment, task_adjacency
 from iha.synthetic.polynomial_filter import (
     filter_target,
     hand_set_iha_filter,
     hand_set_mha_filter,
+    iha_heads_for_order,
     kronecker_rank,
     mha_error_floor,
 )
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """These layers are tiny: one thread, so that a busy machine's other threads do not slow every step down."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
 
 
 def cycle(num_tokens: int) -> torch.Tensor:
@@ -21,62 +33,143 @@ def cycle(num_tokens: int) -> torch.Tensor:
     return torch.roll(torch.eye(num_tokens, dtype=torch.float64), 1, dims=1)
 
 
-@pytest.mark.parametrize("seed", [0, 1, 2])
-def test_two_iha_heads_compute_the_order_4_filter_exactly_with_linear_attention(seed):
-    generator = torch.Generator().manual_seed(seed)
-    num_tokens, feature_size = 5, 2
+def gaussian_graph(num_tokens: int, generator: torch.Generator) -> torch.Tensor:
     adjacency = torch.randn(num_tokens, num_tokens, generator=generator, dtype=torch.float64)
+    return adjacency / torch.linalg.matrix_norm(adjacency, ord=2)
+
+
+def rotation(num_tokens: int, generator: torch.Generator) -> torch.Tensor:
+    """A random rotation: every power has the norm of I (a Gaussian graph's high powers fade)."""
+    weights = torch.randn(num_tokens, num_tokens, generator=generator, dtype=torch.float64)
+    return torch.linalg.qr(weights)[0]
+
+
+def projection_parameters(layer) -> int:
+    return sum(parameter.numel() for name, parameter in layer.named_parameters() if "proj" in name)
+
+
+def test_iha_heads_for_order_is_the_ceiling_of_the_square_root():
+    assert [iha_heads_for_order(order) for order in (1, 2, 4, 5, 9, 10, 16, 17)] == [1, 2, 2, 3, 3, 4, 4, 5]
+    with pytest.raises(ValueError, match="order must be >= 1"):
+        iha_heads_for_order(0)
+
+
+@pytest.mark.parametrize("heads", [2, 3, 4])
+@pytest.mark.parametrize("seed", [0, 1])
+def test_h_iha_heads_compute_the_order_h_squared_filter_exactly_with_linear_attention(heads, seed):
+    order = heads * heads
+    generator = torch.Generator().manual_seed(seed)
+    num_tokens, feature_size = order + 1, 2
+    adjacency = gaussian_graph(num_tokens, generator)
     features = torch.randn(7, num_tokens, feature_size, generator=generator, dtype=torch.float64)
-    target = filter_target(adjacency, features)
-    assert target.shape == (7, num_tokens, 4 * feature_size)
-    torch.testing.assert_close(target[..., 3 * feature_size :], adjacency @ adjacency @ adjacency @ features)
-    iha = hand_set_iha_filter(adjacency, feature_size, head_dim=6)
-    assert (iha.num_heads, iha.head_mixing.num_pseudo_heads) == (2, 2)
+    target = filter_target(adjacency, features, order)
+    assert target.shape == (7, num_tokens, order * feature_size)
+    torch.testing.assert_close(
+        target[..., (order - 1) * feature_size :], torch.linalg.matrix_power(adjacency, order - 1) @ features
+    )
+    head_dim = max(num_tokens, heads * feature_size)
+    iha = hand_set_iha_filter(adjacency, feature_size, head_dim, order=order)
+    assert (iha.num_heads, iha.head_mixing.num_pseudo_heads) == (heads, heads)
     torch.testing.assert_close(iha(features), target, rtol=0, atol=1e-12)
-    # The 4-head MHA layer computes the same; so the 2-head IHA layer does with half its projections.
-    mha = hand_set_mha_filter(adjacency, feature_size, head_dim=6)
+    # The k-head MHA layer computes the same; the H-head IHA layer does it with 1/H of its projections.
+    mha = hand_set_mha_filter(adjacency, feature_size, head_dim, order=order)
+    assert mha.num_heads == order
     torch.testing.assert_close(mha(features), target, rtol=0, atol=1e-12)
-    iha_projections = sum(p.numel() for name, p in iha.named_parameters() if "proj" in name)
-    assert 2 * iha_projections == sum(p.numel() for name, p in mha.named_parameters() if "proj" in name)
+    assert heads * projection_parameters(iha) == projection_parameters(mha)
 
 
-def test_the_softmax_form_is_exact_up_to_e_to_the_minus_beta_on_a_permutation():
-    num_tokens, feature_size = 6, 3
+@pytest.mark.parametrize("order", [2, 3, 5, 7, 10])
+def test_orders_between_squares_take_the_ceiling_of_the_square_root_heads(order):
+    generator = torch.Generator().manual_seed(order)
+    num_tokens, feature_size = order + 1, 3
+    adjacency = gaussian_graph(num_tokens, generator)
+    features = torch.randn(5, num_tokens, feature_size, generator=generator, dtype=torch.float64)
+    heads = math.ceil(math.sqrt(order))
+    iha = hand_set_iha_filter(adjacency, feature_size, max(num_tokens, heads * feature_size), order=order)
+    assert iha.num_heads == heads
+    torch.testing.assert_close(iha(features), filter_target(adjacency, features, order), rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("heads", [2, 3, 4])
+def test_the_softmax_form_is_exact_up_to_e_to_the_minus_beta_and_hard_attention_exactly_on_a_permutation(heads):
+    order = heads * heads
+    num_tokens, feature_size = order + 2, 3
     adjacency = cycle(num_tokens)
-    features = torch.randn(4, num_tokens, feature_size, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
-    target = filter_target(adjacency, features)
+    generator = torch.Generator().manual_seed(heads)
+    features = torch.randn(4, num_tokens, feature_size, generator=generator, dtype=torch.float64)
+    target = filter_target(adjacency, features, order)
     torch.testing.assert_close(target[..., feature_size : 2 * feature_size], features.roll(-1, dims=1))
+    head_dim = max(num_tokens, heads * feature_size)
     errors = {}
     for beta in (4.0, 60.0):
-        layer = hand_set_iha_filter(adjacency, feature_size, head_dim=6, beta=beta)
+        layer = hand_set_iha_filter(adjacency, feature_size, head_dim, attention="softmax", beta=beta, order=order)
         assert layer.attention == "softmax"
         errors[beta] = (layer(features) - target).abs().max().item()
     assert errors[60.0] < 1e-12 < 1e-3 < errors[4.0]  # the construction needs sharp patterns, and gets them
-    torch.testing.assert_close(
-        hand_set_mha_filter(adjacency, feature_size, 6, beta=60.0)(features), target, rtol=0, atol=1e-12
-    )
+    hard = hand_set_iha_filter(adjacency, feature_size, head_dim, attention="hard", order=order)
+    torch.testing.assert_close(hard(features), target, rtol=0, atol=1e-12)
+    for attention in ("softmax", "hard"):
+        mha = hand_set_mha_filter(adjacency, feature_size, head_dim, attention=attention, order=order)
+        torch.testing.assert_close(mha(features), target, rtol=0, atol=1e-12)
 
 
-def test_two_mha_heads_with_position_only_patterns_cannot_compute_the_filter():
-    # The filter's Kronecker rank is 4: no sum of 2 Kronecker products (2 MHA heads whose patterns read positions
-    # only) gets closer than the floor, on average over Gaussian features.
-    generator = torch.Generator().manual_seed(0)
-    adjacency = torch.randn(5, 5, generator=generator, dtype=torch.float64)
-    assert kronecker_rank(adjacency) == 4 and kronecker_rank(torch.eye(5, dtype=torch.float64)) == 1
-    floor_two, floor_four = mha_error_floor(adjacency, 2), mha_error_floor(adjacency, 4)
-    assert floor_two > 0.05 and floor_four < 1e-12
-    # A 2-head MHA layer whose patterns are two of the four powers, its values and output projection fitted by least
-    # squares, does no better than the floor.
-    features = torch.randn(4000, 5, 2, generator=generator, dtype=torch.float64)
-    target = filter_target(adjacency, features)
-    two_patterns = torch.cat([features, adjacency @ adjacency @ features], dim=-1).reshape(-1, 4)  # I and A^2
-    solution = torch.linalg.lstsq(two_patterns, target.reshape(-1, 8)).solution
-    error = torch.linalg.vector_norm(two_patterns @ solution - target.reshape(-1, 8)) / torch.linalg.vector_norm(target)
-    assert error.item() >= floor_two * 0.97
+def test_the_construction_refuses_a_head_dim_too_small_for_its_streams():
+    with pytest.raises(ValueError, match=r"head_dim must be >= max\(N, H d_x\) = 9 for order 9"):
+        hand_set_iha_filter(cycle(4), 3, 8, order=9)
+
+
+@pytest.mark.parametrize("heads", [2, 3, 4])
+def test_fewer_than_k_mha_heads_with_position_only_patterns_cannot_compute_the_filter(heads):
+    # The filter's Kronecker rank is k (for a generic A and N >= k): no sum of fewer than k Kronecker products (MHA
+    # heads whose patterns read positions only) reaches it; ceil(sqrt(k)) such heads stay far from it.
+    order = heads * heads
+    generator = torch.Generator().manual_seed(heads)
+    num_tokens = order + 1
+    assert kronecker_rank(gaussian_graph(num_tokens, generator), order) == order
+    adjacency = rotation(num_tokens, generator)
+    assert kronecker_rank(adjacency, order) == order
+    assert kronecker_rank(torch.eye(num_tokens, dtype=torch.float64), order) == 1
+    # With fewer tokens than the order, the powers beyond A^(N-1) depend on the lower ones (Cayley-Hamilton).
+    assert kronecker_rank(gaussian_graph(order - 2, generator), order) == order - 2
+    floors = [mha_error_floor(adjacency, count, order) for count in range(1, order + 1)]
+    assert all(earlier > later for earlier, later in zip(floors, floors[1:]))
+    assert floors[order - 2] > 1e-3 and floors[order - 1] < 1e-12  # k - 1 heads fall short, k heads reach it
+    # A ceil(sqrt(k))-head MHA layer whose patterns are `heads` of the k powers, its values and output projection
+    # fitted by least squares, does no better than the floor.
+    feature_size = 2
+    features = torch.randn(3000, num_tokens, feature_size, generator=generator, dtype=torch.float64)
+    target = filter_target(adjacency, features, order).reshape(-1, order * feature_size)
+    chosen = [torch.linalg.matrix_power(adjacency, power) @ features for power in range(0, order, heads)]
+    patterns = torch.cat(chosen, dim=-1).reshape(-1, heads * feature_size)
+    solution = torch.linalg.lstsq(patterns, target).solution
+    error = torch.linalg.vector_norm(patterns @ solution - target) / torch.linalg.vector_norm(target)
+    assert error.item() >= floors[heads - 1] * 0.97 > 0.05
+
+
+def test_the_persistent_graphs_keep_every_power_apart_where_the_gaussian_ones_fade():
+    for attention in ("linear", "softmax"):
+        gaussian = task_adjacency(10, attention, 1234, "gaussian").double()
+        persistent = task_adjacency(10, attention, 1234, "persistent").double()
+        assert kronecker_rank(persistent, 9) == 9
+        # Three position-only MHA heads miss much more of the persistent filter than of the fading one.
+        assert mha_error_floor(persistent, 3, 9) > 0.3 > 1.2 * mha_error_floor(gaussian, 3, 9)
+    rotation = task_adjacency(10, "linear", 0, "persistent")  # float32, as trained
+    torch.testing.assert_close(rotation @ rotation.T, torch.eye(10), rtol=0, atol=1e-5)
+    stochastic = task_adjacency(10, "softmax", 0, "persistent")
+    torch.testing.assert_close(stochastic.sum(dim=-1), torch.ones(10))
+    assert stochastic.roll(-1, dims=1).diagonal().mean() > 0.5  # most of the weight on the next node
+
+
+def test_holm_adjusts_step_down_and_keeps_the_order_of_its_input():
+    assert holm_adjusted([0.01, 0.04, 0.03, 0.5]) == pytest.approx([0.04, 0.09, 0.09, 0.5])
+    assert holm_adjusted([0.3, 0.2]) == pytest.approx([0.4, 0.4])
+    assert holm_adjusted([0.9, 0.8, 0.6]) == [1.0, 1.0, 1.0]
+    assert holm_adjusted([]) == []
 
 
 def test_the_trained_comparison_learns_and_writes_its_report(tmp_path):
     config = PolynomialConfig(num_tokens=4, feature_size=2, head_dim=8, seeds=[0, 1], steps=60, eval_every=20)
+    assert config.models == ["MHA H=2", "MHA H=4", "IHA H=2 P=2"]
     report = run_experiment(config, tmp_path, command="test", progress=False)
     assert len(report["runs"]) == 2 * 3 * 2
     for run in report["runs"]:
@@ -87,9 +180,45 @@ def test_the_trained_comparison_learns_and_writes_its_report(tmp_path):
     assert summary["models"]["linear/IHA H=2 P=2"]["seeds"] == [0, 1]
     paired = summary["paired"]["softmax/IHA H=2 P=2 - MHA H=4"]
     assert paired["n"] == 2 and paired["labels"] == [0, 1]
+    assert len(summary["paired"]) == 4 and paired["holm_family_size"] == 4
+    assert paired["holm_t_p_value"] >= paired["t_p_value"]
     saved = json.loads((tmp_path / "report.json").read_text())
     assert saved["summary"]["models"].keys() == summary["models"].keys()
     markdown = (tmp_path / "report.md").read_text()
     assert "| linear | MHA H=4 |" in markdown and "2-head MHA with position-only patterns" in markdown
+    assert "| softmax | IHA H=2 P=2 - MHA H=4 |" in markdown and "after Holm" in markdown
     assert (tmp_path / "error.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert not (tmp_path / "runs.partial.json").exists()
+    # A finished report with the same settings is re-rendered from its runs, not retrained.
+    (tmp_path / "report.md").unlink()
+    again = run_experiment(config, tmp_path, command="again", progress=False)
+    assert again["runs"] == report["runs"] and (tmp_path / "report.md").is_file()
+
+
+def test_the_order_9_comparison_trains_three_heads_against_three_and_nine(tmp_path):
+    config = PolynomialConfig(
+        order=9,
+        num_tokens=9,
+        feature_size=1,
+        head_dim=9,
+        graphs="persistent",
+        attentions=["softmax"],
+        seeds=[0],
+        steps=40,
+        eval_every=20,
+    )
+    assert config.models == ["MHA H=3", "IHA H=3 P=3", "MHA H=9"]
+    report = run_experiment(config, tmp_path, command="test", progress=False)
+    runs = {run["model"]: run for run in report["runs"]}
+    assert runs["MHA H=9"]["parameters"] > 2 * runs["MHA H=3"]["parameters"]
+    assert all(run["curve"][-1][1] < run["curve"][0][1] for run in runs.values())
+    assert set(report["summary"]["paired"]) == {"softmax/IHA H=3 P=3 - MHA H=3", "softmax/IHA H=3 P=3 - MHA H=9"}
+    markdown = (tmp_path / "report.md").read_text()
+    assert "(k = 9)" in markdown and "one seed: no test" in markdown and "Kronecker rank: softmax 9" in markdown
+
+
+def test_the_config_refuses_an_unknown_order_or_graph_family():
+    with pytest.raises(ValueError, match="Unknown order 5"):
+        PolynomialConfig(order=5)
+    with pytest.raises(ValueError, match="Unknown graphs 'ring'"):
+        PolynomialConfig(graphs="ring")
