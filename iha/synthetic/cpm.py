@@ -40,8 +40,9 @@ W_h: an affine map of the stacked one-hots whose linear part is a sum of H Krone
 differences of CPM-3 inputs span every (slot, symbol) direction (`("a", "b") - ("a",)` is symbol b in slot 1), so a
 layer exact on every input has the target's linear part, sum_i e_i^T (x) B_i (B_i puts slot i's one-hot into the
 blocks j >= i), whose Kronecker rank is N_max (the B_i are linearly independent): fewer than N_max such heads
-cannot. The bound says nothing about heads whose patterns read the symbols, or about a nonlinear readout after the
-layer (averages over overlapping prefixes of discrete symbols can be decoded by one).
+cannot. The bound says nothing about heads whose patterns read the symbols, or about a nonlinear readout (an MLP)
+after the layer; and "hard attention" here is averaging hard attention (tied keys share the weight): with an argmax
+that keeps one key per query, each pseudo-query reads one slot and this construction does not apply.
 """
 
 from __future__ import annotations
