@@ -379,27 +379,67 @@ def plot_curves(config: PolynomialConfig, runs: list[dict], path: Path) -> Path:
     return Path(path)
 
 
-def _saved_runs(path: Path, config: PolynomialConfig) -> list[dict] | None:
-    """The runs saved in `path` (a checkpoint or a finished report) if they were made with `config`; a saved
-    configuration from before a setting existed takes that setting's default."""
+# The settings that choose which runs to make, not how a run goes: every run depends only on the other settings and
+# its own attention, model and seed, so runs saved under another selection can be reused.
+SELECTION_SETTINGS = ("models", "attentions", "seeds")
+
+
+def task_settings(config: PolynomialConfig) -> dict:
+    """The settings a run depends on (all but the selection), as saved in JSON."""
+    settings = json.loads(json.dumps(asdict(config)))
+    return {name: value for name, value in settings.items() if name not in SELECTION_SETTINGS}
+
+
+def _saved_runs(path: Path, config: PolynomialConfig) -> list[dict]:
+    """The runs of `config`'s selection saved in `path` (a checkpoint or a report) if they were made with the same
+    task settings (the selection may differ); a saved configuration from before a setting existed takes that
+    setting's default."""
     if not path.is_file():
-        return None
+        return []
     saved = json.loads(path.read_text(encoding="utf-8"))
     try:
         saved_config = PolynomialConfig(**saved["config"])
     except (TypeError, ValueError):
-        return None
-    return saved["runs"] if asdict(saved_config) == json.loads(json.dumps(asdict(config))) else None
+        return []
+    if task_settings(saved_config) != task_settings(config):
+        return []
+    return [
+        run
+        for run in saved["runs"]
+        if run["attention"] in config.attentions and run["model"] in config.models and run["seed"] in config.seeds
+    ]
 
 
-def run_experiment(config: PolynomialConfig, output_dir: str | Path, command: str = "", progress: bool = True) -> dict:
-    """Every attention x model x seed (resuming from OUTPUT_DIR/runs.partial.json, or reusing a finished
-    OUTPUT_DIR/report.json made with the same settings), then report.md/.json and error.png in `output_dir`."""
+def saved_runs(config: PolynomialConfig, folders: list[Path]) -> list[dict]:
+    """The runs of `config` saved in any of `folders` (runs.partial.json, report.json), each (attention, model,
+    seed) once: the first folder's first."""
+    runs, done = [], set()
+    for folder in folders:
+        for name in ("runs.partial.json", "report.json"):
+            for run in _saved_runs(Path(folder) / name, config):
+                key = (run["attention"], run["model"], run["seed"])
+                if key not in done:
+                    done.add(key)
+                    runs.append(run)
+    return runs
+
+
+def run_experiment(
+    config: PolynomialConfig,
+    output_dir: str | Path,
+    command: str = "",
+    progress: bool = True,
+    runs_from: list[str | Path] = (),
+) -> dict:
+    """Every attention x model x seed (reusing the runs saved with the same task settings in OUTPUT_DIR's
+    runs.partial.json or report.json, or in the folders `runs_from`), then report.md/.json and error.png in
+    `output_dir`."""
     output_dir = Path(output_dir)
     checkpoint = output_dir / "runs.partial.json"
-    runs = _saved_runs(checkpoint, config) or _saved_runs(output_dir / "report.json", config) or []
+    runs = saved_runs(config, [output_dir, *runs_from])
     done = {(run["attention"], run["model"], run["seed"]) for run in runs}
-    work = [(a, m, s) for a in config.attentions for m in config.models for s in config.seeds if (a, m, s) not in done]
+    # Seed by seed, every model of a seed before the next seed: runs cut short still pair by seed.
+    work = [(a, m, s) for a in config.attentions for s in config.seeds for m in config.models if (a, m, s) not in done]
     for index, (attention, model, seed) in enumerate(work, 1):
         run = train_filter(config, model, attention, seed)
         runs.append(run)
@@ -430,6 +470,14 @@ def make_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--output-dir", default="runs/polynomial-filter", help="writes report.md/.json, error.png")
     add_dataclass_arguments(parser, PolynomialConfig, "settings")
+    parser.add_argument(
+        "--runs-from",
+        action="append",
+        default=[],
+        metavar="DIR",
+        help="also reuse the runs saved in DIR (runs.partial.json, report.json) with the same settings, e.g. the "
+        "folder of a process that ran one --attentions kind (repeatable)",
+    )
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
     return parser
 
@@ -440,7 +488,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     config = PolynomialConfig(**dataclass_values(args, PolynomialConfig))
-    report = run_experiment(config, args.output_dir, command=" ".join(["python -m iha.synthetic.polynomial", *argv]))
+    report = run_experiment(
+        config,
+        args.output_dir,
+        command=" ".join(["python -m iha.synthetic.polynomial", *argv]),
+        runs_from=args.runs_from,
+    )
     print(render_markdown(config, report["summary"], report["runs"], report["command"]))
     return 0
 
