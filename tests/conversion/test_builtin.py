@@ -8,7 +8,7 @@ import torch
 import transformers
 from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig, LlamaConfig, LlamaForCausalLM
 
-from iha import builtin
+from iha.conversion import builtin
 
 
 @pytest.fixture(scope="module")

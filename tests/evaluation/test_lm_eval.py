@@ -15,14 +15,14 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import tiny_llama_for_tokenizer
+from testing_utils import tiny_llama_for_tokenizer
 from transformers import AutoTokenizer
 
-from iha.atomic_files import write_jsonl_atomic
-from iha.builtin import smollm2_dir
-from iha.convert import llama_to_iha
-from iha.data import read_jsonl
-from iha.gsm8k import gsm8k_final_answer
+from iha.conversion import llama_to_iha
+from iha.conversion.builtin import smollm2_dir
+from iha.data.gsm8k import gsm8k_final_answer
+from iha.data.messages import read_jsonl
+from iha.utils.atomic_files import write_jsonl_atomic
 
 
 TASK_NAME = "iha_local_gsm8k_mc"

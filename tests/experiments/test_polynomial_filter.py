@@ -6,8 +6,8 @@ import json
 import pytest
 import torch
 
-from iha.synthetic.polynomial import PolynomialConfig, run_experiment
-from iha.synthetic.polynomial_filter import (
+from iha.experiments.synthetic.polynomial import PolynomialConfig, run_experiment
+from iha.experiments.synthetic.polynomial_filter import (
     filter_target,
     hand_set_iha_filter,
     hand_set_mha_filter,

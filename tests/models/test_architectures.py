@@ -5,11 +5,10 @@ import json
 
 import pytest
 import torch
-from conftest import TINY, generation_position_ids, left_padded_batch, randomize_mixing
-from test_modeling import greedy_without_cache
+from testing_utils import TINY, generation_position_ids, greedy_without_cache, left_padded_batch, randomize_mixing
 
 import iha
-from iha.naive_iha import reference_forward
+from iha.models.iha.naive_iha import reference_forward
 
 
 SIZES = {**TINY, "num_hidden_layers": 3, "head_dim": 16}

@@ -14,14 +14,13 @@ import itertools
 
 import pytest
 import torch
-from conftest import TINY, tiny_iha_model
-from test_fast_paths import record_sdpa_calls, sharpen_attention
+from testing_utils import TINY, record_sdpa_calls, sharpen_attention, tiny_iha_model
 
-from iha.attention_iha import choose_attention_path
-from iha.blocked_local_iha import BlockedLocalMask
-from iha.masking_iha import create_iha_masks
-from iha.naive_iha import reference_forward, reference_mask
-from iha.packed_documents_iha import PackedDocumentsMask, group_documents_by_length
+from iha.models.iha.attention_iha import choose_attention_path
+from iha.models.iha.blocked_local_iha import BlockedLocalMask
+from iha.models.iha.masking_iha import create_iha_masks
+from iha.models.iha.naive_iha import reference_forward, reference_mask
+from iha.models.iha.packed_documents_iha import PackedDocumentsMask, group_documents_by_length
 
 
 # Unequal documents: groups with padding inside, several groups, a one-token document.

@@ -7,13 +7,12 @@ import os
 import sys
 
 import pytest
-from conftest import REPO_ROOT, tiny_iha_model, tokenizer_settings
 from server_utils import free_port, start_server, stop_server
-from sft_utils import TRAINING_MODEL
+from testing_utils import REPO_ROOT, TRAINING_MODEL, tiny_iha_model, tokenizer_settings
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import iha
-from iha import serve
+from iha.cli import serve
 
 
 pytest.importorskip("fastapi")
@@ -29,7 +28,7 @@ MAX_TOKENS = 12
 def tiny_iha_dir(tmp_path_factory):
     """A tiny IHA model (GQA, random mixing, weights large enough for varied greedy text) with SmolLM2's tokenizer
     and chat template."""
-    from iha.builtin import smollm2_dir
+    from iha.conversion.builtin import smollm2_dir
 
     tokenizer = AutoTokenizer.from_pretrained(smollm2_dir())
     model = tiny_iha_model(
@@ -46,7 +45,17 @@ def server(request, tiny_iha_dir, tmp_path_factory):
     """`iha serve` in its own process, its output in a log file; always stopped (SIGTERM, then killed if it
     lingers). Yields the base URL, whether it batches continuously, and the log."""
     port = free_port()
-    command = [sys.executable, "-m", "iha.cli", "serve", str(tiny_iha_dir), "--host", "127.0.0.1", "--port", str(port)]
+    command = [
+        sys.executable,
+        "-m",
+        "iha.cli",
+        "serve",
+        str(tiny_iha_dir),
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+    ]
     command += ["--device", "cpu"] + (["--continuous_batching"] if request.param else [])
     environment = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(REPO_ROOT)}
     log = tmp_path_factory.mktemp("serve") / "server.log"

@@ -7,11 +7,17 @@ import textwrap
 from pathlib import Path
 
 import torch
-from conftest import tiny_iha_model, tokenizer_settings
-from sft_utils import TRAINING_MODEL, build_tiny_tokenizer, free_port, gsm8k_openthoughts_rows
+from testing_utils import (
+    TRAINING_MODEL,
+    build_tiny_tokenizer,
+    free_port,
+    gsm8k_openthoughts_rows,
+    tiny_iha_model,
+    tokenizer_settings,
+)
 from transformers import AutoModelForCausalLM
 
-from iha.data import write_jsonl
+from iha.data.messages import write_jsonl
 
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -25,7 +31,7 @@ DRIVER = textwrap.dedent(
 
     import torch
 
-    from iha.sft import run_cli
+    from iha.cli.sft import run_cli
 
     trainer = run_cli(sys.argv[1:])
     rank = trainer.args.process_index
@@ -113,7 +119,7 @@ def test_processes_launched_apart_are_refused_with_the_fix(tmp_path):
     command = [
         sys.executable, "-m", "accelerate.commands.launch",
         "--multi_gpu", "--num_processes", "2", "--main_process_port", str(free_port()),
-        "-m", "iha.sft",
+        "-m", "iha.training",
         "--model_name_or_path", str(model_dir),
         "--dataset_name", str(data),
         "--output_dir", str(tmp_path / "out"),
