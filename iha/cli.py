@@ -10,7 +10,7 @@ iha card        the IHA model card of a folder `trl sft` trained
 iha push        upload an IHA folder to the Hub                          (same as `iha-convert push`)
 iha data        SFT data: GSM8K to OpenThoughts rows, any schema to `messages` rows
 iha chat-template  a chat template with {% generation %} markers        (same as `python -m iha.chat_templates`)
-iha serve       an OpenAI-compatible server for an IHA model (transformers' server, continuous batching)
+iha serve       an OpenAI-compatible server for an IHA model (local and small-scale; continuous batching)
 
 Every command takes its flags as `--snake_case` (transformers' and TRL's style), each also as `--kebab-case`
 (`iha.arguments`). The console scripts `iha`, `iha-convert`, `iha-sft` and `iha-eval` are `main`, `convert`, `sft`
@@ -39,7 +39,7 @@ COMMANDS = {
     "push": ("iha.hub", "upload an IHA folder (converted or fine-tuned) to the Hugging Face Hub"),
     "data": ("iha.data_cli", "SFT data: GSM8K rows to OpenThoughts format, any row schema to `messages` rows"),
     "chat-template": ("iha.chat_templates", "write a chat template with {% generation %} markers (.jinja)"),
-    "serve": ("iha.serve", "an OpenAI-compatible server for an IHA model (transformers' server, continuous batching)"),
+    "serve": ("iha.serve", "an OpenAI-compatible server for an IHA model (local and small-scale; continuous batching)"),
 }
 
 

@@ -45,9 +45,10 @@ import torch
 
 logger = logging.getLogger("iha.serving")
 
-# Seconds to wait for the batching engine's worker to build its cache, and for a worker to stop.
+# Seconds to wait for the batching engine's worker to build its cache, and for a worker to finish its step and stop
+# (a stopping server exits without it after that: `iha.serving.server.main`).
 ENGINE_START_SECONDS = 300
-ENGINE_STOP_SECONDS = 5
+ENGINE_STOP_SECONDS = 2
 
 
 class GenerationFailed(Exception):

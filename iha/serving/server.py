@@ -203,7 +203,15 @@ def continuous_batching_config(args, sampling: bool):
 
     import transformers
     from transformers import ContinuousBatchingConfig
+    from transformers.generation.continuous_batching.continuous_api import ContinuousBatchingManager
 
+    # What the server drives of the engine: result handlers called on the event loop, and cancellation.
+    if not all(hasattr(ContinuousBatchingManager, name) for name in ("register_result_handler", "cancel_request")):
+        raise ServeError(
+            f"the continuous batching of transformers {transformers.__version__} lacks what iha serve drives "
+            "(result handlers, cancellation); upgrade (pip install 'transformers>=5.23,<5.25') or serve without "
+            "--continuous_batching"
+        )
     if sampling and "per_request_processors" not in {
         field.name for field in dataclasses.fields(ContinuousBatchingConfig)
     }:
