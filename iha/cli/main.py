@@ -11,7 +11,7 @@ iha push        upload an IHA folder to the Hub                          (same a
 iha data        SFT data: GSM8K to OpenThoughts rows, any schema to `messages` rows
 iha polynomial-filter  the paper's polynomial filter trained: MHA with k heads against IHA with fewer
 iha chat-template  a chat template with {% generation %} markers
-iha serve       an OpenAI-compatible server for an IHA model (transformers' server, continuous batching)
+iha serve       an OpenAI-compatible server for an IHA model (local and small-scale; continuous batching)
 
 Every command takes its flags as `--snake_case` (transformers' and TRL's style), each also as `--kebab-case`
 (`iha.cli.arguments`). The console scripts `iha`, `iha-convert`, `iha-sft` and `iha-eval` are `main`, `convert`, `sft`
@@ -42,7 +42,7 @@ COMMANDS = {
     "push": "upload an IHA folder (converted or fine-tuned) to the Hugging Face Hub",
     "data": "SFT data: GSM8K rows to OpenThoughts format, any row schema to `messages` rows",
     "chat-template": "write a chat template with {% generation %} markers (.jinja)",
-    "serve": "an OpenAI-compatible server for an IHA model (transformers' server, continuous batching)",
+    "serve": "an OpenAI-compatible server for an IHA model (local and small-scale; continuous batching)",
 }
 
 

@@ -17,8 +17,9 @@ what earlier ones wrote, as they would for a user who follows the README). Each 
    one, which the README's own `--preset tiny` command runs);
 3. or, for `make` and `pip install`, checked without building or downloading anything: `make -n TARGET` must work,
    and the versions `pip install` pins must be the ones installed;
-4. or, for a server (`iha serve`), started in the background on a free port instead of the README's, kept running
-   for the commands after it (`curl` is run against it, with `--fail`) and stopped at the end of the module.
+4. or, for a server (`iha serve`), started in the background on a free port instead of the README's, on a machine
+   without a Hugging Face cache (HOME and HF_HOME empty folders), kept running for the commands after it (`curl` is
+   run against it, with `--fail`) and stopped at the end of the module.
 
 A command that fits none of these fails, so a new README command has to be made runnable or marked.
 
@@ -38,8 +39,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from server_utils import free_port, start_server, stop_server
-from testing_utils import REPO_ROOT, SHARED_DATA
+from testing_utils import REPO_ROOT, SHARED_DATA, free_port, fresh_machine_environment, start_server, stop_server
 
 
 README = REPO_ROOT / "README.md"
@@ -183,6 +183,17 @@ def command_environment(scratch: Path) -> dict:
     }
 
 
+def server_environment(scratch: Path) -> dict:
+    """The commands' environment on a machine that never used Hugging Face (HOME and HF_HOME empty folders): where
+    the README's server and its clients must work as written."""
+    return fresh_machine_environment(
+        scratch / FRESH_MACHINE,
+        PYTHONPATH=str(REPO_ROOT),
+        TOKENIZERS_PARALLELISM="false",
+        HF_MODULES_CACHE=str(scratch / ".hf_modules"),
+    )
+
+
 def run_command(program: str, arguments: list[str], scratch: Path) -> subprocess.CompletedProcess:
     executable = [sys.executable] if program == "python" else [str(BIN / program)]
     return subprocess.run(
@@ -209,7 +220,7 @@ def start_readme_server(program: str, arguments: list[str], scratch: Path, serve
     port = free_port()
     arguments = [str(port) if argument == README_SERVER_PORT else argument for argument in arguments]
     log = scratch / f"{SERVER_LOG_PREFIX}{port}.log"
-    environment = command_environment(scratch)
+    environment = server_environment(scratch)
     servers["processes"].append(
         start_server([str(BIN / program), *arguments], scratch, environment, log, port, SERVER_STARTUP_SECONDS)
     )
@@ -319,7 +330,8 @@ def test_readme_command(command, marker, scratch, servers):
 
 # The files the commands leave in their folder that are the test's own stand-ins, not README outputs, and the logs
 # of the servers it starts.
-STAND_INS = {"examples", "tiny-smollm2", ".hf_modules"}
+FRESH_MACHINE = ".fresh-machine"  # the servers' empty HOME and HF_HOME
+STAND_INS = {"examples", "tiny-smollm2", ".hf_modules", FRESH_MACHINE}
 SERVER_LOG_PREFIX = "server-"
 
 
@@ -448,7 +460,7 @@ def snippet_server(snippet_scratch):
             command = [str(BIN / "iha"), "serve", "smollm2-iha", "--port", str(port)]
             log = snippet_scratch / f"{SERVER_LOG_PREFIX}{port}.log"
             running["process"] = start_server(
-                command, snippet_scratch, command_environment(snippet_scratch), log, port, SERVER_STARTUP_SECONDS
+                command, snippet_scratch, server_environment(snippet_scratch), log, port, SERVER_STARTUP_SECONDS
             )
             running["url"] = f"http://127.0.0.1:{port}/v1"
         return running["url"]
