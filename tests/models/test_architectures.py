@@ -94,6 +94,17 @@ def test_cached_generation_matches_uncached(architecture, cache_mode):
     assert torch.equal(model.generate(input_ids, cache_implementation="static", **common), expected)
 
 
+@pytest.mark.parametrize("architecture", sorted(ARCHITECTURES))
+def test_an_empty_input_is_refused_with_one_clear_error_on_forward_and_generate(architecture):
+    # Without the check the attention fails reshaping an empty sequence, with a message about tensor shapes.
+    model = tiny_model(architecture)
+    empty = torch.zeros(1, 0, dtype=torch.long)
+    with pytest.raises(ValueError, match="IHA got an input of 0 tokens: give at least one token"):
+        model(empty)
+    with pytest.raises(ValueError, match="IHA got an input of 0 tokens"):
+        model.generate(empty, max_new_tokens=2, do_sample=False, pad_token_id=0)
+
+
 def test_gemma3_gradients_reach_mixing_and_norms_and_checkpointing_gives_the_same():
     input_ids, attention_mask = left_padded_batch(seq_len=12)
     gradients = []

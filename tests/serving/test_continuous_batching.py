@@ -202,3 +202,18 @@ def test_a_request_mask_is_the_reference_mask_of_its_new_tokens(query_len, key_l
         assert expected.all()
     else:
         assert torch.equal(mask[0, 0], expected)
+
+
+def test_an_empty_prompt_is_refused_with_one_clear_error_instead_of_borrowed_logits():
+    # The engine gives an empty request no query and no key: without the check its first token would be read from
+    # the logits of the request before it, silently.
+    model = tiny_iha_model(num_pseudo_heads=2)
+    outputs = model.generate_batch(
+        [prompts([3])[0], []],
+        generation_config=greedy_config(3),
+        continuous_batching_config=ContinuousBatchingConfig(**SMALL_CACHE),
+    )
+    assert len(outputs) == 2
+    for output in outputs.values():
+        assert output.generated_tokens == []
+        assert "empty prompt" in str(output.error) and "at least one token" in str(output.error)

@@ -572,6 +572,12 @@ class IHAModel(IHAPreTrainedModel):
 
         if inputs_embeds is None:
             inputs_embeds: torch.Tensor = self.embed_tokens(input_ids)
+        if inputs_embeds.shape[1] == 0:
+            # Caught here with a clear message, before the attention reshapes an empty sequence.
+            raise ValueError(
+                "IHA got an input of 0 tokens: give at least one token per row (an empty prompt, or one that "
+                "tokenizes to nothing, has nothing to attend to)"
+            )
 
         if use_cache and past_key_values is None:
             past_key_values = DynamicCache(config=self.config)

@@ -278,6 +278,18 @@ def layer_type_entry(value, layer_type: str):
     return value[layer_type] if isinstance(value, dict) else value
 
 
+def check_no_empty_request(cu_seq_lens_q: torch.Tensor, cu_seq_lens_k: torch.Tensor | dict) -> None:
+    """Refuse a batch in which a request has no token at all (an empty prompt): the engine gives it no query and no
+    key, and would read its first token from the logits of the request before it, without an error."""
+    keys = next(iter(cu_seq_lens_k.values())) if isinstance(cu_seq_lens_k, dict) else cu_seq_lens_k
+    empty = ((cu_seq_lens_q.diff() == 0) & (keys.diff() == 0)).nonzero().flatten().tolist()
+    if empty:
+        raise ValueError(
+            f"continuous batching got {len(empty)} request(s) with an empty prompt (no tokens): IHA needs at least "
+            "one token per request; drop empty prompts or give them a token (a BOS token, for instance)"
+        )
+
+
 def create_paged_iha_masks(config, attention_mask, kwargs: dict) -> dict:
     """One mask per attention type of the model under continuous batching, from the engine's token masks (a dict
     per layer type, or one mask) and the batch's cumulative lengths in the forward's keyword arguments.
@@ -287,6 +299,7 @@ def create_paged_iha_masks(config, attention_mask, kwargs: dict) -> dict:
     """
     if any(is_sliding_layer(attention_type) for attention_type in config.attention_types):
         check_paged_sliding_window()
+    check_no_empty_request(kwargs["cu_seq_lens_q"], kwargs["cu_seq_lens_k"])
     masks = {}
     for attention_type in config.attention_types:
         if attention_type in masks:
