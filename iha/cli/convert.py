@@ -13,12 +13,14 @@ import logging
 import sys
 from collections.abc import Callable, Sequence
 
+from .. import conversion
 from ..conversion.architectures import SUPPORTED_DESCRIPTION
 from ..conversion.checkpoint import convert_checkpoint
 from ..conversion.errors import ConversionError, VerificationFailedError
 from ..conversion.options import CheckpointOptions, IHAConversionOptions
 from ..conversion.plan import describe_layers
 from ..hub.push import HubUploadError, push_to_hub
+from ..utils import atomic_folders
 from .arguments import ArgumentParser, add_dataclass_arguments, dataclass_values
 from .running import run_command
 
@@ -63,7 +65,8 @@ def run_conversion(args: argparse.Namespace, prog: str) -> int:
     checkpoint_options = CheckpointOptions(**dataclass_values(args, CheckpointOptions))
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(logging.Formatter("%(message)s"))
-    loggers = [logging.getLogger(__package__), logging.getLogger("iha.utils.atomic_folders")]
+    # The conversion's own messages (every module of iha.conversion logs under it) and the atomic folder's.
+    loggers = [logging.getLogger(conversion.__name__), atomic_folders.logger]
     previous_levels = [each.level for each in loggers]
     for each in loggers:
         each.addHandler(handler)

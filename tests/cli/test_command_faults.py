@@ -85,7 +85,7 @@ def test_interrupted_sft_is_one_line(paused_command, tiny_llama_dir, tmp_path):
     process = paused_command(tmp_path / "ready", "iha.training:IHASFTTrainer.train", 1, argv)
     process.send_signal(signal.SIGINT)
     out, err = finish(process)
-    assert_one_line_interruption(process, "iha-sft", signal.SIGINT, out, err)
+    assert_one_line_interruption(process, "iha sft", signal.SIGINT, out, err)
     assert not (output / "model.safetensors").exists()
 
 
@@ -107,7 +107,7 @@ def test_sft_bad_dataset_is_one_line(tiny_llama_dir, tmp_path, capsys):
     argv = ["sft", "--model_name_or_path", str(tiny_llama_dir), "--dataset_name", str(tmp_path / "missing.jsonl")]
     assert iha_main([*argv, "--output_dir", str(tmp_path / "new" / "run"), "--use_cpu", "true"]) == 2
     err = capsys.readouterr().err
-    assert err.strip().splitlines()[-1].startswith(f"iha-sft: error: Data file {tmp_path / 'missing.jsonl'} does not")
+    assert err.strip().splitlines()[-1].startswith(f"iha sft: error: Data file {tmp_path / 'missing.jsonl'} does not")
     assert "Traceback" not in err and listing(tmp_path) == []
 
 
@@ -118,7 +118,7 @@ def test_interrupted_eval_writes_no_result(paused_command, tiny_llama_dir, probl
     process = paused_command(tmp_path / "ready", "iha.evaluation.math_eval:evaluate_math", 1, argv)
     process.send_signal(signal.SIGTERM)
     out, err = finish(process)
-    assert_one_line_interruption(process, "iha-eval math", signal.SIGTERM, out, err)
+    assert_one_line_interruption(process, "iha eval math", signal.SIGTERM, out, err)
     assert listing(tmp_path) == ["ready"]
 
 
@@ -127,7 +127,7 @@ def test_eval_bad_input_is_one_line(tmp_path, capsys):
     argv = ["eval", "math", "--model", "x/y", "--dataset", f"gsm8k={tmp_path / 'bad.json'}", "--output-dir", "o"]
     assert iha_main(argv) == 2
     err = capsys.readouterr().err
-    assert err.startswith(f"iha-eval math: error: {tmp_path / 'bad.json'} is not valid JSON") and err.count("\n") == 1
+    assert err.startswith(f"iha eval math: error: {tmp_path / 'bad.json'} is not valid JSON") and err.count("\n") == 1
 
 
 def test_interrupted_synthetic_keeps_its_finished_runs_to_resume(paused_command, tmp_path):

@@ -19,6 +19,7 @@ from transformers import (
 import iha
 from iha import conversion as convert
 from iha.cli import convert as convert_command
+from iha.cli.main import run
 from iha.conversion import writers
 from iha.hub.model_card import read_model_card
 
@@ -375,5 +376,6 @@ def test_push_to_hub_offline_keeps_the_folder_and_says_how_to_retry(tmp_path, ca
 
 def test_push_refuses_a_folder_that_is_not_iha(tmp_path, capsys):
     source = make_source("llama3", tmp_path / "source")
-    assert convert_command.main(["push", str(source), "someone/x"]) == 1
+    # `iha-convert push` is routed to `iha push` by the dispatcher, as the console script runs it.
+    assert run("convert", ["push", str(source), "someone/x"]) == 1
     assert "not an IHA checkpoint folder" in capsys.readouterr().err

@@ -53,7 +53,8 @@ def test_signalled_conversion_leaves_nothing_and_says_so_in_one_line(
     name = signal.Signals(signum).name
     assert process.returncode == 128 + signum, err
     assert "Traceback" not in err
-    assert err.strip().splitlines()[-1] == f"iha-convert: interrupted ({name}); nothing was written to {output}"
+    # Run as `iha convert` (the paused command is the `iha` dispatcher): it names itself so.
+    assert err.strip().splitlines()[-1] == f"iha convert: interrupted ({name}); nothing was written to {output}"
     assert folder_listing(work) == []  # no staging folder, no output, no created parents
     assert f"ready-{point}" in folder_listing(tmp_path)  # it did stop where the test says
 

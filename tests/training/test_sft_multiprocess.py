@@ -119,7 +119,7 @@ def test_processes_launched_apart_are_refused_with_the_fix(tmp_path):
     command = [
         sys.executable, "-m", "accelerate.commands.launch",
         "--multi_gpu", "--num_processes", "2", "--main_process_port", str(free_port()),
-        "-m", "iha.training",
+        "-m", "iha.cli", "sft",
         "--model_name_or_path", str(model_dir),
         "--dataset_name", str(data),
         "--output_dir", str(tmp_path / "out"),
@@ -131,7 +131,7 @@ def test_processes_launched_apart_are_refused_with_the_fix(tmp_path):
     assert result.returncode != 0
     output = result.stdout + result.stderr
     refusal = (
-        "iha-sft: error: 2 processes were launched but training would run in 1: without a GPU, pass `--use_cpu true`"
+        "iha sft: error: 2 processes were launched but training would run in 1: without a GPU, pass `--use_cpu true`"
     )
     assert output.count(refusal) == 2, output[-3000:]
     assert "ValueError" not in output
