@@ -20,7 +20,8 @@ For an A/B comparison on shared items (validation rows, test problems):
   power, given the number of problems and the share of them on which the arms disagree;
 - `seed_spread`: mean, standard deviation and range of a metric over seeds;
 - `paired_over_seeds`: B - A seed by seed, with the paired t-test and the exact sign-flip permutation test;
-- `detectable_difference`, `items_needed`: the power of a paired difference with a known standard error.
+- `detectable_difference`, `items_needed`: the power of a paired difference with a known standard error;
+- `holm_adjusted`: Holm's step-down correction of a family of p-values (a table of several tests).
 """
 
 from __future__ import annotations
@@ -196,22 +197,27 @@ def describe_paired(result: dict, scale: float = 1.0, digits: int = 2, unit: str
     )
 
 
-__all__ = [
-    "describe_paired",
-    "paired_differences",
-    "regularized_incomplete_beta",
-    "sign_flip_p_value",
-    "sign_test",
-    "student_t_cdf",
-    "student_t_quantile",
-]
+def holm_adjusted(p_values: Sequence[float]) -> list[float]:
+    """Holm's step-down adjustment of a family of p-values, in the order given.
+
+    The i-th smallest of m p-values is multiplied by m - i + 1 (i from 1), capped at 1, and never allowed below the
+    adjusted value of the one before it; rejecting where the adjusted p is below alpha keeps the chance of any false
+    rejection in the family at most alpha, whatever the tests' dependence.
+    """
+    count = len(p_values)
+    adjusted = [1.0] * count
+    largest_so_far = 0.0
+    for rank, index in enumerate(sorted(range(count), key=lambda position: p_values[position])):
+        largest_so_far = max(largest_so_far, min(1.0, (count - rank) * p_values[index]))
+        adjusted[index] = largest_so_far
+    return adjusted
 
 
 def mcnemar_exact(b: int, c: int) -> float:
     """Two-sided exact McNemar p-value for `b` pairs where only A is right and `c` where only B is right.
 
     Under the null hypothesis each discordant pair goes either way with probability 1/2, so min(b, c) is binomial
-    (b + c, 1/2): the sign test of the discordant pairs (`iha.experiments.statistics.sign_test`). No discordant pair gives
+    (b + c, 1/2): the sign test of the discordant pairs (`sign_test`). No discordant pair gives
     p = 1.
     """
     if b < 0 or c < 0:
@@ -391,14 +397,22 @@ def items_needed(standard_error: float, num_items: int, target: float, alpha: fl
 
 
 __all__ = [
+    "describe_paired",
     "detectable_accuracy_difference",
     "detectable_difference",
     "discordant_counts",
+    "holm_adjusted",
     "items_needed",
     "mcnemar_exact",
     "mean_bootstrap",
     "minimum_discordant_pairs",
+    "paired_differences",
     "paired_over_seeds",
+    "regularized_incomplete_beta",
     "seed_spread",
+    "sign_flip_p_value",
+    "sign_test",
+    "student_t_cdf",
+    "student_t_quantile",
     "token_loss_bootstrap",
 ]

@@ -7,6 +7,7 @@ import pytest
 
 from iha.experiments.statistics import (
     EXACT_LIMIT,
+    holm_adjusted,
     paired_differences,
     regularized_incomplete_beta,
     sign_flip_p_value,
@@ -78,3 +79,14 @@ def test_sign_test_and_edge_cases():
     assert paired_differences([1.0, 2.0], [1.0, 2.0])["t_p_value"] == 1.0
     with pytest.raises(ValueError, match="same, non-empty"):
         paired_differences([1.0, 2.0], [1.0])
+
+
+def test_holm_steps_down_keeps_the_input_order_and_never_decreases():
+    # By hand: sorted 0.01, 0.03, 0.04, 0.5 times 4, 3, 2, 1 = 0.04, 0.09, 0.08 -> 0.09 (not below the one before), 0.5.
+    assert holm_adjusted([0.01, 0.04, 0.03, 0.5]) == pytest.approx([0.04, 0.09, 0.09, 0.5])
+    assert holm_adjusted([0.3, 0.2]) == pytest.approx([0.4, 0.4])
+    assert holm_adjusted([0.9, 0.8, 0.6]) == [1.0, 1.0, 1.0]  # capped at 1
+    assert holm_adjusted([0.029]) == [0.029]  # a family of one is not corrected
+    assert holm_adjusted([]) == []
+    # The cpu preset's smallest of 20 paired tests: Holm multiplies it by 20.
+    assert holm_adjusted([0.029] + [0.5] * 19)[0] == pytest.approx(0.58)
