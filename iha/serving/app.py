@@ -190,6 +190,7 @@ def chat_prompt_ids(tokenizer, request: ChatCompletionRequest) -> list[int]:
         {"role": "system" if message.role == "developer" else message.role, "content": message.text()}
         for message in request.messages
     ]
+    # jinja2 renders chat templates; it is not a requirement of transformers itself (only of chat templates).
     from jinja2.exceptions import TemplateError
 
     try:

@@ -14,6 +14,8 @@ events ending with `data: [DONE]`, as OpenAI's do, with a last chunk of `usage` 
 import json
 import time
 
+from tokenizers.decoders import DecodeStream
+
 
 class CompletionText:
     """A request's generated tokens and their text, cut at the first stop sequence."""
@@ -31,8 +33,6 @@ class CompletionText:
         self._hold_back = max((len(sequence) for sequence in self.stop), default=1) - 1
         backend = getattr(tokenizer, "backend_tokenizer", None)
         if backend is not None:
-            from tokenizers.decoders import DecodeStream
-
             self._backend = backend
             self._decode_stream = DecodeStream(skip_special_tokens=True)
         else:

@@ -1,6 +1,7 @@
 """save_pretrained / from_pretrained, Auto classes, remote code in a process that never imports iha, `iha push`."""
 
 import ast
+import functools
 import json
 import os
 import subprocess
@@ -13,10 +14,10 @@ from testing_utils import left_padded_batch, tiny_iha_model
 from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
 
 import iha
-from iha.cli.convert import main as convert_main
 from iha.cli.main import main as iha_main
+from iha.cli.main import run
 from iha.conversion import CODE_FILES
-from iha.conversion.writers import MODEL_FOLDER, TRAVELLING_FILES
+from iha.conversion.writers import AUTO_MAPS, GEMMA3_CODE_FILES, MODEL_FOLDER, TRAVELLING_FILES
 from iha.hub.model_card import how_to_load_section, update_model_card
 from iha.hub.push import upload_operations
 
@@ -117,6 +118,33 @@ def test_travelling_files_import_only_torch_transformers_and_each_other():
     assert not found, found
 
 
+# What every folder written so far carries: a folder converted before the files moved into iha/models/iha/ names
+# these files in its `auto_map` and holds exactly these, so the names are a contract, not a detail.
+FOLDER_CODE_FILES = {
+    "iha": [
+        "attention_iha.py",
+        "blocked_local_iha.py",
+        "compat_iha.py",
+        "configuration_iha.py",
+        "masking_iha.py",
+        "modeling_iha.py",
+        "packed_documents_iha.py",
+        "serving_iha.py",
+    ],
+    "iha_gemma3": ["configuration_iha_gemma3.py", "modeling_iha_gemma3.py"],
+}
+
+
+def test_the_travelling_files_and_auto_map_keep_the_names_folders_already_carry():
+    assert sorted(CODE_FILES) == FOLDER_CODE_FILES["iha"]
+    assert sorted(GEMMA3_CODE_FILES) == FOLDER_CODE_FILES["iha_gemma3"]
+    for model_type, auto_map in AUTO_MAPS.items():
+        for class_path in auto_map.values():
+            module, _, name = class_path.partition(".")
+            assert f"{module}.py" in FOLDER_CODE_FILES[model_type], class_path
+            assert hasattr(getattr(iha, name, None) or getattr(iha.models.iha, name), "from_pretrained"), class_path
+
+
 def test_the_import_rule_catches_what_would_break_a_folder_without_the_package(tmp_path):
     module = tmp_path / "modeling_iha.py"
     module.write_text(
@@ -172,7 +200,7 @@ def test_iha_push_offline_names_itself_and_changes_nothing(tmp_path, capsys):
     [
         (iha_main, ["push"], "usage: iha push"),
         (iha_main, ["convert", "push"], "usage: iha convert push"),
-        (convert_main, ["push"], "usage: iha-convert push"),
+        (functools.partial(run, "convert"), ["push"], "usage: iha-convert push"),  # the iha-convert console script
     ],
 )
 def test_push_help_names_the_command_that_was_run(main, argv, usage, capsys):
