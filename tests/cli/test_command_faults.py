@@ -37,6 +37,7 @@ DEMO_ARGS = ["--num-train", "8", "--num-eval", "2", "--max-steps", "1", "--max-n
 
 # Both signals reach the same handler (`iha.cli.running.run_command`: SIGTERM is raised as KeyboardInterrupt), so
 # each signal is sent once, one to a demo writing a new folder, the other to one replacing an old folder.
+@pytest.mark.slow
 @pytest.mark.parametrize("signum, overwrite", [(signal.SIGINT, False), (signal.SIGTERM, True)])
 def test_interrupted_demo_leaves_nothing_and_keeps_an_old_folder(
     paused_command, tiny_llama_dir, tmp_path, signum, overwrite
@@ -79,6 +80,7 @@ def one_step_sft_argv(model_dir, tmp_path, output) -> list[str]:
     return argv + ["--output_dir", str(output), "--max_steps", "1", "--use_cpu", "true", "--report_to", "none"]
 
 
+@pytest.mark.slow
 def test_interrupted_sft_is_one_line(paused_command, tiny_llama_dir, tmp_path):
     output = tmp_path / "run"
     argv = one_step_sft_argv(tiny_llama_dir, tmp_path, output)
@@ -89,6 +91,7 @@ def test_interrupted_sft_is_one_line(paused_command, tiny_llama_dir, tmp_path):
     assert not (output / "model.safetensors").exists()
 
 
+@pytest.mark.slow
 def test_sft_killed_while_saving_leaves_no_partial_model(paused_command, tiny_llama_dir, tmp_path):
     # Stopped after the model's weights are written and before its tokenizer is: a direct save would leave a
     # model folder without a tokenizer; the staged save leaves no model file in the output at all.
@@ -111,6 +114,7 @@ def test_sft_bad_dataset_is_one_line(tiny_llama_dir, tmp_path, capsys):
     assert "Traceback" not in err and listing(tmp_path) == []
 
 
+@pytest.mark.slow
 def test_interrupted_eval_writes_no_result(paused_command, tiny_llama_dir, problems_file, tmp_path):
     output = tmp_path / "new" / "eval"
     argv = ["eval", "math", "--model", f"tiny={tiny_llama_dir}", "--dataset", f"gsm8k={problems_file}"]

@@ -201,6 +201,7 @@ def test_import_iha_registers_the_auto_classes():
     assert result.stdout.split() == ["IHAConfig", "IHAForCausalLM", "IHAConfig", "AutoModelForCausalLM"]
 
 
+@pytest.mark.slow
 def test_a_command_run_from_the_console_script_has_the_classes_registered(tmp_path):
     # `iha eval` loads the model with AutoModelForCausalLM and without trust_remote_code: it works on an IHA folder
     # only if the dispatcher registered the IHA classes before the command ran.

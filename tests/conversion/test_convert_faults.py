@@ -74,6 +74,7 @@ def test_killed_conversion_is_cleaned_up_by_the_next_run(paused_command, tiny_so
     assert staging_folders(tmp_path) == [] and (output / "model.safetensors").is_file()
 
 
+@pytest.mark.slow
 def test_a_running_conversions_staging_folder_is_left_alone(paused_command, tiny_source, tmp_path, capsys):
     output = tmp_path / "out"
     running = start_paused_conversion(paused_command, tmp_path, "writing", [str(tiny_source), str(output), "-q"])

@@ -41,6 +41,7 @@ def smollm2(tmp_path_factory):
     return {"source": source, "output": output, "report": report, "batch": batch, "source_tokens": source_tokens}
 
 
+@pytest.mark.slow
 def test_smollm2_default_conversion_is_exact_and_hub_ready(smollm2):
     report, output = smollm2["report"], smollm2["output"]
     assert report.exact and report.architecture == "LlamaForCausalLM"
@@ -148,6 +149,7 @@ REMOTE_CODE_CHILD = textwrap.dedent(
 )
 
 
+@pytest.mark.slow
 def test_smollm2_loads_with_trust_remote_code_in_a_process_without_iha(smollm2, tmp_path):
     completed = testing_utils.run_without_the_project(
         REMOTE_CODE_CHILD, str(smollm2["output"]), json.dumps(CHAT_PROMPTS), cwd=tmp_path

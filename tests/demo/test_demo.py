@@ -15,6 +15,7 @@ from testing_utils import REPO_ROOT
 from iha.demo.pipeline import build_eval_problems, build_training_rows, question_set, run_demo
 
 
+@pytest.mark.slow
 def test_demo_runs_every_step_on_a_tiny_model(tiny_llama_dir, tmp_path):
     output = tmp_path / "demo"
     summary = run_demo(

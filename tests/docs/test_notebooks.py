@@ -15,6 +15,7 @@ def test_the_three_notebooks_exist():
     assert [path.name for path in NOTEBOOKS] == ["01_quickstart.ipynb", "02_finetune.ipynb", "03_explorer.ipynb"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda path: path.stem)
 def test_notebook_executes(path: Path, tmp_path, monkeypatch):
     monkeypatch.setenv("IHA_NOTEBOOK_FAST", "1")

@@ -301,6 +301,7 @@ def test_every_marked_command_is_listed_with_its_reason():
     assert sorted(command for commands in listed.values() for command in commands) == sorted(marked)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("command, marker", COMMANDS, ids=[command[:60] for command, _ in COMMANDS])
 def test_readme_command(command, marker, scratch, servers):
     program, *arguments = shlex.split(command, comments=True)
@@ -474,6 +475,7 @@ def test_the_readme_has_python_snippets():
     assert len(SNIPPETS) >= 4 and all("import" in snippet for snippet in SNIPPETS)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("snippet", SNIPPETS, ids=[snippet.splitlines()[0][:50] for snippet in SNIPPETS])
 def test_readme_snippet_runs_as_written(snippet, snippet_scratch, snippet_server):
     code = snippet

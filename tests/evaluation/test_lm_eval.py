@@ -88,6 +88,7 @@ def run_lm_eval(model_dir: Path, task_dir: Path, output_dir: Path) -> tuple[dict
     return results, samples
 
 
+@pytest.mark.slow
 def test_lm_eval_runs_on_a_converted_iha_folder(tmp_path, shared_data):
     tokenizer = AutoTokenizer.from_pretrained(smollm2_dir())
     llama = tiny_llama_for_tokenizer(tokenizer, max_position_embeddings=512, pad_token_id=None)

@@ -95,6 +95,7 @@ def record_attention_paths(monkeypatch) -> list[str]:
     return paths
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("compiled", [False, True])
 def test_attention_paths_eager_and_compiled(monkeypatch, compiled, precision):
     # Eager packed rows keep the per-document kernel; compiled ones take the dense masked path (SDPA sharing KV heads

@@ -238,6 +238,7 @@ def test_decode_step_logits_match_full_forward(mode, precision):
     precision.assert_close(incremental[real], full[real], rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.slow
 def test_flex_attention_matches_sdpa(precision):
     pytest.importorskip("torch.nn.attention.flex_attention")
     # Inductor's CPU flex-attention template needs a head dim that is a multiple of 16.

@@ -302,6 +302,7 @@ def require_flex_backward(precision):
         pytest.skip("torch's flex attention has no backward on CPU; this runs with --device cuda")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mask_mode", ["flat_causal", "token_causal"])
 def test_flex_attention_on_packed_rows_skips_blocks_across_documents_and_matches_dense_mask_and_reference(
     mask_mode, precision
@@ -340,6 +341,7 @@ def test_flex_attention_gradients_on_packed_rows_match_the_per_document_path(pre
         )
 
 
+@pytest.mark.slow
 def test_flex_attention_with_a_sliding_window_matches_the_reference(precision):
     # (The documents case is the test above.)
     layout, lengths = FLEX_REFERENCE_CASES["sliding"]

@@ -27,6 +27,7 @@ STEPS = ["wheels", "environment", "smollm2", "tests_float32", "compile", "sft", 
 STEPS += ["tests_training", "bench_perf", "bench_sft", "synthetic"]
 
 
+@pytest.mark.slow
 def test_quick_cpu_run_passes_every_step_and_writes_the_summaries(shared_data, tmp_path):
     out, work = tmp_path / "out", tmp_path / "work"
     command = [sys.executable, str(REPO_ROOT / "scripts" / "gpu_check.py"), "--device", "cpu", "--quick"]
@@ -67,6 +68,7 @@ def cut_smollm2(tmp_path_factory):
     return gguf
 
 
+@pytest.mark.slow
 def test_cut_smollm2_is_the_real_model_up_to_its_first_layer(cut_smollm2, tmp_path):
     folder = builtin.smollm2_dir(cache_dir=tmp_path, gguf_path=cut_smollm2)
     cut = AutoModelForCausalLM.from_pretrained(folder)

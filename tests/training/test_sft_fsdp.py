@@ -156,6 +156,7 @@ def runs(tmp_path_factory):
     return {"folder": folder, "single_losses": single_losses, "fsdp": fsdp, "resumed": resumed}
 
 
+@pytest.mark.slow
 def test_two_processes_shard_the_model_and_the_mixing_parameters_keep_their_learning_rate(runs):
     for report in runs["fsdp"]:
         assert report["world_size"] == 2 and report["fsdp2"] and report["fsdp_module"]

@@ -6,6 +6,7 @@ import sys
 import textwrap
 from pathlib import Path
 
+import pytest
 import torch
 from testing_utils import (
     TRAINING_MODEL,
@@ -49,6 +50,7 @@ def launch(command: list[str], folder: Path) -> subprocess.CompletedProcess:
     return subprocess.run(command, cwd=folder, env=environment, capture_output=True, text=True, timeout=300)
 
 
+@pytest.mark.slow
 def test_two_process_cpu_run_agrees_on_final_weights(tmp_path):
     tokenizer = build_tiny_tokenizer()
     model_dir = tmp_path / "model"
@@ -106,6 +108,7 @@ def test_two_process_cpu_run_agrees_on_final_weights(tmp_path):
     assert sorted(path.name for path in tmp_path.iterdir()) == ["driver.py", "model", "out", "train.jsonl"]
 
 
+@pytest.mark.slow
 def test_processes_launched_apart_are_refused_with_the_fix(tmp_path):
     # `--multi_gpu` on a machine without GPUs starts 2 processes that accelerate would not connect: each would train
     # its own copy on the whole dataset. Every process refuses in one line that names the fix, and nothing is written.

@@ -28,6 +28,7 @@ from iha.hub.model_card import read_model_card
 from iha.training.chat_template import SMOLLM2_TRAINING_CHAT_TEMPLATE, write_chat_template
 
 
+@pytest.mark.slow
 def test_trl_sft_cli_trains_a_converted_folder_without_the_iha_package(tmp_path):
     # The `trl` console script of this interpreter's environment (CI runs `.venv/bin/python -m pytest` off PATH).
     trl = Path(sys.executable).with_name("trl")
