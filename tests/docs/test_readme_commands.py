@@ -357,6 +357,7 @@ def test_docs_training_command_parses(command):
     parse_only(program, arguments)
 
 
+@pytest.mark.slow  # it reads what the (slow) README commands above wrote
 def test_everything_the_commands_wrote_is_ignored_by_git(scratch):
     """After the README's commands (above; pytest keeps file order), every folder and file they wrote is in
     .gitignore: a user who runs them in the repository gets a clean `git status` and a passing `make lint`."""
