@@ -11,7 +11,7 @@ export TOKENIZERS_PARALLELISM ?= false
 # written. The processes make starts write it (into .venv and the matrix / trl-oldest environments).
 unexport PYTHONDONTWRITEBYTECODE
 
-.PHONY: install demo test lint matrix trl-oldest gpu-wheels gpu-check
+.PHONY: install demo test test-fast lint matrix trl-oldest gpu-wheels gpu-check
 
 $(VENV)/.installed: setup.py
 	$(PYTHON) -m venv $(VENV)
@@ -33,10 +33,16 @@ demo: install
 	$(VENV)/bin/iha demo $(DEMO_ARGS)
 
 # One worker per core (at most 4: each holds torch and a few models); a file's tests stay in one worker, in order.
-# --no-loadscope-reorder: files in their collected order, so the slow ones (tests/commands/: notebooks, the GPU
-# check, the README) start first; xdist's default order, most tests first, left them to the end for one worker.
+# --no-loadscope-reorder: files in their collected order, so the slow ones (tests/docs, tests/scripts, tests/demo: the
+# README, the notebooks, the GPU check, the demo; tests/conftest.py puts them first) start first; xdist's default
+# order, most tests first, left them to the end for one worker.
 test: install
 	$(PY) -m pytest -q --numprocesses auto --maxprocesses 4 --dist loadfile --no-loadscope-reorder
+
+# The development loop: every test but those marked `slow` (over ~20 s each: whole commands, multi-process
+# training, the README's and notebooks' commands, the GPU check's CPU run). `make test` still runs everything.
+test-fast: install
+	$(PY) -m pytest -q -m "not slow" --numprocesses auto --maxprocesses 4 --dist loadfile --no-loadscope-reorder
 
 # Converted models on the oldest supported, a middle, the development and the newest transformers release, each in
 # an environment without iha (built once into ~/.cache/iha/transformers-matrix, then reused).

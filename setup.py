@@ -9,7 +9,7 @@ from setuptools import find_packages, setup
 SUPPORTED_TRANSFORMERS = "transformers>=5.4.0,<5.25"
 DEVELOPMENT_TRANSFORMERS = "transformers==5.23.0"
 
-# gguf reads the built-in SmolLM2-135M-Instruct (`iha.builtin`), the default model of `iha demo` and `iha ab`, and
+# gguf reads the built-in SmolLM2-135M-Instruct (`iha.conversion.builtin`), the default model of `iha demo` and `iha ab`, and
 # `iha-eval --gguf_file`: it is in `[train]` and `[eval]`, so that the README's install runs the demo as it is.
 GGUF = "gguf>=0.10"
 # The training stack, as ranges too: installing the package keeps a user's trl / peft / accelerate / datasets. The
@@ -97,10 +97,10 @@ setup(
     extras_require=extras,
     entry_points={
         "console_scripts": [
-            "iha=iha.cli:main",
-            "iha-convert=iha.cli:convert",
-            "iha-sft=iha.cli:sft",
-            "iha-eval=iha.cli:evaluate",
+            "iha=iha.cli.main:main",
+            "iha-convert=iha.cli.main:convert",
+            "iha-sft=iha.cli.main:sft",
+            "iha-eval=iha.cli.main:evaluate",
         ]
     },
     classifiers=[

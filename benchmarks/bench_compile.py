@@ -29,8 +29,8 @@ from torch._dynamo.utils import counters
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_common  # noqa: E402
 
-from iha.arguments import ArgumentParser  # noqa: E402
-from iha.atomic_files import write_text_atomic  # noqa: E402
+from iha.cli.arguments import ArgumentParser  # noqa: E402
+from iha.utils.atomic_files import write_text_atomic  # noqa: E402
 
 
 QUICK_SHAPE = dict(bench_common.SMOLLM2_135M_SHAPE, vocab_size=512, hidden_size=64, intermediate_size=128,

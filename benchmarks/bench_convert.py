@@ -6,7 +6,7 @@ of them alike. Reported per job: the time of the operation itself (imports exclu
 time, peak RSS, and peak RSS above the process's RSS right after the imports (torch + transformers + iha are
 about 0.4 GB that does not grow with the model).
 
-    python benchmarks/bench_convert.py                      # SmolLM2-135M-Instruct (fp32) from iha.builtin
+    python benchmarks/bench_convert.py                      # SmolLM2-135M-Instruct (fp32) from iha.conversion.builtin
     python benchmarks/bench_convert.py --source path/or/hub-id --repeats 5 --output benchmarks/results/convert.md
 """
 
@@ -45,7 +45,7 @@ def run_job(job: str, source: str, destination: str) -> dict:
     from transformers import AutoModelForCausalLM
 
     import iha  # noqa: F401  (imported by both jobs so that both pay the same import cost)
-    from iha.convert import convert_checkpoint
+    from iha.conversion import convert_checkpoint
 
     rss_after_imports = current_rss_bytes()
     started = time.perf_counter()
@@ -154,10 +154,10 @@ def main(argv=None) -> int:
         return 0
 
     if args.source is None:
-        from iha.builtin import smollm2_dir
+        from iha.conversion.builtin import smollm2_dir
 
         source = str(smollm2_dir())
-        source_label = "SmolLM2-135M-Instruct (iha.builtin.smollm2_dir(), fp32)"
+        source_label = "SmolLM2-135M-Instruct (iha.conversion.builtin.smollm2_dir(), fp32)"
     else:
         source, source_label = args.source, args.source
     source_dir = Path(source)
@@ -191,7 +191,7 @@ def main(argv=None) -> int:
         "runs": runs,
     }
     markdown = render_markdown(results)
-    from iha.atomic_files import write_json_atomic, write_text_atomic
+    from iha.utils.atomic_files import write_json_atomic, write_text_atomic
 
     output = Path(args.output)
     write_text_atomic(markdown, output)

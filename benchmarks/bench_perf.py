@@ -53,8 +53,8 @@ from flops import model_flops  # noqa: E402
 from perf_report import markdown_report, summarize  # noqa: E402
 
 import iha  # noqa: E402
-from iha.arguments import ArgumentParser  # noqa: E402
-from iha.atomic_files import write_text_atomic  # noqa: E402
+from iha.cli.arguments import ArgumentParser  # noqa: E402
+from iha.utils.atomic_files import write_text_atomic  # noqa: E402
 
 
 def layout_options(layout: str, num_layers: int, num_pseudo_heads: int, seq_len: int) -> dict:

@@ -1,20 +1,7 @@
-# Copyright 2026 The iha authors.
-#
-# Licensed under the Apache License, Version 2.0 (the "License");
-# you may not use this file except in compliance with the License.
-# You may obtain a copy of the License at
-#
-#     http://www.apache.org/licenses/LICENSE-2.0
-#
-# Unless required by applicable law or agreed to in writing, software
-# distributed under the License is distributed on an "AS IS" BASIS,
-# WITHOUT WARRANTIES OR CONDITIONS OF ANY KIND, either express or implied.
-# See the License for the specific language governing permissions and
-# limitations under the License.
 """SFT throughput: IHA vs the same base model, under one identical TRL configuration, side by side in one run.
 
-The base model is a Llama-style checkpoint (default: SmolLM2-135M-Instruct from `iha.builtin`, offline); the IHA
-models are the same checkpoint converted with `iha.convert.llama_to_iha`, one per layout in `--layouts`: every layer
+The base model is a Llama-style checkpoint (default: SmolLM2-135M-Instruct from `iha.conversion.builtin`, offline); the IHA
+models are the same checkpoint converted with `iha.conversion.llama_to_iha`, one per layout in `--layouts`: every layer
 IHA ("global", P pseudo-heads) and the paper's hybrid ("hybrid": 4 sliding IHA layers to 1 global standard layer,
 window max_length / (2 P^2)). All train on the same GSM8K rows in OpenThoughts format, with the same `IHASFTConfig`
 (packing, assistant-only loss, gradient checkpointing as TRL defaults), and the trainer's own token count per step
@@ -43,11 +30,11 @@ import trl
 from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
 
 import iha
-from iha.arguments import ArgumentParser  # noqa: E402
-from iha.atomic_files import write_text_atomic
-from iha.convert import llama_to_iha
-from iha.gsm8k import gsm8k_file_to_openthoughts
-from iha.sft import IHASFTConfig, train_sft
+from iha.cli.arguments import ArgumentParser  # noqa: E402
+from iha.conversion import llama_to_iha
+from iha.data.gsm8k import gsm8k_file_to_openthoughts
+from iha.training import IHASFTConfig, train_sft
+from iha.utils.atomic_files import write_text_atomic
 
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -207,7 +194,9 @@ def markdown_report(report: dict) -> str:
 
 def main(argv=None):
     parser = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", help="Llama-style checkpoint (default: SmolLM2-135M-Instruct via iha.builtin)")
+    parser.add_argument(
+        "--model", help="Llama-style checkpoint (default: SmolLM2-135M-Instruct via iha.conversion.builtin)"
+    )
     parser.add_argument("--data", default=str(DEFAULT_DATA), help="GSM8K-style .jsonl (question, answer)")
     parser.add_argument("--rows", type=int, default=256)
     parser.add_argument("--num_pseudo_heads", type=int, default=2)
@@ -252,9 +241,9 @@ def main(argv=None):
 
     model_label = options.model
     if options.model is None:
-        from iha.builtin import smollm2_dir
+        from iha.conversion.builtin import smollm2_dir
 
-        options.model, model_label = str(smollm2_dir()), "SmolLM2-135M-Instruct (iha.builtin)"
+        options.model, model_label = str(smollm2_dir()), "SmolLM2-135M-Instruct (iha.conversion.builtin)"
     tokenizer = AutoTokenizer.from_pretrained(options.model)
     rows = gsm8k_file_to_openthoughts(options.data, limit=options.rows)
 

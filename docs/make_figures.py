@@ -12,12 +12,8 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import torch  # noqa: E402
 
-from iha.atomic_files import save_figure_atomic  # noqa: E402
-from iha.masking_iha import (  # noqa: E402
-    flat_causal_mask_function,
-    token_causal_mask_function,
-    token_window_overlay,
-)
+from iha.models.iha.masking_iha import flat_causal_mask_function, token_causal_mask_function, token_window_overlay
+from iha.utils.atomic_files import save_figure_atomic  # noqa: E402
 
 
 def pattern(mask_function, num_tokens: int, num_pseudo: int) -> torch.Tensor:

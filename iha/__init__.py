@@ -11,10 +11,17 @@ The model classes are importable from here (`from iha import IHAConfig`).
 
 from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
 
-from .configuration_iha import IHAConfig, paper_hybrid_layout
-from .configuration_iha_gemma3 import IHAGemma3Config
-from .modeling_iha import IHAForCausalLM, IHAHeadMixing, IHAModel, IHAPreTrainedModel
-from .modeling_iha_gemma3 import IHAGemma3ForCausalLM, IHAGemma3TextModel
+from .models.iha import (
+    IHAConfig,
+    IHAForCausalLM,
+    IHAGemma3Config,
+    IHAGemma3ForCausalLM,
+    IHAGemma3TextModel,
+    IHAHeadMixing,
+    IHAModel,
+    IHAPreTrainedModel,
+    paper_hybrid_layout,
+)
 
 
 __version__ = "0.1.0"

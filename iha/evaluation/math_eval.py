@@ -21,8 +21,11 @@ from pathlib import Path
 
 import torch
 from tqdm.auto import tqdm
+from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig, GgufConfig, set_seed
 
-from ..data import read_jsonl
+import iha  # noqa: F401  (registers IHAConfig / IHAForCausalLM with the Auto classes)
+
+from ..data.messages import read_jsonl
 from .answers import majority_vote, parse_answer, parsed_equivalent, read_answer
 from .settings import BENCHMARKS, PRESETS, BenchmarkSpec, SamplingConfig, sampling_preset
 
@@ -205,7 +208,6 @@ def generate_completions(
     The random state is reset to `seed + batch index` before every batch: the same seed and batch size give the
     same samples.
     """
-    from transformers import GenerationConfig, set_seed
 
     if batch_size < 1:
         raise ValueError(f"`batch_size` must be >= 1, got {batch_size}.")
@@ -347,9 +349,6 @@ def load_model_and_tokenizer(
     gguf_file: str | None = None,
 ):
     """An `AutoModelForCausalLM` (IHA folders included: `import iha` registers the classes) and its tokenizer."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    import iha  # noqa: F401  (registers IHAConfig / IHAForCausalLM with the Auto classes)
 
     if dtype != "auto" and not isinstance(getattr(torch, dtype, None), torch.dtype):
         raise ValueError(f"`dtype` must be 'auto' or the name of a torch dtype (e.g. 'bfloat16'), got {dtype!r}.")
@@ -357,8 +356,6 @@ def load_model_and_tokenizer(
         device = "cuda" if torch.cuda.is_available() else "cpu"
     extra = {"gguf_file": gguf_file} if gguf_file else {}
     if gguf_file:
-        from transformers import GgufConfig
-
         extra["quantization_config"] = GgufConfig(dequantize=True)
     tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code, **extra)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, trust_remote_code=trust_remote_code, **extra)

@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
-from ..gsm8k import gsm8k_final_answer
+from ..data.gsm8k import gsm8k_final_answer
 
 
 @dataclass

@@ -5,9 +5,9 @@ import sys
 
 import pytest
 import torch
-from conftest import REPO_ROOT
+from testing_utils import REPO_ROOT
 
-from iha.naive_iha import reference_mask
+from iha.models.iha.naive_iha import reference_mask
 
 
 sys.path.insert(0, str(REPO_ROOT / "benchmarks"))

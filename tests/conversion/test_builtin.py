@@ -8,7 +8,7 @@ import torch
 import transformers
 from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig, LlamaConfig, LlamaForCausalLM
 
-from iha import builtin
+from iha.conversion import builtin
 
 
 @pytest.fixture(scope="module")
@@ -17,6 +17,7 @@ def built_dir(tmp_path_factory):
     return builtin.smollm2_dir(cache_dir=tmp_path_factory.mktemp("iha-cache"))
 
 
+@pytest.mark.slow
 def test_folder_is_a_complete_llama_checkpoint(built_dir):
     assert built_dir.name == builtin.SMOLLM2_FOLDER_NAME
     config = json.loads((built_dir / "config.json").read_text())
@@ -33,6 +34,7 @@ def test_folder_is_a_complete_llama_checkpoint(built_dir):
     assert [p.name for p in built_dir.parent.iterdir()] == [built_dir.name]
 
 
+@pytest.mark.slow
 def test_saved_weights_compute_what_the_gguf_computes(built_dir):
     gguf_path = builtin.smollm2_gguf_path()
     from_gguf = LlamaForCausalLM.from_pretrained(

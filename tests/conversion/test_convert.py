@@ -4,74 +4,29 @@ import json
 import os
 from pathlib import Path
 
-import conftest
 import pytest
+import testing_utils
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
+from testing_utils import TINY_SOURCES, folder_listing, make_source
 from transformers import (
     AutoModelForCausalLM,
     GPT2Config,
     GPT2LMHeadModel,
-    LlamaConfig,
-    LlamaForCausalLM,
-    MistralConfig,
-    MistralForCausalLM,
-    Qwen2Config,
-    Qwen2ForCausalLM,
 )
 
 import iha
-from iha import convert
-from iha.convert import writers
-from iha.model_card import read_model_card
-
-
-# Three layers so that a layer list like "0,2" leaves one in the middle; GQA with 2 KV heads for 4 query heads.
-TINY = {**conftest.TINY, "num_hidden_layers": 3, "num_key_value_heads": 2}
-TINY_SOURCES = {
-    # Llama 3: GQA, llama3 rope scaling (the scaling bends the low frequencies), tied embeddings.
-    "llama3": lambda: LlamaForCausalLM(
-        LlamaConfig(
-            **TINY,
-            tie_word_embeddings=True,
-            rope_parameters={
-                "rope_type": "llama3",
-                "rope_theta": 500000.0,
-                "factor": 8.0,
-                "low_freq_factor": 1.0,
-                "high_freq_factor": 4.0,
-                "original_max_position_embeddings": 16,
-            },
-        )
-    ),
-    # Llama 2 style with biases everywhere, plain MHA, untied head.
-    "llama_bias": lambda: LlamaForCausalLM(
-        LlamaConfig(**{**TINY, "num_key_value_heads": 4}, attention_bias=True, mlp_bias=True)
-    ),
-    "mistral_sliding": lambda: MistralForCausalLM(MistralConfig(**TINY, sliding_window=8)),
-    "mistral_full": lambda: MistralForCausalLM(MistralConfig(**TINY, sliding_window=None)),
-    # Qwen2: q/k/v bias without o bias, untied head, sliding window on the layers from max_window_layers on.
-    "qwen2_sliding": lambda: Qwen2ForCausalLM(
-        Qwen2Config(**TINY, use_sliding_window=True, sliding_window=8, max_window_layers=1)
-    ),
-}
-
-
-def make_source(kind: str, folder: Path, seed: int = 0, **save_kwargs) -> Path:
-    """A random tiny checkpoint whose every weight (biases and norms included) is away from its init value."""
-    torch.manual_seed(seed)
-    model = TINY_SOURCES[kind]().eval()
-    with torch.no_grad():
-        for parameter in model.parameters():
-            parameter.add_(0.05 * torch.randn_like(parameter))
-    model.save_pretrained(folder, **save_kwargs)
-    return folder
+from iha import conversion as convert
+from iha.cli import convert as convert_command
+from iha.cli.main import run
+from iha.conversion import writers
+from iha.hub.model_card import read_model_card
 
 
 def random_batch(vocab_size: int) -> dict:
     """Left-padded, and longer than the sliding windows (8) of the tiny Mistral and Qwen2."""
-    input_ids, attention_mask = conftest.left_padded_batch(vocab_size, seq_len=40, seed=1)
+    input_ids, attention_mask = testing_utils.left_padded_batch(vocab_size, seq_len=40, seed=1)
     return {"input_ids": input_ids, "attention_mask": attention_mask}
 
 
@@ -83,10 +38,6 @@ def max_logit_difference(source_dir, converted_dir, dtype=torch.float32) -> floa
     batch = random_batch(source.config.vocab_size)
     valid = batch["attention_mask"].bool()
     return float((converted(**batch).logits - source(**batch).logits)[valid].abs().max())
-
-
-def folder_listing(folder: Path) -> list[str]:
-    return sorted(path.name for path in folder.iterdir())
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -197,8 +148,8 @@ def test_llama_to_iha_in_memory():
     batch = random_batch(source.config.vocab_size)
     valid = batch["attention_mask"].bool()
 
-    copied = iha.convert.llama_to_iha(source)
-    shared = iha.convert.llama_to_iha(source, share_weights=True)
+    copied = iha.conversion.llama_to_iha(source)
+    shared = iha.conversion.llama_to_iha(source, share_weights=True)
     with torch.no_grad():
         expected = source(**batch).logits[valid]
         for model in (copied, shared):
@@ -212,7 +163,7 @@ def test_llama_to_iha_in_memory():
 
 def test_virtual_positions_are_flagged_and_measured(tmp_path, caplog):
     source = make_source("llama3", tmp_path / "source")
-    with caplog.at_level("WARNING", logger="iha.convert"):
+    with caplog.at_level("WARNING", logger="iha.conversion"):
         report = convert.convert_checkpoint(source, tmp_path / "iha", position_mode="virtual", show_progress=False)
     assert not report.exact
     assert any("virtual positions" in change for change in report.function_changes)
@@ -252,7 +203,7 @@ def test_collapse_mean_with_flat_mask_is_flagged_but_token_mask_is_exact(tmp_pat
 
 def test_cli_success(tmp_path, capsys):
     source = make_source("mistral_sliding", tmp_path / "source")
-    assert convert.main([str(source), str(tmp_path / "iha"), "-P", "3", "--quiet"]) == 0
+    assert convert_command.main([str(source), str(tmp_path / "iha"), "-P", "3", "--quiet"]) == 0
     out = capsys.readouterr().out
     assert "verification: exact" in out and "top-1 agreement 100.00%" in out
     assert "P=3" in out
@@ -263,7 +214,7 @@ def test_cli_success(tmp_path, capsys):
 
 def test_cli_unsupported_architecture(tmp_path, capsys):
     GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=50)).save_pretrained(tmp_path / "gpt2")
-    assert convert.main([str(tmp_path / "gpt2"), str(tmp_path / "out")]) == 2
+    assert convert_command.main([str(tmp_path / "gpt2"), str(tmp_path / "out")]) == 2
     err = capsys.readouterr().err
     assert "Unsupported architecture: GPT2LMHeadModel" in err
     for name in convert.SUPPORTED_ARCHITECTURES:
@@ -281,11 +232,11 @@ def save_as_pickle(source: Path) -> Path:
 
 def test_cli_refuses_pickle_unless_allowed(tmp_path, capsys):
     source = save_as_pickle(make_source("qwen2_sliding", tmp_path / "source"))
-    assert convert.main([str(source), str(tmp_path / "out")]) == 2
+    assert convert_command.main([str(source), str(tmp_path / "out")]) == 2
     assert "--allow_pickle" in capsys.readouterr().err
     assert not (tmp_path / "out").exists()
 
-    assert convert.main([str(source), str(tmp_path / "out"), "--allow-pickle", "--quiet"]) == 0
+    assert convert_command.main([str(source), str(tmp_path / "out"), "--allow-pickle", "--quiet"]) == 0
     assert "verification: exact" in capsys.readouterr().out
     assert max_logit_difference(source, tmp_path / "out") <= convert.EXACT_ATOL
 
@@ -305,7 +256,7 @@ def test_allowed_pickle_is_still_loaded_weights_only(tmp_path, capsys):
     state_dict["payload"] = _RunsCodeWhenUnpickled(marker)
     torch.save(state_dict, source / "pytorch_model.bin")
 
-    assert convert.main([str(source), str(tmp_path / "out"), "--allow-pickle"]) == 2
+    assert convert_command.main([str(source), str(tmp_path / "out"), "--allow-pickle"]) == 2
     assert "weights_only=True" in capsys.readouterr().err
     assert not marker.exists(), "the pickle's code ran"
     assert not (tmp_path / "out").exists()
@@ -316,11 +267,11 @@ def test_cli_never_overwrites_without_the_flag(tmp_path, capsys):
     output = tmp_path / "out"
     output.mkdir()
     (output / "notes.txt").write_text("mine")
-    assert convert.main([str(source), str(output)]) == 2
+    assert convert_command.main([str(source), str(output)]) == 2
     assert "--overwrite" in capsys.readouterr().err
     assert folder_listing(output) == ["notes.txt"] and (output / "notes.txt").read_text() == "mine"
 
-    assert convert.main([str(source), str(output), "--overwrite", "--quiet"]) == 0
+    assert convert_command.main([str(source), str(output), "--overwrite", "--quiet"]) == 0
     assert "notes.txt" not in folder_listing(output) and (output / "model.safetensors").is_file()
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []
 
@@ -331,7 +282,7 @@ def test_failed_conversion_leaves_no_partial_output(tmp_path, capsys):
         tensors = {name: weights.get_tensor(name) for name in weights.keys() if "layers.2.mlp.up_proj" not in name}
     save_file(tensors, source / "model.safetensors", metadata={"format": "pt"})
     before = folder_listing(tmp_path)
-    assert convert.main([str(source), str(tmp_path / "out")]) == 2
+    assert convert_command.main([str(source), str(tmp_path / "out")]) == 2
     err = capsys.readouterr().err
     assert "missing ['model.layers.2.mlp.up_proj.weight']" in err
     assert folder_listing(tmp_path) == before
@@ -367,7 +318,7 @@ def test_cli_failed_verification_exits_nonzero_and_says_what_differed(tmp_path, 
         return tensors
 
     monkeypatch.setattr(iha.IHAHeadMixing, "identity_tensors", off_identity)
-    assert convert.main([str(source), str(tmp_path / "out"), "--quiet"]) == 1
+    assert convert_command.main([str(source), str(tmp_path / "out"), "--quiet"]) == 1
     err = capsys.readouterr().err
     assert "Verification failed: NOT exact: max |logit difference|" in err
     assert "exceeds the tolerance 1.0e-05" in err
@@ -376,7 +327,7 @@ def test_cli_failed_verification_exits_nonzero_and_says_what_differed(tmp_path, 
 
 def test_cli_warns_plainly_about_settings_that_change_the_function(tmp_path, capsys):
     source = make_source("mistral_full", tmp_path / "source")
-    assert convert.main([str(source), str(tmp_path / "out"), "--position-mode", "virtual", "--quiet"]) == 0
+    assert convert_command.main([str(source), str(tmp_path / "out"), "--position-mode", "virtual", "--quiet"]) == 0
     captured = capsys.readouterr()
     assert "WARNING: these settings change what the model computes" in captured.err
     assert "virtual positions" in captured.err
@@ -386,13 +337,13 @@ def test_cli_warns_plainly_about_settings_that_change_the_function(tmp_path, cap
 
 def test_cli_bad_layer_list(tmp_path, capsys):
     source = make_source("llama3", tmp_path / "source")
-    assert convert.main([str(source), str(tmp_path / "out"), "--layers", "0,7"]) == 2
+    assert convert_command.main([str(source), str(tmp_path / "out"), "--layers", "0,7"]) == 2
     assert "outside the model's layers 0..2" in capsys.readouterr().err
 
 
 def test_hub_id_offline_and_not_cached_is_a_clear_error(tmp_path, capsys):
     args = ["someone/not-a-cached-model", str(tmp_path / "out"), "--cache-dir", str(tmp_path / "hub")]
-    assert convert.main(args) == 2
+    assert convert_command.main(args) == 2
     err = capsys.readouterr().err
     assert "someone/not-a-cached-model is not a local folder" in err and "HF_HUB_OFFLINE" in err
 
@@ -414,7 +365,7 @@ def test_hub_id_is_served_from_the_hub_cache(tmp_path):
 def test_push_to_hub_offline_keeps_the_folder_and_says_how_to_retry(tmp_path, capsys):
     source = make_source("llama3", tmp_path / "source")
     output = tmp_path / "out"
-    assert convert.main([str(source), str(output), "--quiet", "--push-to-hub", "someone/tiny-iha"]) == 1
+    assert convert_command.main([str(source), str(output), "--quiet", "--push-to-hub", "someone/tiny-iha"]) == 1
     err = capsys.readouterr().err
     assert "Uploading" in err and "someone/tiny-iha" in err and f"iha-convert push {output}" in err
     assert (output / "model.safetensors").is_file()
@@ -425,5 +376,6 @@ def test_push_to_hub_offline_keeps_the_folder_and_says_how_to_retry(tmp_path, ca
 
 def test_push_refuses_a_folder_that_is_not_iha(tmp_path, capsys):
     source = make_source("llama3", tmp_path / "source")
-    assert convert.main(["push", str(source), "someone/x"]) == 1
+    # `iha-convert push` is routed to `iha push` by the dispatcher, as the console script runs it.
+    assert run("convert", ["push", str(source), "someone/x"]) == 1
     assert "not an IHA checkpoint folder" in capsys.readouterr().err

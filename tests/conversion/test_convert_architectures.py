@@ -6,8 +6,8 @@ import json
 import textwrap
 from pathlib import Path
 
-import conftest
 import pytest
+import testing_utils
 import torch
 import transformers
 from huggingface_hub.dataclasses import strict
@@ -24,11 +24,12 @@ from transformers import (
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 import iha
-from iha import convert
+from iha import conversion as convert
+from iha.cli import convert as convert_command
 
 
 # SmolLM3's default special tokens lie outside a tiny vocabulary: every source gets these.
-TINY = {**conftest.TINY, "num_hidden_layers": 3, "num_key_value_heads": 2, "pad_token_id": 0, "bos_token_id": 1}
+TINY = {**testing_utils.TINY, "num_hidden_layers": 3, "num_key_value_heads": 2, "pad_token_id": 0, "bos_token_id": 1}
 WINDOW = 8
 TINY_SOURCES = {
     # Qwen3, MHA, head_dim 16 (hidden / heads is 12), untied head.
@@ -87,7 +88,7 @@ def make_source(kind: str, folder: Path, seed: int = 0) -> Path:
 
 def random_batch(vocab_size: int) -> dict:
     """Left-padded, and longer than the sliding window of 8 tokens."""
-    input_ids, attention_mask = conftest.left_padded_batch(vocab_size, seq_len=40, seed=1)
+    input_ids, attention_mask = testing_utils.left_padded_batch(vocab_size, seq_len=40, seed=1)
     return {"input_ids": input_ids, "attention_mask": attention_mask}
 
 
@@ -251,7 +252,7 @@ REMOTE_CODE_CHILD = textwrap.dedent(
 
 
 def test_converted_folders_load_through_remote_code_in_a_process_without_iha(tmp_path):
-    batch = random_batch(conftest.TINY["vocab_size"])
+    batch = random_batch(testing_utils.TINY["vocab_size"])
     expected = {"batch": batch, "folders": {}}
     for kind in ("qwen3_sliding", "smollm3_sliding", "gemma3"):
         source_dir = make_source(kind, tmp_path / kind)
@@ -264,7 +265,7 @@ def test_converted_folders_load_through_remote_code_in_a_process_without_iha(tmp
                 "tokens": source.generate(**batch, max_new_tokens=12, do_sample=False, pad_token_id=0),
             }
     torch.save(expected, tmp_path / "expected.pt")
-    completed = conftest.run_without_the_project(REMOTE_CODE_CHILD, str(tmp_path / "expected.pt"), cwd=tmp_path)
+    completed = testing_utils.run_without_the_project(REMOTE_CODE_CHILD, str(tmp_path / "expected.pt"), cwd=tmp_path)
     assert completed.returncode == 0, completed.stderr[-3000:]
     results = [line.split()[1:] for line in completed.stdout.splitlines() if line.startswith("RESULT")]
     assert [class_name for _, class_name, _, _ in results] == [
@@ -289,7 +290,7 @@ def test_gemma3_settings_iha_cannot_compute_are_refused_by_name(tmp_path, capsys
     torch.manual_seed(0)
     config = Gemma3TextConfig(**TINY, head_dim=16, sliding_window=WINDOW, final_logit_softcapping=30.0)
     Gemma3ForCausalLM(config).save_pretrained(tmp_path / "source")
-    assert convert.main([str(tmp_path / "source"), str(tmp_path / "out")]) == 2
+    assert convert_command.main([str(tmp_path / "source"), str(tmp_path / "out")]) == 2
     assert "`final_logit_softcapping` = 30.0; IHA Gemma 3 models support only None" in capsys.readouterr().err
     assert not (tmp_path / "out").exists()
 

@@ -7,18 +7,19 @@ import signal
 from pathlib import Path
 
 import pytest
-from fault_utils import finish
-from test_convert import folder_listing, make_source
+from testing_utils import finish, folder_listing, make_source
 
-from iha import convert
-from iha.builtin import smollm2_dir
+from iha import conversion as convert
+from iha.cli import convert as convert_command
+from iha.cli.main import run
+from iha.conversion.builtin import smollm2_dir
 
 
 # Where the kill tests stop a conversion: before the third tensor copied into the weights file (mid-write), and
 # before the converted model's forward pass (mid-verification: the source ran on the fixed batch twice already).
 PAUSE_POINTS = {
-    "writing": ("iha.convert.readers:SafetensorsReader.copy_raw", 3),
-    "verifying": ("iha.convert.verify:logits_of_real_tokens", 3),
+    "writing": ("iha.conversion.readers:SafetensorsReader.copy_raw", 3),
+    "verifying": ("iha.conversion.verify:logits_of_real_tokens", 3),
 }
 
 
@@ -36,7 +37,7 @@ def tiny_source(tmp_path_factory) -> Path:
     return make_source("llama3", tmp_path_factory.mktemp("source") / "source")
 
 
-# Both signals reach one handler (`iha.command_line.run_command` raises SIGTERM as KeyboardInterrupt): each point is
+# Both signals reach one handler (`iha.cli.running.run_command` raises SIGTERM as KeyboardInterrupt): each point is
 # interrupted once, each signal sent once.
 @pytest.mark.parametrize("point, signum", [("writing", signal.SIGINT), ("verifying", signal.SIGTERM)])
 def test_signalled_conversion_leaves_nothing_and_says_so_in_one_line(
@@ -52,7 +53,8 @@ def test_signalled_conversion_leaves_nothing_and_says_so_in_one_line(
     name = signal.Signals(signum).name
     assert process.returncode == 128 + signum, err
     assert "Traceback" not in err
-    assert err.strip().splitlines()[-1] == f"iha-convert: interrupted ({name}); nothing was written to {output}"
+    # Run as `iha convert` (the paused command is the `iha` dispatcher): it names itself so.
+    assert err.strip().splitlines()[-1] == f"iha convert: interrupted ({name}); nothing was written to {output}"
     assert folder_listing(work) == []  # no staging folder, no output, no created parents
     assert f"ready-{point}" in folder_listing(tmp_path)  # it did stop where the test says
 
@@ -65,19 +67,20 @@ def test_killed_conversion_is_cleaned_up_by_the_next_run(paused_command, tiny_so
     left = staging_folders(tmp_path)
     assert len(left) == 1 and (tmp_path / left[0] / "model.safetensors").is_file()
 
-    assert convert.main([str(tiny_source), str(output), "--quiet"]) == 0
+    assert convert_command.main([str(tiny_source), str(output), "--quiet"]) == 0
     err = capsys.readouterr().err
     assert f"Removed 1 staging folder(s) that a killed earlier run of iha-convert left next to {output}" in err
     assert left[0] in err
     assert staging_folders(tmp_path) == [] and (output / "model.safetensors").is_file()
 
 
+@pytest.mark.slow
 def test_a_running_conversions_staging_folder_is_left_alone(paused_command, tiny_source, tmp_path, capsys):
     output = tmp_path / "out"
     running = start_paused_conversion(paused_command, tmp_path, "writing", [str(tiny_source), str(output), "-q"])
     try:
         theirs = staging_folders(tmp_path)
-        assert convert.main([str(tiny_source), str(tmp_path / "out"), "--quiet"]) == 0
+        assert convert_command.main([str(tiny_source), str(tmp_path / "out"), "--quiet"]) == 0
         assert "is still writing" in capsys.readouterr().err
         assert staging_folders(tmp_path) == theirs  # still there: its run holds the lock
     finally:
@@ -143,7 +146,7 @@ def test_damaged_source_gets_one_line(tiny_source, tmp_path, capsys, damage, mes
     source = copy_of(tiny_source, tmp_path / "source")
     damage(source)
     listing = folder_listing(tmp_path)
-    assert convert.main([str(source), str(tmp_path / "new" / "out"), "--quiet"]) == 2
+    assert convert_command.main([str(source), str(tmp_path / "new" / "out"), "--quiet"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("iha-convert: error: ") and message in err, err
     assert len(err.strip().splitlines()) == 1
@@ -152,7 +155,7 @@ def test_damaged_source_gets_one_line(tiny_source, tmp_path, capsys, damage, mes
 
 def test_unwritable_destination_gets_one_line(tiny_source, tmp_path, capsys):
     (tmp_path / "a-file").write_text("")
-    assert convert.main([str(tiny_source), str(tmp_path / "a-file" / "out"), "--quiet"]) == 2
+    assert convert_command.main([str(tiny_source), str(tmp_path / "a-file" / "out"), "--quiet"]) == 2
     err = capsys.readouterr().err
     assert err == f"iha-convert: error: {tmp_path / 'a-file'} is a file, not a folder; choose another output\n"
     assert len(err.strip().splitlines()) == 1
@@ -164,21 +167,21 @@ def test_unwritable_destination_gets_one_line(tiny_source, tmp_path, capsys):
         read_only = Path("/sys/kernel")
         if not read_only.is_dir() or os.access(read_only, os.W_OK) and os.geteuid() != 0:
             pytest.skip("no read-only folder to write into")
-    assert convert.main([str(tiny_source), str(read_only / "out"), "--quiet"]) == 2
+    assert convert_command.main([str(tiny_source), str(read_only / "out"), "--quiet"]) == 2
     err = capsys.readouterr().err
     assert err.startswith(f"iha-convert: error: cannot write in {read_only}") and "Errno" not in err, err
     assert len(err.strip().splitlines()) == 1
 
 
 def test_bad_tolerance_gets_one_line(tiny_source, tmp_path, capsys):
-    assert convert.main([str(tiny_source), str(tmp_path / "out"), "--tolerance", "-1"]) == 2
+    assert convert_command.main([str(tiny_source), str(tmp_path / "out"), "--tolerance", "-1"]) == 2
     assert "--tolerance must be a positive number" in capsys.readouterr().err
     assert folder_listing(tmp_path) == []
 
 
 def test_push_of_a_folder_with_a_damaged_config_gets_one_line(tmp_path, capsys):
     (tmp_path / "config.json").write_text("{not json")
-    assert convert.main(["push", str(tmp_path), "someone/x"]) == 1
+    assert run("convert", ["push", str(tmp_path), "someone/x"]) == 1  # `iha-convert push`
     err = capsys.readouterr().err
     assert err.startswith("iha-convert push: error: ") and "is not an IHA checkpoint folder" in err
     assert "Traceback" not in err
@@ -188,13 +191,13 @@ def test_failure_after_writing_started_removes_the_parents_it_created(tiny_sourc
     listing = folder_listing(tmp_path)
     # A tolerance nothing meets: verification fails once the whole folder has been written.
     output = tmp_path / "new" / "deeper" / "out"
-    assert convert.main([str(tiny_source), str(output), "--quiet", "--tolerance", "1e-30"]) == 1
+    assert convert_command.main([str(tiny_source), str(output), "--quiet", "--tolerance", "1e-30"]) == 1
     assert "Verification failed: NOT exact" in capsys.readouterr().err
     assert folder_listing(tmp_path) == listing
 
 
 def test_quiet_shows_no_progress_bars(tiny_source, tmp_path, capsys):
-    assert convert.main([str(tiny_source), str(tmp_path / "out"), "--quiet"]) == 0
+    assert convert_command.main([str(tiny_source), str(tmp_path / "out"), "--quiet"]) == 0
     captured = capsys.readouterr()
     assert "Loading weights" not in captured.err and "Writing IHA weights" not in captured.err
     assert (
@@ -203,7 +206,7 @@ def test_quiet_shows_no_progress_bars(tiny_source, tmp_path, capsys):
         + ("copy the tokenizer in before using it with pipeline() or pushing it.")
     )
     # Without --quiet the same bars show: the test above would notice them.
-    assert convert.main([str(tiny_source), str(tmp_path / "out2")]) == 0
+    assert convert_command.main([str(tiny_source), str(tmp_path / "out2")]) == 0
     assert "Loading weights" in capsys.readouterr().err
 
 
@@ -216,7 +219,7 @@ def test_a_changed_window_is_measured_past_the_window(tiny_source, tmp_path, cap
     # Training length 64 with P=2 gives a window of 64 / (2 * 2^2) = 8 tokens where the source sees everything.
     output = tmp_path / "out"
     args = [str(tiny_source), str(output), "--layers", "hybrid", "--training-length", "64", "--quiet"]
-    assert convert.main(args) == 0
+    assert convert_command.main(args) == 0
     err = capsys.readouterr().err
     report = json.loads((output / convert.REPORT_NAME).read_text())
     by_length = {entry["tokens"]: entry for entry in report["verification"]["by_length"]}

@@ -4,19 +4,20 @@ settings refused with one message that names them."""
 import dataclasses
 import json
 
-import conftest
 import pytest
+import testing_utils
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from iha.arguments import dataclass_values
-from iha.convert import CheckpointOptions, ConversionError, IHAConversionOptions, llama_to_iha, make_parser
-from iha.convert.plan import plan_conversion
+from iha.cli.arguments import dataclass_values
+from iha.cli.convert import make_parser
+from iha.conversion import CheckpointOptions, ConversionError, IHAConversionOptions, llama_to_iha
+from iha.conversion.plan import plan_conversion
 
 
 def tiny_llama() -> LlamaForCausalLM:
     torch.manual_seed(0)
-    return LlamaForCausalLM(LlamaConfig(**{**conftest.TINY, "num_hidden_layers": 3})).eval()
+    return LlamaForCausalLM(LlamaConfig(**{**testing_utils.TINY, "num_hidden_layers": 3})).eval()
 
 
 def parsed(argv: list[str]) -> tuple[IHAConversionOptions, CheckpointOptions]:
@@ -139,7 +140,7 @@ def test_the_settings_fill_the_config_fields_of_their_meaning():
 
 def test_options_keywords_and_a_dict_convert_alike():
     model = tiny_llama()
-    input_ids, attention_mask = conftest.left_padded_batch()
+    input_ids, attention_mask = testing_utils.left_padded_batch()
     by_options = llama_to_iha(model, IHAConversionOptions(num_pseudo_heads=3, layers=[0, 2]))
     by_keywords = llama_to_iha(model, num_pseudo_heads=3, layers="0,2")
     by_dict = llama_to_iha(model, json.loads('{"num_pseudo_heads": 3, "layers": [0, 2]}'))
@@ -156,7 +157,7 @@ def test_unknown_keywords_are_refused_with_the_list_of_settings():
 
 
 def test_sft_refuses_unknown_iha_options_before_loading_anything(tmp_path, capsys):
-    from iha.sft import main as sft_main
+    from iha.cli.sft import main as sft_main
 
     argv = ["--model_name_or_path", str(tmp_path / "no-model"), "--dataset_name", str(tmp_path / "no-rows.jsonl")]
     argv += ["--output_dir", str(tmp_path / "out"), "--iha_options", '{"num_pseudo_head": 2}']

@@ -4,16 +4,16 @@ greedy answers through the package, through a pipeline and through remote code i
 import json
 import textwrap
 
-import conftest
 import pytest
+import testing_utils
 import torch
-from test_convert import folder_listing
+from testing_utils import folder_listing
 from transformers import AutoModelForCausalLM, AutoTokenizer, pipeline
 
 import iha
-from iha import convert
-from iha.builtin import smollm2_dir
-from iha.model_card import read_model_card
+from iha import conversion as convert
+from iha.conversion.builtin import smollm2_dir
+from iha.hub.model_card import read_model_card
 
 
 CHAT_PROMPTS = (
@@ -41,6 +41,7 @@ def smollm2(tmp_path_factory):
     return {"source": source, "output": output, "report": report, "batch": batch, "source_tokens": source_tokens}
 
 
+@pytest.mark.slow
 def test_smollm2_default_conversion_is_exact_and_hub_ready(smollm2):
     report, output = smollm2["report"], smollm2["output"]
     assert report.exact and report.architecture == "LlamaForCausalLM"
@@ -148,8 +149,9 @@ REMOTE_CODE_CHILD = textwrap.dedent(
 )
 
 
+@pytest.mark.slow
 def test_smollm2_loads_with_trust_remote_code_in_a_process_without_iha(smollm2, tmp_path):
-    completed = conftest.run_without_the_project(
+    completed = testing_utils.run_without_the_project(
         REMOTE_CODE_CHILD, str(smollm2["output"]), json.dumps(CHAT_PROMPTS), cwd=tmp_path
     )
     assert completed.returncode == 0, completed.stderr[-3000:]

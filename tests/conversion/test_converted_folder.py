@@ -7,10 +7,10 @@ import subprocess
 import sys
 
 import pytest
-from test_convert import make_source
+from testing_utils import make_source
 
-from iha import convert
-from iha.model_card import parse_model_card, read_model_card, update_model_card
+from iha import conversion as convert
+from iha.hub.model_card import parse_model_card, read_model_card, update_model_card
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -46,7 +46,7 @@ def load_tokenizers_elsewhere(folders, tmp_path, trust_remote_code: bool) -> sub
 def test_converted_tokenizer_loads_like_the_source(kind, tmp_path):
     """Same class, same ids as the source's tokenizer, also where the source's tokenizer_config names no class
     (AutoTokenizer then goes by the model type, which differs: `iha` against `llama` / `qwen2`)."""
-    from sft_utils import build_tiny_tokenizer
+    from testing_utils import build_tiny_tokenizer
 
     source = make_source(kind, tmp_path / "source")
     build_tiny_tokenizer(source)
@@ -75,7 +75,7 @@ def test_converted_tokenizer_loads_like_the_source(kind, tmp_path):
 
 
 def test_converted_folder_carries_the_package_license_and_the_base_models_in_its_card(tmp_path):
-    from iha.licenses import package_license_text
+    from iha.hub.licenses import package_license_text
 
     # A base under other terms, with its own LICENSE file (as a Gemma or Llama folder has): it stays `LICENSE`, the
     # package's goes beside it, and the card's `license:` is the base's.

@@ -2,6 +2,7 @@
 
 import pytest
 
+from iha.data.gsm8k import gsm8k_final_answer
 from iha.evaluation.answers import (
     extract_answer,
     is_equivalent,
@@ -10,7 +11,6 @@ from iha.evaluation.answers import (
     parsed_equivalent,
     read_answer,
 )
-from iha.gsm8k import gsm8k_final_answer
 
 
 @pytest.mark.parametrize(

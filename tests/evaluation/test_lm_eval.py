@@ -15,14 +15,14 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import tiny_llama_for_tokenizer
+from testing_utils import tiny_llama_for_tokenizer
 from transformers import AutoTokenizer
 
-from iha.atomic_files import write_jsonl_atomic
-from iha.builtin import smollm2_dir
-from iha.convert import llama_to_iha
-from iha.data import read_jsonl
-from iha.gsm8k import gsm8k_final_answer
+from iha.conversion import llama_to_iha
+from iha.conversion.builtin import smollm2_dir
+from iha.data.gsm8k import gsm8k_final_answer
+from iha.data.messages import read_jsonl
+from iha.utils.atomic_files import write_jsonl_atomic
 
 
 TASK_NAME = "iha_local_gsm8k_mc"
@@ -88,6 +88,7 @@ def run_lm_eval(model_dir: Path, task_dir: Path, output_dir: Path) -> tuple[dict
     return results, samples
 
 
+@pytest.mark.slow
 def test_lm_eval_runs_on_a_converted_iha_folder(tmp_path, shared_data):
     tokenizer = AutoTokenizer.from_pretrained(smollm2_dir())
     llama = tiny_llama_for_tokenizer(tokenizer, max_position_embeddings=512, pad_token_id=None)

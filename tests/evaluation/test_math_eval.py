@@ -3,11 +3,12 @@
 import json
 
 import pytest
-from conftest import tiny_llama_for_tokenizer
+from testing_utils import tiny_llama_for_tokenizer
 from transformers import AutoTokenizer
 
-from iha.builtin import smollm2_dir
-from iha.convert import llama_to_iha
+from iha.cli.eval import main as eval_main
+from iha.conversion import llama_to_iha
+from iha.conversion.builtin import smollm2_dir
 from iha.evaluation import (
     PRESETS,
     Problem,
@@ -18,7 +19,6 @@ from iha.evaluation import (
     sampling_preset,
     score_completions,
 )
-from iha.evaluation.cli import main as eval_main
 
 
 # --- data -----------------------------------------------------------------------------------------------------------

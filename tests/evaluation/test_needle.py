@@ -7,7 +7,7 @@ import pytest
 import torch
 from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
-from iha.builtin import smollm2_dir
+from iha.conversion.builtin import smollm2_dir
 from iha.evaluation.needle import (
     NeedleConfig,
     evaluate_needle,
@@ -118,7 +118,7 @@ def test_runs_on_a_causal_lm(tokenizer):
 
 
 def test_needle_cli_writes_results_and_report(tokenizer, tmp_path, monkeypatch, capsys):
-    from iha.evaluation.cli import main as eval_main
+    from iha.cli.eval import main as eval_main
 
     config = LlamaConfig(
         vocab_size=len(tokenizer),
@@ -163,7 +163,7 @@ def test_needle_cli_writes_results_and_report(tokenizer, tmp_path, monkeypatch, 
     ],
 )
 def test_eval_help_shows_the_defaults(command, expected, capsys):
-    from iha.evaluation.cli import main as eval_main
+    from iha.cli.eval import main as eval_main
 
     with pytest.raises(SystemExit) as exit_info:
         eval_main([command, "--help"])

@@ -7,17 +7,16 @@ import random
 
 import pytest
 import torch
-from conftest import tiny_llama_for_tokenizer
-from sft_utils import build_tiny_tokenizer
+from testing_utils import build_tiny_tokenizer, tiny_llama_for_tokenizer
 
-from iha.ab import stats
-from iha.ab.cli import main
-from iha.ab.config import preset_config
-from iha.ab.data import prepare_data, prepare_reference_rows
-from iha.ab.measures import StepTrace
-from iha.ab.runs import prepare_output_dir, run_name, train_run
-from iha.data import read_jsonl
-from iha.sft import load_model_for_sft
+from iha.cli.ab import main
+from iha.data.messages import read_jsonl
+from iha.experiments import statistics as stats
+from iha.experiments.ab.config import preset_config
+from iha.experiments.ab.data import prepare_data, prepare_reference_rows
+from iha.experiments.ab.measures import StepTrace
+from iha.experiments.ab.runs import prepare_output_dir, run_name, train_run
+from iha.training import load_model_for_sft
 
 
 @pytest.fixture(scope="module")
@@ -31,7 +30,7 @@ def tiny_source(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def data_files(tmp_path_factory):
-    from conftest import SHARED_DATA
+    from testing_utils import SHARED_DATA
 
     if not SHARED_DATA.is_dir():
         pytest.skip(f"benchmark data not found at {SHARED_DATA}")
@@ -66,11 +65,11 @@ def test_arms_train_on_the_same_tokens_in_the_same_order(finished):
     for seed in config.seeds:
         base = read_run(output_dir, run_name("base", seed))
         converted = read_run(output_dir, run_name("iha", seed, chosen))
-        assert base["steps"] == converted["steps"] == config.max_steps
+        assert base["steps"] == converted["steps"] == config.training.max_steps
         assert (
             base["trained_tokens"] == converted["trained_tokens"] > base["loss_tokens"] == converted["loss_tokens"] > 0
         )
-        assert len(base["step_trace"]) == config.max_steps * config.gradient_accumulation_steps
+        assert len(base["step_trace"]) == config.training.max_steps * config.training.gradient_accumulation_steps
         assert all(step["loss_tokens"] > 0 for step in base["step_trace"])
         assert base["step_trace"] == converted["step_trace"]
         traces[seed] = base["step_trace"]
@@ -124,8 +123,8 @@ def test_second_call_reuses_every_finished_run(finished, tiny_source, data_files
     def must_not_run(*args, **kwargs):
         raise AssertionError("a finished run was trained or evaluated again")
 
-    monkeypatch.setattr("iha.ab.runs.train_sft", must_not_run)
-    monkeypatch.setattr("iha.ab.runs.generate_completions", must_not_run)
+    monkeypatch.setattr("iha.experiments.ab.runs.train_sft", must_not_run)
+    monkeypatch.setattr("iha.experiments.ab.runs.generate_completions", must_not_run)
     assert main(tiny_argv(tiny_source, data_files, output_dir)) == 0
     assert {path: path.stat().st_mtime_ns for path in results} == before
 
@@ -177,12 +176,12 @@ def test_interrupted_training_resumes_from_its_checkpoint_with_the_same_data(
     monkeypatch.setattr(StepTrace, "on_save", stop_after_first_checkpoint, raising=False)
     with pytest.raises(KeyboardInterrupt):
         train_run(run_dir, "base", 0, None, str(tiny_source), train_rows, validation_rows, config, settings)
-    assert (run_dir / "training" / f"checkpoint-{config.save_steps}").is_dir()
+    assert (run_dir / "training" / f"checkpoint-{config.training.save_steps}").is_dir()
     assert not (run_dir / "train.json").exists()
     monkeypatch.undo()
     resumed = train_run(run_dir, "base", 0, None, str(tiny_source), train_rows, validation_rows, config, settings)
     uninterrupted = read_run(output_dir, "base-seed0")
-    assert resumed["resumed_from"] == f"checkpoint-{config.save_steps}"
+    assert resumed["resumed_from"] == f"checkpoint-{config.training.save_steps}"
     assert resumed["step_trace"] == uninterrupted["step_trace"]
     assert resumed["validation"]["loss"] == pytest.approx(uninterrupted["validation"]["loss"], rel=1e-4)
     assert not list((run_dir / "training").glob("checkpoint-*"))  # deleted once the run is done

@@ -8,8 +8,10 @@ import math
 import pytest
 import torch
 
-from iha.synthetic.polynomial import PolynomialConfig, holm_adjusted, run_experiment, task_adjacency
-from iha.synthetic.polynomial_filter import (
+from iha.cli.polynomial_filter import main as polynomial_filter_main
+from iha.cli.polynomial_filter import reproducing_command
+from iha.experiments.synthetic.polynomial import PolynomialConfig, run_experiment, task_adjacency, train_filter
+from iha.experiments.synthetic.polynomial_filter import (
     filter_target,
     hand_set_iha_filter,
     hand_set_mha_filter,
@@ -160,13 +162,6 @@ def test_the_persistent_graphs_keep_every_power_apart_where_the_gaussian_ones_fa
     assert stochastic.roll(-1, dims=1).diagonal().mean() > 0.5  # most of the weight on the next node
 
 
-def test_holm_adjusts_step_down_and_keeps_the_order_of_its_input():
-    assert holm_adjusted([0.01, 0.04, 0.03, 0.5]) == pytest.approx([0.04, 0.09, 0.09, 0.5])
-    assert holm_adjusted([0.3, 0.2]) == pytest.approx([0.4, 0.4])
-    assert holm_adjusted([0.9, 0.8, 0.6]) == [1.0, 1.0, 1.0]
-    assert holm_adjusted([]) == []
-
-
 def test_the_trained_comparison_learns_and_writes_its_report(tmp_path):
     config = PolynomialConfig(num_tokens=4, feature_size=2, head_dim=8, seeds=[0, 1], steps=60, eval_every=20)
     assert config.models == ["MHA H=2", "MHA H=4", "IHA H=2 P=2"]
@@ -215,6 +210,64 @@ def test_the_order_9_comparison_trains_three_heads_against_three_and_nine(tmp_pa
     assert set(report["summary"]["paired"]) == {"softmax/IHA H=3 P=3 - MHA H=3", "softmax/IHA H=3 P=3 - MHA H=9"}
     markdown = (tmp_path / "report.md").read_text()
     assert "(k = 9)" in markdown and "one seed: no test" in markdown and "Kronecker rank: softmax 9" in markdown
+
+
+def test_processes_split_by_attention_pair_with_each_other_and_an_unfinished_report_says_what_is_missing(tmp_path):
+    tiny = dict(num_tokens=4, feature_size=2, head_dim=8, seeds=[0, 1], steps=40, eval_every=20)
+    full = PolynomialConfig(**tiny)
+    # One process ran linear seed 0 only; the report of everything, rendered without training, is unfinished.
+    linear_seed_0 = PolynomialConfig(**{**tiny, "attentions": ["linear"], "seeds": [0]})
+    run_experiment(linear_seed_0, tmp_path / "linear", progress=False)
+    partial = run_experiment(full, tmp_path / "all", runs_from=[tmp_path / "linear"], train=False, progress=False)
+    assert len(partial["runs"]) == 3 and len(partial["summary"]["missing"]) == 9
+    assert ["linear", "MHA H=2", 1] in partial["summary"]["missing"]
+    assert partial["summary"]["paired"]["linear/IHA H=2 P=2 - MHA H=4"]["n"] == 1  # seed 0 only: no test
+    markdown = (tmp_path / "all" / "report.md").read_text()
+    assert "## Unfinished: 3 of 12 runs" in markdown
+    assert "linear MHA H=2: seed 0; " in markdown and "softmax IHA H=2 P=2: none" in markdown
+    # The other attention in another process; then the full command trains only what is still missing, and a run
+    # made by a split process is the run the full command makes (it depends on its settings, model, attention, seed).
+    run_experiment(PolynomialConfig(**tiny, attentions=["softmax"]), tmp_path / "softmax", progress=False)
+    split = {(run["attention"], run["model"], run["seed"]): run for run in partial["runs"]}
+    trained = []
+    finished = run_experiment(full, tmp_path / "all", runs_from=[tmp_path / "softmax"], progress=False)
+    assert len(finished["runs"]) == 12 and finished["summary"]["missing"] == []
+    assert {(run["attention"], run["model"], run["seed"]) for run in finished["runs"]} == {
+        (a, m, s) for a in full.attentions for m in full.models for s in full.seeds
+    }
+    for run in finished["runs"]:
+        key = (run["attention"], run["model"], run["seed"])
+        if key in split:
+            assert run == split[key]  # reused, not retrained
+        elif run["attention"] == "linear":
+            trained.append(run)
+    assert len(trained) == 3  # linear seed 1: the only runs neither process had made
+    made_by_split = next(
+        run
+        for run in finished["runs"]
+        if (run["attention"], run["model"], run["seed"]) == ("softmax", "IHA H=2 P=2", 1)
+    )
+    assert train_filter(full, "IHA H=2 P=2", "softmax", 1)["curve"] == made_by_split["curve"]
+    assert "Unfinished" not in (tmp_path / "all" / "report.md").read_text()
+
+
+def test_runs_made_with_other_task_settings_are_not_reused(tmp_path):
+    tiny = dict(num_tokens=4, feature_size=2, head_dim=8, seeds=[0], steps=20, eval_every=20, attentions=["linear"])
+    run_experiment(PolynomialConfig(**tiny), tmp_path / "a", progress=False)
+    other = PolynomialConfig(**{**tiny, "learning_rate": 1e-3})
+    report = run_experiment(other, tmp_path / "b", runs_from=[tmp_path / "a"], train=False, progress=False)
+    assert report["runs"] == [] and len(report["summary"]["missing"]) == 3
+
+
+def test_the_command_records_the_command_that_makes_its_runs(tmp_path, capsys):
+    argv = ["--output-dir", str(tmp_path / "k9"), "--order", "9", "--num_tokens", "9", "--feature_size", "1"]
+    argv += ["--head_dim", "9", "--attentions", "linear", "--seeds", "0", "--steps", "20", "--eval_every", "20"]
+    assert polynomial_filter_main([*argv, "--report-only", "--runs-from", str(tmp_path / "elsewhere")]) == 0
+    report = json.loads((tmp_path / "k9" / "report.json").read_text())
+    assert report["runs"] == [] and report["command"] == reproducing_command("iha polynomial-filter", argv)
+    assert "--report-only" not in report["command"] and "elsewhere" not in report["command"]
+    assert "## Unfinished: 0 of 3 runs" in capsys.readouterr().out
+    assert reproducing_command("iha x", ["--runs-from=a", "--seeds", "0", "--report-only"]) == "iha x --seeds 0"
 
 
 def test_the_config_refuses_an_unknown_order_or_graph_family():

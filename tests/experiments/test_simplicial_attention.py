@@ -5,8 +5,8 @@ import math
 import pytest
 import torch
 
-from iha.synthetic import build_model, count_parameters
-from iha.synthetic.simplicial_attention import TwoSimplicialAttention
+from iha.experiments.synthetic import build_model, count_parameters
+from iha.experiments.synthetic.simplicial_attention import TwoSimplicialAttention
 
 
 def reference_two_simplicial(module: TwoSimplicialAttention, hidden: torch.Tensor, key_padding_mask=None):

@@ -8,9 +8,9 @@ import struct
 import pytest
 import torch
 
-from iha.synthetic import write_outputs
-from iha.synthetic.cli import main
-from iha.synthetic.states import save_epoch_state
+from iha.cli.synthetic import main
+from iha.experiments.synthetic import write_outputs
+from iha.experiments.synthetic.states import save_epoch_state
 
 
 def test_outputs_are_written(tiny_results, tmp_path):
@@ -70,7 +70,7 @@ def test_seed_summary(tiny_results, tmp_path, capsys):
     assert summary["binary/2-simplicial"]["seeds"] == [0] and summary["binary/IHA P=2"]["seeds"] == [0, 1]
     assert "(1 of 2 seeds)" in (tmp_path / "p" / "seeds.md").read_text()
     # ... and its picture says so: one seed's value with the seed named, not a mean with no spread.
-    from iha.synthetic.figures import accuracy_label
+    from iha.experiments.synthetic.figures import accuracy_label
 
     one_seed = summary["binary/2-simplicial"]
     assert accuracy_label(one_seed, [0, 1]) == f"{one_seed['mean']:.2f}\n(seed 0 only)"
@@ -92,7 +92,7 @@ def test_report_summarizes_unfinished_runs_with_paired_differences(tiny_results,
     (tmp_path / "seed-1").mkdir()
     (tmp_path / "seed-1" / "results.partial.json").write_text(json.dumps(partial))
     # Seed 1's binary 2-simplicial run is training: its state after 2 epochs is where the training command keeps it.
-    import iha.synthetic.train as synthetic_training
+    import iha.experiments.synthetic.train as synthetic_training
 
     history = [
         {"epoch": 1, "train_loss": 0.5, "val_accuracy": 0.75},

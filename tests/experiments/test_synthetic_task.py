@@ -5,7 +5,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from iha.synthetic import (
+from iha.experiments.synthetic import (
     CompositionData,
     build_model,
     compose_relation,
@@ -81,7 +81,7 @@ def test_variable_m_data_draws_the_paper_ranges_and_right_pads(task, low, high):
 
 @pytest.mark.parametrize("group_by_m", [True, False])
 def test_epoch_batches_cover_every_example_once_and_group_by_m(group_by_m):
-    from iha.synthetic import epoch_batches
+    from iha.experiments.synthetic import epoch_batches
 
     data = make_composition_data("binary", [3, 6], 203, seed=5)
     batches = epoch_batches(data.sizes, 16, torch.Generator().manual_seed(0), group_by_m)
@@ -102,7 +102,7 @@ def test_epoch_batches_cover_every_example_once_and_group_by_m(group_by_m):
 
 def test_grouped_batches_train_on_the_loss_of_each_relation_alone():
     # A grouped batch is unpadded, and its loss is the mean over its relations computed one at a time.
-    from iha.synthetic import epoch_batches
+    from iha.experiments.synthetic import epoch_batches
 
     model = build_model(5, 16, 4, 2, seed=0).double()
     data = make_composition_data("ternary", [3, 5], 40, seed=2)

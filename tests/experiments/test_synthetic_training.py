@@ -7,17 +7,11 @@ from dataclasses import replace
 import pytest
 from safetensors import safe_open
 
-from iha.synthetic import (
-    PRESET_SEEDS,
-    PRESETS,
-    TINY,
-    run_comparison,
-    write_seed_summary,
-)
-from iha.synthetic.cli import main
-from iha.synthetic.models import build_model
-from iha.synthetic.states import load_epoch_state, load_run_weights
-from iha.synthetic.task import make_composition_data, split_seeds
+from iha.cli.synthetic import main
+from iha.experiments.synthetic import PRESET_SEEDS, PRESETS, TINY, run_comparison, write_seed_summary
+from iha.experiments.synthetic.models import build_model
+from iha.experiments.synthetic.states import load_epoch_state, load_run_weights
+from iha.experiments.synthetic.task import make_composition_data, split_seeds
 
 
 def test_tiny_comparison_trains_every_variant(tiny_results):
@@ -106,7 +100,7 @@ def test_presets_and_size_ranges_on_the_command_line(tmp_path, capsys):
 
 
 def test_an_interrupted_comparison_resumes_from_its_checkpoint(tmp_path, monkeypatch):
-    import iha.synthetic.train as synthetic_training
+    import iha.experiments.synthetic.train as synthetic_training
 
     config = replace(TINY, tasks=["binary"], max_epochs=1)
     checkpoint = tmp_path / "results.partial.json"
@@ -137,7 +131,7 @@ def test_an_interrupted_comparison_resumes_from_its_checkpoint(tmp_path, monkeyp
 def test_a_run_interrupted_between_epochs_continues_to_the_result_of_an_uninterrupted_one(tmp_path, monkeypatch):
     """A run keeps its state after every epoch: killed in its third epoch, the same command continues after the
     second one (not from scratch), and the run ends with the history and test metrics of a run never stopped."""
-    import iha.synthetic.train as synthetic_training
+    import iha.experiments.synthetic.train as synthetic_training
 
     config = replace(TINY, tasks=["binary"], max_epochs=4, patience=10, simplicial=False, pseudo_heads=[])
     uninterrupted = run_comparison(config, progress=False)["runs"][0]
@@ -211,7 +205,7 @@ def test_a_pickled_epoch_state_is_refused_not_unpickled(tmp_path, capsys):
 def test_finished_runs_save_their_best_weights_and_epoch_states_are_no_pickles(tmp_path, monkeypatch):
     """Every finished run's best weights are a safetensors file named in its result: rebuilt from them, the model
     gives the run's test metrics again; epoch states hold tensors and JSON only, and resume bit for bit."""
-    import iha.synthetic.train as synthetic_training
+    import iha.experiments.synthetic.train as synthetic_training
 
     config = replace(TINY, tasks=["binary"], max_epochs=3, patience=10)
     results = run_comparison(config, progress=False, checkpoint=tmp_path / "results.partial.json")
@@ -244,7 +238,7 @@ def test_finished_runs_save_their_best_weights_and_epoch_states_are_no_pickles(t
 
 
 def test_a_finished_comparison_is_reused_and_never_overwritten_by_another(tmp_path, monkeypatch):
-    import iha.synthetic.train as synthetic_training
+    import iha.experiments.synthetic.train as synthetic_training
 
     arguments = ["--preset", "tiny", "--tasks", "binary", "--max-epochs", "1", "--output-dir", str(tmp_path)]
     main(arguments)
@@ -294,7 +288,7 @@ def test_cli_with_several_seeds_runs_each_and_summarizes(tmp_path):
 
 
 def test_several_seeds_train_the_cheap_models_first_and_resume_after_an_interruption(tmp_path, monkeypatch):
-    import iha.synthetic.train as synthetic_training
+    import iha.experiments.synthetic.train as synthetic_training
 
     arguments = ["--preset", "tiny", "--max-epochs", "1", "--seeds", "0", "1", "--output-dir", str(tmp_path)]
     real_train_one = synthetic_training.train_one
@@ -334,9 +328,9 @@ def test_two_processes_share_a_comparison_run_by_run(tmp_path, monkeypatch):
     # the result the other process wrote instead of training it again.
     from filelock import FileLock
 
-    import iha.synthetic.train as synthetic_training
-    from iha.synthetic.cli import _train_cheap_models_first
-    from iha.synthetic.train import lock_path, save_run
+    import iha.experiments.synthetic.train as synthetic_training
+    from iha.cli.synthetic import _train_cheap_models_first
+    from iha.experiments.synthetic.train import lock_path, save_run
 
     config = replace(TINY, tasks=["binary"], max_epochs=1, simplicial=False)
     checkpoint = tmp_path / "seed-0" / "results.partial.json"

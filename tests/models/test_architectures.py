@@ -5,11 +5,10 @@ import json
 
 import pytest
 import torch
-from conftest import TINY, generation_position_ids, left_padded_batch, randomize_mixing
-from test_modeling import greedy_without_cache
+from testing_utils import TINY, generation_position_ids, greedy_without_cache, left_padded_batch, randomize_mixing
 
 import iha
-from iha.naive_iha import reference_forward
+from iha.models.iha.naive_iha import reference_forward
 
 
 SIZES = {**TINY, "num_hidden_layers": 3, "head_dim": 16}
@@ -93,6 +92,17 @@ def test_cached_generation_matches_uncached(architecture, cache_mode):
     common = dict(attention_mask=attention_mask, max_new_tokens=steps, do_sample=False, pad_token_id=0)
     assert torch.equal(model.generate(input_ids, **common), expected)
     assert torch.equal(model.generate(input_ids, cache_implementation="static", **common), expected)
+
+
+@pytest.mark.parametrize("architecture", sorted(ARCHITECTURES))
+def test_an_empty_input_is_refused_with_one_clear_error_on_forward_and_generate(architecture):
+    # Without the check the attention fails reshaping an empty sequence, with a message about tensor shapes.
+    model = tiny_model(architecture)
+    empty = torch.zeros(1, 0, dtype=torch.long)
+    with pytest.raises(ValueError, match="IHA got an input of 0 tokens: give at least one token"):
+        model(empty)
+    with pytest.raises(ValueError, match="IHA got an input of 0 tokens"):
+        model.generate(empty, max_new_tokens=2, do_sample=False, pad_token_id=0)
 
 
 def test_gemma3_gradients_reach_mixing_and_norms_and_checkpointing_gives_the_same():

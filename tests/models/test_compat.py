@@ -1,15 +1,15 @@
-"""The transformers-release compatibility layer (`iha/compat_iha.py`): the supported range, the cache argument under
+"""The transformers-release compatibility layer (`iha/models/iha/compat_iha.py`): the supported range, the cache argument under
 both names, and the self-check that guards releases newer than the newest tested one."""
 
 import logging
 
 import pytest
 import torch
-from conftest import TINY, left_padded_batch, tiny_iha_model
+from testing_utils import TINY, left_padded_batch, tiny_iha_model
 
 import iha
-import iha.modeling_iha
-from iha import compat_iha
+import iha.models.iha.modeling_iha
+from iha.models.iha import compat_iha
 
 
 @pytest.mark.parametrize("version", ["4.57.6", "5.0.0", "5.3.0"])
@@ -70,7 +70,7 @@ def test_self_check_catches_a_model_that_ignores_the_cache(monkeypatch):
         kwargs.pop("cache", None)
         return None
 
-    monkeypatch.setattr(iha.modeling_iha, "take_cache_argument", lose_the_cache)
+    monkeypatch.setattr(iha.models.iha.modeling_iha, "take_cache_argument", lose_the_cache)
     with pytest.raises(compat_iha.UnsupportedTransformersError) as error:
         compat_iha.check_untested_release(iha.IHAConfig, iha.IHAForCausalLM, version="5.99.0")
     message = str(error.value)
@@ -81,7 +81,7 @@ def test_self_check_catches_a_model_that_ignores_the_cache(monkeypatch):
 
 
 def test_saved_folders_carry_the_compatibility_module(tmp_path):
-    from iha.convert import CODE_FILES
+    from iha.conversion import CODE_FILES
 
     iha.IHAForCausalLM(iha.IHAConfig(**TINY)).save_pretrained(tmp_path)
     for name in CODE_FILES:
@@ -139,13 +139,12 @@ def test_every_module_auto_map_names_imports_the_files_it_needs_itself():
     """transformers 5.4 - 5.9 copy into the remote-code cache only the siblings the module `auto_map` names imports
     itself; one a sibling imports in turn is missing there, and loading fails (FileNotFoundError). Each such module must
     import them all directly, and each must be among the files a converted folder carries."""
-    from pathlib import Path
 
     from transformers.dynamic_module_utils import get_relative_imports
 
-    from iha.convert.writers import AUTO_MAPS, code_files
+    from iha.conversion.writers import AUTO_MAPS, MODEL_FOLDER, code_files
 
-    package = Path(iha.__file__).parent
+    package = MODEL_FOLDER
     for model_type, auto_map in AUTO_MAPS.items():
         for entry in auto_map.values():
             module = entry.split(".")[0]

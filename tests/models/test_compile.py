@@ -9,12 +9,10 @@ transformers' own compiled decoding (`generate` with a `CompileConfig`).
 
 import pytest
 import torch
-from conftest import TINY, left_padded_batch, tiny_iha_model
-from test_fast_paths import sharpen_attention
-from test_modeling import greedy_without_cache
+from testing_utils import TINY, greedy_without_cache, left_padded_batch, sharpen_attention, tiny_iha_model
 from transformers import CompileConfig
 
-from iha.attention_iha import choose_attention_path
+from iha.models.iha.attention_iha import choose_attention_path
 
 
 LAYOUTS = {
@@ -85,7 +83,7 @@ def test_compiled_forward_of_packed_rows_keeps_documents_apart(precision):
 
 
 def record_attention_paths(monkeypatch) -> list[str]:
-    import iha.modeling_iha as modeling_iha
+    import iha.models.iha.modeling_iha as modeling_iha
 
     paths = []
 
@@ -97,6 +95,7 @@ def record_attention_paths(monkeypatch) -> list[str]:
     return paths
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("compiled", [False, True])
 def test_attention_paths_eager_and_compiled(monkeypatch, compiled, precision):
     # Eager packed rows keep the per-document kernel; compiled ones take the dense masked path (SDPA sharing KV heads

@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from conftest import TINY, tiny_iha_config, tiny_iha_model
+from testing_utils import TINY, tiny_iha_config, tiny_iha_model
 
 import iha
 from iha import IHAConfig

@@ -7,43 +7,23 @@
 
 import pytest
 import torch
-from conftest import (
+from testing_utils import (
     TINY,
     generation_position_ids,
+    greedy_without_cache,
     left_padded_batch,
+    record_sdpa_calls,
     relative_top2_gap,
+    sharpen_attention,
     tiny_iha_config,
     tiny_iha_model,
 )
-from test_modeling import greedy_without_cache
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM, StaticCache
 
 import iha
-from iha.blocked_local_iha import BlockedLocalMask, local_attention_blocks
-from iha.masking_iha import create_iha_masks
-from iha.naive_iha import reference_forward
-
-
-def sharpen_attention(model, scale: float = 8.0):
-    """Scale q/k projections so attention is far from uniform: randomly initialised tiny models attend almost
-    uniformly, which would hide a key in the wrong place from token-level comparisons."""
-    with torch.no_grad():
-        for layer in model.model.layers:
-            layer.self_attn.q_proj.weight.mul_(scale)
-            layer.self_attn.k_proj.weight.mul_(scale)
-    return model
-
-
-def record_sdpa_calls(monkeypatch) -> list[dict]:
-    calls = []
-    sdpa = torch.nn.functional.scaled_dot_product_attention
-
-    def recording_sdpa(query, key, value, attn_mask=None, is_causal=False, **kwargs):
-        calls.append({"queries": query.shape[-2], "keys": key.shape[-2], "mask": attn_mask, "is_causal": is_causal})
-        return sdpa(query, key, value, attn_mask=attn_mask, is_causal=is_causal, **kwargs)
-
-    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", recording_sdpa)
-    return calls
+from iha.models.iha.blocked_local_iha import BlockedLocalMask, local_attention_blocks
+from iha.models.iha.masking_iha import create_iha_masks
+from iha.models.iha.naive_iha import reference_forward
 
 
 # --- flat causal prefill: SDPA's is_causal kernel ---------------------------------------------------------------------

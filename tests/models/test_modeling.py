@@ -4,19 +4,19 @@ import itertools
 
 import pytest
 import torch
-from conftest import (
+from testing_utils import (
     TINY,
     generation_position_ids,
+    greedy_without_cache,
     left_padded_batch,
     randomize_mixing,
-    relative_top2_gap,
     tiny_iha_config,
     tiny_iha_model,
 )
 from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM
 
 import iha
-from iha.naive_iha import reference_forward
+from iha.models.iha.naive_iha import reference_forward
 
 
 MODES = list(
@@ -187,27 +187,6 @@ def generation_model(mode, attn_implementation, num_pseudo=2):
     )
 
 
-def greedy_without_cache(model, input_ids, attention_mask, steps, relative_gaps=None):
-    """Greedy decoding by re-running the full forward each step: the ground truth for cached decoding.
-
-    `relative_gaps`, a list, receives each step's `relative_top2_gap` (what `Precision.assert_same_greedy` allows near
-    ties by)."""
-    for _ in range(steps):
-        with torch.no_grad():
-            logits = model(
-                input_ids,
-                attention_mask=attention_mask,
-                position_ids=generation_position_ids(attention_mask),
-                use_cache=False,  # no cache object at all: the ground truth must not share the cache code
-            ).logits
-        if relative_gaps is not None:
-            relative_gaps.append(relative_top2_gap(logits[:, -1]))
-        next_token = logits[:, -1].argmax(-1, keepdim=True)
-        input_ids = torch.cat([input_ids, next_token], dim=-1)
-        attention_mask = torch.cat([attention_mask, torch.ones_like(next_token)], dim=-1)
-    return input_ids
-
-
 @pytest.mark.parametrize("attn_implementation", ["eager", "sdpa"])
 @pytest.mark.parametrize("mode", GENERATION_MODES, ids=mode_id)
 def test_cached_generation_matches_uncached(mode, attn_implementation, precision):
@@ -259,6 +238,7 @@ def test_decode_step_logits_match_full_forward(mode, precision):
     precision.assert_close(incremental[real], full[real], rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.slow
 def test_flex_attention_matches_sdpa(precision):
     pytest.importorskip("torch.nn.attention.flex_attention")
     # Inductor's CPU flex-attention template needs a head dim that is a multiple of 16.

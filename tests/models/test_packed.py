@@ -14,14 +14,13 @@ import itertools
 
 import pytest
 import torch
-from conftest import TINY, tiny_iha_model
-from test_fast_paths import record_sdpa_calls, sharpen_attention
+from testing_utils import TINY, record_sdpa_calls, sharpen_attention, tiny_iha_model
 
-from iha.attention_iha import choose_attention_path
-from iha.blocked_local_iha import BlockedLocalMask
-from iha.masking_iha import create_iha_masks
-from iha.naive_iha import reference_forward, reference_mask
-from iha.packed_documents_iha import PackedDocumentsMask, group_documents_by_length
+from iha.models.iha.attention_iha import choose_attention_path
+from iha.models.iha.blocked_local_iha import BlockedLocalMask
+from iha.models.iha.masking_iha import create_iha_masks
+from iha.models.iha.naive_iha import reference_forward, reference_mask
+from iha.models.iha.packed_documents_iha import PackedDocumentsMask, group_documents_by_length
 
 
 # Unequal documents: groups with padding inside, several groups, a one-token document.
@@ -303,6 +302,7 @@ def require_flex_backward(precision):
         pytest.skip("torch's flex attention has no backward on CPU; this runs with --device cuda")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mask_mode", ["flat_causal", "token_causal"])
 def test_flex_attention_on_packed_rows_skips_blocks_across_documents_and_matches_dense_mask_and_reference(
     mask_mode, precision
@@ -341,6 +341,7 @@ def test_flex_attention_gradients_on_packed_rows_match_the_per_document_path(pre
         )
 
 
+@pytest.mark.slow
 def test_flex_attention_with_a_sliding_window_matches_the_reference(precision):
     # (The documents case is the test above.)
     layout, lengths = FLEX_REFERENCE_CASES["sliding"]

@@ -1,6 +1,6 @@
 """Continuous batching (`generate_batch`, the manager behind `transformers serve --continuous-batching`) against
 `generate()`: IHA layers write un-mixed keys and values through the paged cache, mix what they read back and attend
-request by request, each request's causal pattern widened to pseudo-tokens (iha/serving_iha.py).
+request by request, each request's causal pattern widened to pseudo-tokens (iha/models/iha/serving_iha.py).
 
 Every run passes a small `ContinuousBatchingConfig`: an unsized paged cache takes about 90% of free memory.
 """
@@ -9,12 +9,12 @@ import time
 
 import pytest
 import torch
-from conftest import TINY, tiny_iha_model
+from testing_utils import TINY, tiny_iha_model
 from transformers import ContinuousBatchingConfig, GenerationConfig, LlamaConfig, LlamaForCausalLM
 from transformers.generation.continuous_batching import PagedAttentionCache
 
 import iha
-from iha import serving_iha
+from iha.models.iha import serving_iha
 
 
 # A cache of 8 pages of 16 tokens per layer and at most 16 new tokens per forward: prompts are prefilled in chunks,
@@ -189,7 +189,7 @@ def test_sliding_windows_under_continuous_batching_need_the_fixed_release():
 def test_a_request_mask_is_the_reference_mask_of_its_new_tokens(query_len, key_len, sliding_window, mask_mode):
     """A request with key_len - query_len cached tokens: its mask is the last query_len tokens' rows of the plain
     reference mask over all its tokens (None when those rows hide nothing)."""
-    from iha.naive_iha import reference_mask
+    from iha.models.iha.naive_iha import reference_mask
 
     num_pseudo = 3
     mask = serving_iha.request_pseudo_mask(
@@ -202,3 +202,18 @@ def test_a_request_mask_is_the_reference_mask_of_its_new_tokens(query_len, key_l
         assert expected.all()
     else:
         assert torch.equal(mask[0, 0], expected)
+
+
+def test_an_empty_prompt_is_refused_with_one_clear_error_instead_of_borrowed_logits():
+    # The engine gives an empty request no query and no key: without the check its first token would be read from
+    # the logits of the request before it, silently.
+    model = tiny_iha_model(num_pseudo_heads=2)
+    outputs = model.generate_batch(
+        [prompts([3])[0], []],
+        generation_config=greedy_config(3),
+        continuous_batching_config=ContinuousBatchingConfig(**SMALL_CACHE),
+    )
+    assert len(outputs) == 2
+    for output in outputs.values():
+        assert output.generated_tokens == []
+        assert "empty prompt" in str(output.error) and "at least one token" in str(output.error)

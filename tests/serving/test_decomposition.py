@@ -1,12 +1,12 @@
-"""The decomposition reference of docs/serving.md (`iha.naive_iha.decomposed_attention`): IHA attention as P stock
+"""The decomposition reference of docs/serving.md (`iha.models.iha.naive_iha.decomposed_attention`): IHA attention as P stock
 causal passes over token positions, one per key pseudo-index, merged by their log-sum-exp, against the model."""
 
 import pytest
 import torch
-from conftest import generation_position_ids, left_padded_batch, tiny_iha_model
+from testing_utils import generation_position_ids, left_padded_batch, tiny_iha_model
 
 import iha
-from iha.naive_iha import reference_forward
+from iha.models.iha.naive_iha import reference_forward
 
 
 def logits_and_decomposition(model, seq_len=9):

@@ -1,4 +1,4 @@
-"""Engines IHA cannot be right under stop with one line (iha/serving_iha.py `check_attention_engine`).
+"""Engines IHA cannot be right under stop with one line (iha/models/iha/serving_iha.py `check_attention_engine`).
 
 vLLM's and SGLang's Transformers backends are not installed here: the tests drive the model the way they do. Both set
 the text config's `_attn_implementation` to their own name ("vllm", "sglang") before `AutoModel.from_config`, register
@@ -9,7 +9,7 @@ an attention function under it, and call the model on one packed row [1, tokens]
 
 import pytest
 import torch
-from conftest import tiny_iha_config, tiny_iha_model
+from testing_utils import tiny_iha_config, tiny_iha_model
 from transformers import AutoModel
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, AttentionInterface
 

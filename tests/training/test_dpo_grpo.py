@@ -4,12 +4,19 @@ more likely."""
 
 import pytest
 import torch
-from conftest import tiny_iha_model, tokenizer_settings
 from datasets import Dataset
-from sft_utils import GSM8K_TRAIN, TRAINING_MODEL, build_tiny_tokenizer, identity_mixing, mixing_parameters
+from testing_utils import (
+    GSM8K_TRAIN,
+    TRAINING_MODEL,
+    build_tiny_tokenizer,
+    identity_mixing,
+    mixing_parameters,
+    tiny_iha_model,
+    tokenizer_settings,
+)
 from transformers import AutoModelForCausalLM
 
-from iha.sft import IHAMixingMixin, boxed_answer_reward, math_prompt_rows, with_iha_mixing
+from iha.training import IHAMixingMixin, boxed_answer_reward, math_prompt_rows, with_iha_mixing
 
 
 @pytest.fixture(scope="module")
@@ -52,7 +59,7 @@ def test_boxed_answer_reward_reads_the_final_answer_like_the_evaluation():
 def test_with_iha_mixing_builds_one_subclass():
     from transformers import Trainer
 
-    from iha.sft import IHASFTTrainer
+    from iha.training import IHASFTTrainer
 
     trainer_class = with_iha_mixing(Trainer)
     assert trainer_class.__name__ == "IHATrainer" and issubclass(trainer_class, (IHAMixingMixin, Trainer))

@@ -9,12 +9,12 @@ import textwrap
 import pytest
 import torch
 from bf16_mixing_steps import mixing_dtypes, other_dtypes, train_a_few_steps, unmoved_identity_entries
-from conftest import left_padded_batch, tiny_iha_config, tiny_iha_model
 from safetensors import safe_open
+from testing_utils import left_padded_batch, tiny_iha_config, tiny_iha_model
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
 import iha
-from iha.convert import convert_checkpoint, llama_to_iha
+from iha.conversion import convert_checkpoint, llama_to_iha
 
 
 @pytest.fixture(scope="module")
@@ -35,7 +35,7 @@ def test_mixing_loads_and_builds_in_fp32_under_16_bit_dtypes(identity_folder):
 
 
 def test_gemma3_mixing_loads_in_fp32_too(tmp_path):
-    from conftest import TINY
+    from testing_utils import TINY
 
     config = iha.IHAGemma3Config(**{**TINY, "num_key_value_heads": 2}, query_pre_attn_scalar=12, sliding_window=3)
     iha.IHAGemma3ForCausalLM(config).save_pretrained(tmp_path)
@@ -141,12 +141,11 @@ def test_identity_in_bf16_is_unchanged_against_the_bf16_source(tmp_path):
 
 
 def test_iha_sft_in_bf16_trains_the_identity_entries_with_packing_checkpointing_and_tied_embeddings(tmp_path):
-    from conftest import tiny_llama_for_tokenizer
-    from sft_utils import QUIET_RUN_FLAGS, build_tiny_tokenizer, gsm8k_message_rows
+    from testing_utils import QUIET_RUN_FLAGS, build_tiny_tokenizer, gsm8k_message_rows, tiny_llama_for_tokenizer
 
-    from iha.data import write_jsonl
-    from iha.model_card import read_model_card
-    from iha.sft import run_cli
+    from iha.cli.sft import run_cli
+    from iha.data.messages import write_jsonl
+    from iha.hub.model_card import read_model_card
 
     llama_dir = tmp_path / "llama"
     tokenizer = build_tiny_tokenizer(llama_dir)
@@ -183,9 +182,9 @@ def test_iha_sft_in_bf16_trains_the_identity_entries_with_packing_checkpointing_
 
 
 def test_fsdp_refuses_16_bit_weights_beside_the_fp32_mixing(identity_folder):
-    from iha.sft import refuse_mixed_dtypes_under_fsdp
+    from iha.training import refuse_mixed_dtypes_under_fsdp
 
-    # torch's fully_shard asserts one dtype per unit; the trainers of iha.sft say so first, with the fix.
+    # torch's fully_shard asserts one dtype per unit; the trainers of iha.training say so first, with the fix.
     with pytest.raises(ValueError, match=r"weights are bfloat16 and the IHA mixing float32 .* --dtype float32"):
         refuse_mixed_dtypes_under_fsdp(AutoModelForCausalLM.from_pretrained(identity_folder, dtype=torch.bfloat16))
     refuse_mixed_dtypes_under_fsdp(AutoModelForCausalLM.from_pretrained(identity_folder))  # fp32: one dtype

@@ -6,28 +6,30 @@ import math
 
 import pytest
 import torch
-from conftest import tiny_iha_model, tiny_llama_for_tokenizer, tokenizer_settings
 from safetensors.torch import load_file
-from sft_utils import (
+from testing_utils import (
     QUIET_RUN_FLAGS,
     TRAINING_MODEL,
     build_tiny_tokenizer,
     gsm8k_message_rows,
     identity_mixing,
     mixing_parameters,
+    tiny_iha_model,
+    tiny_llama_for_tokenizer,
+    tokenizer_settings,
 )
 from transformers import AutoModelForCausalLM
 
 import iha
-from iha.data import write_jsonl
-from iha.model_card import read_model_card
-from iha.sft import (
+from iha.cli.sft import run_cli
+from iha.data.messages import write_jsonl
+from iha.hub.model_card import read_model_card
+from iha.training import (
     BASE_RECORD_NAME,
     IHASFTConfig,
     iha_lora_config,
     is_mixing_parameter,
     load_sft_output,
-    run_cli,
     train_sft,
 )
 
@@ -158,7 +160,7 @@ def test_8bit_lora_trains_an_iha_folder(tmp_path):
 
 
 def test_quantization_without_lora_is_refused_on_the_command_line(capsys):
-    from iha.sft import main
+    from iha.cli.sft import main
 
     assert main(["--model_name_or_path", "m", "--dataset_name", "d", "--output_dir", "o", "--load_in_4bit"]) == 2
     assert "with --use_peft" in capsys.readouterr().err

@@ -8,33 +8,34 @@ import warnings
 
 import pytest
 import torch
-from conftest import tiny_iha_config, tiny_iha_model, tokenizer_settings
 from safetensors.torch import load_file
-from sft_utils import (
+from testing_utils import (
     QUIET_RUN_FLAGS,
     TRAINING_MODEL,
     build_tiny_tokenizer,
     gsm8k_openthoughts_rows,
     identity_mixing,
     mixing_parameters,
+    tiny_iha_config,
+    tiny_iha_model,
+    tokenizer_settings,
 )
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import iha
-import iha.convert  # the conversion on the fly: a broken import fails these tests, it does not skip them
-from iha.data import write_jsonl
-from iha.licenses import package_license_text
-from iha.model_card import read_model_card
-from iha.sft import (
+import iha.conversion  # the conversion on the fly: a broken import fails these tests, it does not skip them
+from iha.cli.sft import make_parser, run_cli
+from iha.data.messages import write_jsonl
+from iha.hub.licenses import package_license_text
+from iha.hub.model_card import read_model_card
+from iha.training import (
     BASE_RECORD_NAME,
     IHASFTConfig,
     IHASFTTrainer,
     bf16_supported_here,
     is_mixing_parameter,
     load_sft_output,
-    make_parser,
     merge_lora,
-    run_cli,
     train_sft,
 )
 
@@ -118,7 +119,7 @@ def test_optimizer_gives_mixing_parameters_their_own_lr_and_weight_decay(tokeniz
 
 
 def _messages(rows):
-    from iha.data import load_sft_dataset
+    from iha.data.messages import load_sft_dataset
 
     return load_sft_dataset(rows)
 
@@ -408,7 +409,7 @@ def test_only_tied_copies_leave_a_gathered_state_dict():
     # values happen to equal the embeddings (the class lists the tie the architecture allows, not the config's).
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from iha.sft.trainer import without_tied_copies
+    from iha.training.trainer import without_tied_copies
 
     for tie in (True, False):
         config = LlamaConfig(

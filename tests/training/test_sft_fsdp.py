@@ -6,7 +6,7 @@ How it runs: `accelerate launch --config_file examples/accelerate/fsdp.yaml` (th
 accelerate 1.15 does not refuse FSDP on CPU, it drops it without a word: `--use_cpu` makes its state `MULTI_CPU`
 (gloo), and it switches to FSDP only from a GPU-family state, so the processes train plain data parallel. torchrun
 with the Trainer's `fsdp` / `fsdp_config` goes through the same accelerate state and does the same. iha-sft switches
-the state to FSDP there (`iha.sft.enable_fsdp_on_cpu`), so both routes shard with torch's `fully_shard`; this test
+the state to FSDP there (`iha.training.enable_fsdp_on_cpu`), so both routes shard with torch's `fully_shard`; this test
 checks that they do (the model is an `FSDPModule`, its parameters and checkpoint are split in two).
 
 Same data, same global batch: 2 processes x 2 rows against 1 process x 2 rows x 2 accumulation steps, so each
@@ -25,13 +25,20 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import tiny_iha_model, tokenizer_settings
 from safetensors import safe_open
-from sft_utils import TRAINING_MODEL, build_tiny_tokenizer, free_port, gsm8k_openthoughts_rows
+from testing_utils import (
+    TRAINING_MODEL,
+    build_tiny_tokenizer,
+    free_port,
+    gsm8k_openthoughts_rows,
+    tiny_iha_model,
+    tokenizer_settings,
+)
 from transformers import AutoModelForCausalLM
 
-from iha.data import write_jsonl
-from iha.sft import is_mixing_parameter, run_cli
+from iha.cli.sft import run_cli
+from iha.data.messages import write_jsonl
+from iha.training import is_mixing_parameter
 
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -49,7 +56,7 @@ DRIVER = textwrap.dedent(
     from torch.distributed.fsdp import FSDPModule
     from torch.distributed.tensor import DTensor, Shard
 
-    from iha.sft import run_cli
+    from iha.cli.sft import run_cli
 
     trainer = run_cli(sys.argv[2:])
     names = {id(parameter): name for name, parameter in trainer.model.named_parameters()}
@@ -149,6 +156,7 @@ def runs(tmp_path_factory):
     return {"folder": folder, "single_losses": single_losses, "fsdp": fsdp, "resumed": resumed}
 
 
+@pytest.mark.slow
 def test_two_processes_shard_the_model_and_the_mixing_parameters_keep_their_learning_rate(runs):
     for report in runs["fsdp"]:
         assert report["world_size"] == 2 and report["fsdp2"] and report["fsdp_module"]

@@ -6,12 +6,19 @@ import sys
 import textwrap
 from pathlib import Path
 
+import pytest
 import torch
-from conftest import tiny_iha_model, tokenizer_settings
-from sft_utils import TRAINING_MODEL, build_tiny_tokenizer, free_port, gsm8k_openthoughts_rows
+from testing_utils import (
+    TRAINING_MODEL,
+    build_tiny_tokenizer,
+    free_port,
+    gsm8k_openthoughts_rows,
+    tiny_iha_model,
+    tokenizer_settings,
+)
 from transformers import AutoModelForCausalLM
 
-from iha.data import write_jsonl
+from iha.data.messages import write_jsonl
 
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -25,7 +32,7 @@ DRIVER = textwrap.dedent(
 
     import torch
 
-    from iha.sft import run_cli
+    from iha.cli.sft import run_cli
 
     trainer = run_cli(sys.argv[1:])
     rank = trainer.args.process_index
@@ -43,6 +50,7 @@ def launch(command: list[str], folder: Path) -> subprocess.CompletedProcess:
     return subprocess.run(command, cwd=folder, env=environment, capture_output=True, text=True, timeout=300)
 
 
+@pytest.mark.slow
 def test_two_process_cpu_run_agrees_on_final_weights(tmp_path):
     tokenizer = build_tiny_tokenizer()
     model_dir = tmp_path / "model"
@@ -100,6 +108,7 @@ def test_two_process_cpu_run_agrees_on_final_weights(tmp_path):
     assert sorted(path.name for path in tmp_path.iterdir()) == ["driver.py", "model", "out", "train.jsonl"]
 
 
+@pytest.mark.slow
 def test_processes_launched_apart_are_refused_with_the_fix(tmp_path):
     # `--multi_gpu` on a machine without GPUs starts 2 processes that accelerate would not connect: each would train
     # its own copy on the whole dataset. Every process refuses in one line that names the fix, and nothing is written.
@@ -113,7 +122,7 @@ def test_processes_launched_apart_are_refused_with_the_fix(tmp_path):
     command = [
         sys.executable, "-m", "accelerate.commands.launch",
         "--multi_gpu", "--num_processes", "2", "--main_process_port", str(free_port()),
-        "-m", "iha.sft",
+        "-m", "iha.cli", "sft",
         "--model_name_or_path", str(model_dir),
         "--dataset_name", str(data),
         "--output_dir", str(tmp_path / "out"),
@@ -125,7 +134,7 @@ def test_processes_launched_apart_are_refused_with_the_fix(tmp_path):
     assert result.returncode != 0
     output = result.stdout + result.stderr
     refusal = (
-        "iha-sft: error: 2 processes were launched but training would run in 1: without a GPU, pass `--use_cpu true`"
+        "iha sft: error: 2 processes were launched but training would run in 1: without a GPU, pass `--use_cpu true`"
     )
     assert output.count(refusal) == 2, output[-3000:]
     assert "ValueError" not in output

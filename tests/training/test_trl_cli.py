@@ -11,16 +11,24 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import tiny_iha_model, tokenizer_settings
-from sft_utils import TRAINING_MODEL, build_tiny_tokenizer, gsm8k_openthoughts_rows, identity_mixing, mixing_parameters
+from testing_utils import (
+    TRAINING_MODEL,
+    build_tiny_tokenizer,
+    gsm8k_openthoughts_rows,
+    identity_mixing,
+    mixing_parameters,
+    tiny_iha_model,
+    tokenizer_settings,
+)
 from transformers import AutoModelForCausalLM
 
-from iha.chat_templates import SMOLLM2_TRAINING_CHAT_TEMPLATE, write_chat_template
-from iha.cli import main as iha_main
-from iha.data import load_sft_dataset, write_jsonl
-from iha.model_card import read_model_card
+from iha.cli.main import main as iha_main
+from iha.data.messages import load_sft_dataset, write_jsonl
+from iha.hub.model_card import read_model_card
+from iha.training.chat_template import SMOLLM2_TRAINING_CHAT_TEMPLATE, write_chat_template
 
 
+@pytest.mark.slow
 def test_trl_sft_cli_trains_a_converted_folder_without_the_iha_package(tmp_path):
     # The `trl` console script of this interpreter's environment (CI runs `.venv/bin/python -m pytest` off PATH).
     trl = Path(sys.executable).with_name("trl")

@@ -10,7 +10,7 @@ import pytest
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-from iha.atomic_files import (  # noqa: E402
+from iha.utils.atomic_files import (
     atomic_destination,
     save_figure_atomic,
     saved_figure,

@@ -5,7 +5,7 @@ import os
 
 import pytest
 
-from iha.atomic_folders import LOCK_NAME, remove_stale_staging, staged_folder
+from iha.utils.atomic_folders import LOCK_NAME, remove_stale_staging, staged_folder
 
 
 def listing(folder) -> list[str]:
@@ -69,7 +69,7 @@ def test_only_provably_abandoned_staging_folders_are_removed(tmp_path, caplog):
     other_tool.mkdir()
     (other_tool / LOCK_NAME).touch()
     try:
-        with caplog.at_level("WARNING", logger="iha.atomic_folders"):
+        with caplog.at_level("WARNING", logger="iha.utils.atomic_folders"):
             assert remove_stale_staging(destination, "tool") == [abandoned]
         assert "Removed 1 staging folder(s) that a killed earlier run of tool left" in caplog.text
         assert "still writing" in caplog.text

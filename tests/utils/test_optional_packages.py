@@ -4,8 +4,8 @@ import sys
 
 import pytest
 
-from iha.builtin import smollm2_dir
-from iha.optional_packages import MissingPackageError, declared_requirements, missing_package_message, require
+from iha.conversion.builtin import smollm2_dir
+from iha.utils.optional_packages import MissingPackageError, declared_requirements, missing_package_message, require
 
 
 def test_a_missing_declared_package_is_one_line_with_its_pinned_pip_command():

@@ -1,0 +1,241 @@
+"""The one flag style of every `iha` command: `--snake_case`, also accepted as `--kebab-case`.
+
+`iha sft` takes transformers' and TRL's arguments through TRL's parser (an `HfArgumentParser`), which names every
+flag after its field (`--model_name_or_path`) and accepts the dashed spelling too (`--model-name-or-path`). The other
+commands build their parsers with `ArgumentParser` below, which does the same for every option however it is
+declared: both spellings parse, so scripts written with either keep working, and help lists each flag once, as `--snake_case`
+(`--num_pseudo_heads NUM_PSEUDO_HEADS`). Every parser answers `--version`.
+
+A command's settings dataclass becomes its flags in one way, `add_dataclass_arguments`, the way `HfArgumentParser`
+declares them: one flag per field, named after it, typed by its annotation, with the field's metadata (`help`,
+`choices`, `aliases`). Yes/no settings follow transformers' convention everywhere: `--flag` turns one on, `--flag
+true|false` sets it, and a setting that is on by default (or may be, by a preset) also has `--no_flag`. A yes/no
+option written by hand (`action=argparse.BooleanOptionalAction`) is `--flag` / `--no_flag`.
+"""
+
+import argparse
+import copy
+import dataclasses
+import importlib.metadata
+import types
+import typing
+from collections.abc import Collection, Mapping
+
+from transformers.hf_argparser import string_to_bool  # `--flag VALUE` of a yes/no setting, read as HF reads it
+
+from .. import __version__
+
+
+def option_spellings(option: str) -> list[str]:
+    """`--num-pseudo-heads` or `--num_pseudo_heads` -> ["--num_pseudo_heads", "--num-pseudo-heads"]; short options
+    and one-word options unchanged."""
+    if not option.startswith("--") or ("-" not in option[2:] and "_" not in option[2:]):
+        return [option]
+    name = option[2:]
+    return [f"--{name.replace('-', '_')}", f"--{name.replace('_', '-')}"]
+
+
+def is_canonical(option: str) -> bool:
+    """Whether `option` is the spelling help shows (`--snake_case`; the `--kebab-case` alias is not listed)."""
+    return option == option_spellings(option)[0]
+
+
+def version_text() -> str:
+    """`--version`: the package's release and the torch and transformers it runs with (read without importing them)."""
+
+    def installed(name: str) -> str:
+        try:
+            return importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            return "not installed"
+
+    return f"%(prog)s {__version__} (transformers {installed('transformers')}, torch {installed('torch')})"
+
+
+class HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """Keeps the description's layout, lists each option in its canonical spelling only, and appends
+    "(default: ...)" to every option with a real default whose help does not already name one."""
+
+    def _format_action_invocation(self, action):
+        if not action.option_strings:
+            return super()._format_action_invocation(action)
+        shown = copy.copy(action)
+        shown.option_strings = [option for option in action.option_strings if is_canonical(option)]
+        return super()._format_action_invocation(shown)
+
+    def _get_help_string(self, action):
+        help_text = action.help or ""
+        unset = action.default is None or action.default is False or action.default == argparse.SUPPRESS
+        if "default" in help_text or not action.option_strings or unset:
+            return help_text
+        return f"{help_text} (default: %(default)s)"
+
+
+class BooleanFlag(argparse.Action):
+    """`--flag` sets True, `--no_flag` False (each also dashed): argparse's `BooleanOptionalAction` in the one flag
+    style (argparse would make `--no-flag_name` of `--flag_name`)."""
+
+    def __init__(self, option_strings, dest, default=None, required=False, help=None):
+        negatives = spell_options([f"--no_{option[2:]}" for option in option_strings if option.startswith("--")])
+        self.negative_options = set(negatives)
+        super().__init__([*option_strings, *negatives], dest, nargs=0, default=default, required=required, help=help)
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        setattr(namespace, self.dest, option_string not in self.negative_options)
+
+    def format_usage(self) -> str:
+        return " | ".join(option for option in self.option_strings if is_canonical(option))
+
+
+class _SpelledOptions:
+    """Gives every long option added to an argparse container (parser, argument group, mutually exclusive group)
+    both spellings, and makes the groups it creates do the same."""
+
+    def add_argument(self, *name_or_flags, **kwargs):
+        if kwargs.get("action") is argparse.BooleanOptionalAction:
+            kwargs["action"] = BooleanFlag
+        return super().add_argument(*spell_options(name_or_flags), **kwargs)
+
+    def add_mutually_exclusive_group(self, **kwargs):
+        group = _MutuallyExclusiveGroup(self, **kwargs)
+        self._mutually_exclusive_groups.append(group)
+        return group
+
+
+class _ArgumentGroup(_SpelledOptions, argparse._ArgumentGroup):
+    pass
+
+
+class _MutuallyExclusiveGroup(_SpelledOptions, argparse._MutuallyExclusiveGroup):
+    pass
+
+
+class ArgumentParser(_SpelledOptions, argparse.ArgumentParser):
+    """`argparse.ArgumentParser` whose long options have one canonical spelling (`--snake_case`) and a dashed alias,
+    also in its argument groups and mutually exclusive groups.
+
+    Subparsers (`add_subparsers().add_parser`) are of this class too, and use `HelpFormatter` unless told otherwise.
+    """
+
+    def __init__(self, *args, formatter_class=HelpFormatter, **kwargs):
+        super().__init__(*args, formatter_class=formatter_class, **kwargs)
+        if self.add_help:
+            self.add_argument("--version", action="version", version=version_text(), help="print the version and exit")
+
+    def add_argument_group(self, *args, **kwargs):
+        group = _ArgumentGroup(self, *args, **kwargs)
+        self._action_groups.append(group)
+        return group
+
+
+def spell_options(name_or_flags) -> list[str]:
+    spelled = []
+    for option in name_or_flags:
+        spelled += [spelling for spelling in option_spellings(option) if spelling not in spelled]
+    return spelled
+
+
+# Field metadata that describes the command line but is no argument of `add_argument`: the argument group a flag is
+# listed in, and (`iha.conversion.options`) the `IHAConfig` field a setting fills.
+NOT_ARGPARSE_METADATA = ("group", "config_field")
+
+
+def flag_type(annotation) -> tuple[type, bool]:
+    """(what argparse converts each word to, whether the flag takes a list): `int | None` -> (int, False),
+    `list[str] | None` -> (str, True); a union with str (`str | list[int]`, `int | str`) is read as str, and the
+    dataclass checks what it holds."""
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
+        kinds = [kind for kind in typing.get_args(annotation) if kind is not type(None)]
+        annotation = str if str in kinds else kinds[0]
+    if typing.get_origin(annotation) is list:
+        return typing.get_args(annotation)[0], True
+    return annotation, False
+
+
+def add_dataclass_arguments(
+    parser,
+    dataclass_type,
+    title: str | None = None,
+    *,
+    from_preset: bool | Mapping[str, object] = False,
+    beside_positionals: bool = False,
+    exclude: Collection[str] = (),
+) -> None:
+    """One flag per field of `dataclass_type`, declared as transformers' `HfArgumentParser` declares it, in the
+    argument group named by the field's `group` metadata (else `title`; None: the parser's own options).
+
+    `from_preset`: every flag defaults to None, "not given" (the command fills the field from a preset), and every
+    yes/no setting has its `--no_` flag, since a preset may turn it on. Given the presets ({name: settings}), the
+    help says what each sets (`(default: the preset's: greedy 1024, paper 4096)`).
+    `beside_positionals`: the parser also takes positional arguments, so a yes/no flag takes no value (`--flag`;
+    `--no_flag` for a setting that is on by default): `--flag [true|false]` would swallow the positional after it
+    (`iha-convert --overwrite SRC DST`).
+    `exclude`: fields that get no flag here (the command reads them its own way)."""
+    hints = typing.get_type_hints(dataclass_type)
+    presets = from_preset if isinstance(from_preset, Mapping) else {}
+
+    def preset_values(name: str) -> str:
+        if not presets:
+            return ""
+        return ": " + ", ".join(f"{preset} {getattr(settings, name)}" for preset, settings in presets.items())
+
+    groups = {}
+    for setting in dataclasses.fields(dataclass_type):
+        if setting.name in exclude:
+            continue
+        kwargs = {key: value for key, value in setting.metadata.items() if key not in NOT_ARGPARSE_METADATA}
+        options = spell_options([f"--{setting.name}", *kwargs.pop("aliases", ())])
+        group_title = setting.metadata.get("group", title)
+        if group_title is None:
+            group = parser
+        elif group_title in groups:
+            group = groups[group_title]
+        else:
+            group = groups[group_title] = parser.add_argument_group(group_title)
+        if setting.default is not dataclasses.MISSING:
+            default = setting.default
+        elif setting.default_factory is not dataclasses.MISSING:
+            default = setting.default_factory()
+        else:
+            default = dataclasses.MISSING
+        if from_preset:
+            default = None
+            if "default" not in kwargs.get("help", ""):  # a field whose help names its own default keeps it
+                kwargs["help"] = kwargs.get("help", "") + " (default: the preset's" + preset_values(setting.name) + ")"
+        kind, is_list = flag_type(hints[setting.name])
+        if kind is bool:
+            # `--flag` alone means yes, unless the setting may also be None ("not set": `--flag VALUE` only).
+            if beside_positionals and hints[setting.name] is bool and not from_preset:
+                kwargs.update(action="store_true", default=bool(default is not dataclasses.MISSING and default))
+            else:
+                kwargs["type"] = string_to_bool
+                if hints[setting.name] is bool or setting.default not in (None, dataclasses.MISSING):
+                    kwargs.update(nargs="?", const=True, default=False if default is dataclasses.MISSING else default)
+                elif default is not dataclasses.MISSING:
+                    kwargs["default"] = default
+        else:
+            kwargs["type"] = kind
+            if is_list:
+                kwargs["nargs"] = "+"
+            if default is not dataclasses.MISSING:
+                kwargs["default"] = default
+            else:
+                kwargs["required"] = True
+        # Help of a yes/no setting, as `HfArgumentParser` keeps it for its `--no_` flag: the metadata's own.
+        no_help = {key: value for key, value in setting.metadata.items() if key == "help"}
+        group.add_argument(*options, **kwargs)
+        if kind is bool and (setting.default is True or from_preset):
+            group.add_argument(
+                *spell_options([f"--no_{setting.name}"]),
+                action="store_false",
+                dest=setting.name,
+                default=None if from_preset else False,
+                **no_help,
+            )
+
+
+def dataclass_values(args: argparse.Namespace, dataclass_type, exclude: Collection[str] = ()) -> dict:
+    """The fields of `dataclass_type` as parsed flags hold them (`dataclass_type(**dataclass_values(...))`), but
+    those in `exclude`."""
+    fields = [setting.name for setting in dataclasses.fields(dataclass_type) if setting.name not in exclude]
+    return {name: getattr(args, name) for name in fields}

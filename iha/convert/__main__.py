@@ -1,8 +1,0 @@
-"""`python -m iha.convert SRC DST [options]`: the same as `iha-convert`."""
-
-import sys
-
-from .cli import main
-
-
-sys.exit(main())

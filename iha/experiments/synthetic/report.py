@@ -1,0 +1,375 @@
+"""Tables and seed summaries of finished comparisons (their pictures: `figures`, the files: `outputs`)."""
+
+from __future__ import annotations
+
+import math
+
+from ..statistics import paired_differences
+from .config import config_from_saved, describe_m
+from .train import model_variants
+
+
+def best_runs(results: dict) -> dict[tuple[str, str], dict]:
+    """Per (task, model): the learning rate with the best validation accuracy (ties: the first listed)."""
+    best = {}
+    for run in results["runs"]:
+        key = (run["task"], run["model"])
+        if key not in best or run["val_accuracy"] > best[key]["val_accuracy"]:
+            best[key] = run
+    return best
+
+
+def model_names(config: dict) -> list[str]:
+    return [name for name, _, _ in model_variants(config_from_saved(config))]
+
+
+def task_sizes(config: dict, task: str) -> list[int]:
+    low, high = config_from_saved(config).m[task]
+    return list(range(low, high + 1))
+
+
+def _stopping_line(runs: list[dict]) -> str:
+    recorded = [run for run in runs if "stopped_by" in run]  # results written before it was recorded lack it
+    if not recorded:
+        return "How the runs stopped was not recorded."
+    by_patience = sum(run["stopped_by"] == "patience" for run in recorded)
+    return (
+        f"{by_patience} of {len(recorded)} runs stopped by patience, {len(recorded) - by_patience} by the epoch budget."
+    )
+
+
+def results_table(results: dict) -> str:
+    """Markdown: per task and model, test accuracy at each learning rate, the validation-selected one, params;
+    then the validation-selected runs' accuracy per m, and how the runs stopped."""
+    config = results["config"]
+    learning_rates = config["learning_rates"]
+    best = best_runs(results)
+    models = model_names(config)
+    header = ["Task", "m", "Model", "Parameters"]
+    header += [f"test acc, lr {lr:g}" for lr in learning_rates]
+    header += ["test acc (val-selected lr)", "exact match (val-selected)", "epochs (best / run)"]
+    lines = ["| " + " | ".join(header) + " |", "|---|---:|---|---:|" + "---:|" * (len(header) - 4)]
+    for task in config["tasks"]:
+        baseline = results["baselines"][task]
+        for model in models:
+            runs = {
+                run["learning_rate"]: run for run in results["runs"] if run["task"] == task and run["model"] == model
+            }
+            chosen = best[(task, model)]
+            row = [task, describe_m(baseline["m"]), model, f"{chosen['parameters']:,}"]
+            row += [f"{100 * runs[lr]['test_accuracy']:.2f}" for lr in learning_rates]
+            row += [
+                f"**{100 * chosen['test_accuracy']:.2f}**",
+                f"{100 * chosen['test_exact_match']:.2f}",
+                f"{chosen['best_epoch']} / {chosen['epochs_run']}",
+            ]
+            lines.append("| " + " | ".join(row) + " |")
+        majority = f"{100 * baseline['majority_accuracy']:.2f}"
+        row = [task, describe_m(baseline["m"]), "constant (majority label)", "0"]
+        row += [majority] * len(learning_rates) + [majority, "–", "–"]
+        lines.append("| " + " | ".join(row) + " |")
+    lines += ["", "Test accuracy per m (validation-selected learning rate):", ""]
+    for task in config["tasks"]:
+        sizes = task_sizes(config, task)
+        lines.append("| " + " | ".join([f"{task}: model", *[f"m = {size}" for size in sizes]]) + " |")
+        lines.append("|---|" + "---:|" * len(sizes))
+        for model in models:
+            by_m = best[(task, model)].get("test_accuracy_by_m", {})
+            cells = [f"{100 * by_m[str(size)]:.2f}" if str(size) in by_m else "–" for size in sizes]
+            lines.append("| " + " | ".join([model, *cells]) + " |")
+        by_m = results["baselines"][task].get("majority_accuracy_by_m", {})
+        cells = [f"{100 * by_m[str(size)]:.2f}" if str(size) in by_m else "–" for size in sizes]
+        lines.append("| " + " | ".join(["majority label", *cells]) + " |")
+        lines.append("")
+    lines.append(_stopping_line(results["runs"]))
+    return "\n".join(lines)
+
+
+def _mean_std(values: list[float]) -> tuple[float, float]:
+    mean = sum(values) / len(values)
+    std = math.sqrt(sum((v - mean) ** 2 for v in values) / (len(values) - 1)) if len(values) > 1 else 0.0
+    return mean, std
+
+
+def _paired_with_baselines(
+    task: str, model: str, baselines: list[str], seeds: list[int], selected: list[dict]
+) -> dict[str, dict]:
+    """Per baseline listed before `model` (MHA, then 2-simplicial): test accuracy and exact match of `model` minus
+    the baseline's, paired by seed (the seeds both have: same data, order and shared initial weights), in points."""
+    paired = {}
+    for baseline in baselines[: baselines.index(model) if model in baselines else len(baselines)]:
+        both = [
+            (seed, runs) for seed, runs in zip(seeds, selected) if (task, model) in runs and (task, baseline) in runs
+        ]
+        if not both:
+            continue
+        paired[baseline] = {
+            metric: paired_differences(
+                [100 * runs[(task, baseline)][key] for _, runs in both],
+                [100 * runs[(task, model)][key] for _, runs in both],
+                labels=[seed for seed, _ in both],
+            )
+            for metric, key in (("accuracy", "test_accuracy"), ("exact_match", "test_exact_match"))
+        }
+    return paired
+
+
+def _exact_match_lines(config: dict, summary: dict, seeds: list[int]) -> list[str]:
+    lines = ["", "Exact match (every entry of the composed relation right), test, validation-selected lr (%):", ""]
+    lines += ["| Task | Model | mean ± std | " + " | ".join(f"seed {seed}" for seed in seeds) + " |"]
+    lines += ["|---|---|---:|" + "---:|" * len(seeds)]
+    for entry in summary.values():
+        by_seed = dict(zip(entry["seeds"], entry["test_exact_match"]))
+        cells = [f"{by_seed[seed]:.2f}" if seed in by_seed else "–" for seed in seeds]
+        mean = f"{entry['exact_match_mean']:.2f} ± {entry['exact_match_std']:.2f}"
+        if len(entry["seeds"]) < len(seeds):
+            mean += f" ({len(entry['seeds'])} of {len(seeds)} seeds)"
+        lines.append(f"| {entry['task']} | {entry['model']} | {mean} | " + " | ".join(cells) + " |")
+    return lines
+
+
+def _paired_lines(config: dict, summary: dict, baselines: list[str]) -> list[str]:
+    """The paired table: model minus baseline per seed; mean, t interval, paired t and sign-flip permutation p."""
+    rows = [
+        (entry, baseline, metric, paired)
+        for entry in summary.values()
+        for baseline, metrics in entry["paired"].items()
+        for metric, paired in metrics.items()
+    ]
+    if not rows:
+        return []
+    lines = [
+        "",
+        "Paired by seed (the seeds share data, order and initial weights), model − baseline in points: mean, 95% "
+        "Student-t interval, paired t-test p, exact sign-flip permutation p (with n seeds it cannot fall below "
+        "2 / 2^n: 0.25 for 3 seeds), how many seeds came out positive:",
+        "",
+        "| Task | Model − baseline | metric | seeds | mean | 95% CI | paired t p | permutation p | positive |",
+        "|---|---|---|---:|---:|---|---:|---:|---:|",
+    ]
+    for entry, baseline, metric, paired in rows:
+        ci = "–" if paired["ci"] is None else f"[{paired['ci'][0]:+.2f}, {paired['ci'][1]:+.2f}]"
+        t_p = "–" if paired["t_p_value"] is None else f"{paired['t_p_value']:.3g}"
+        permutation_p = "–" if paired["permutation_p_value"] is None else f"{paired['permutation_p_value']:.3g}"
+        lines.append(
+            f"| {entry['task']} | {entry['model']} − {baseline} | {metric.replace('_', ' ')} | {paired['n']} | "
+            f"{paired['mean']:+.2f} | {ci} | {t_p} | {permutation_p} | {paired['positive']} of {paired['n']} |"
+        )
+    return lines
+
+
+def unfinished_runs(results_per_seed: list[dict]) -> list[tuple[str, str, list[int]]]:
+    """(task, model, seeds) for every (task, model) of the comparison that some seeds have not finished."""
+    config = results_per_seed[0]["config"]
+    unfinished = []
+    for task in config["tasks"]:
+        for model in model_names(config):
+            missing = [
+                results["config"]["seed"]
+                for results in results_per_seed
+                if not any(run["task"] == task and run["model"] == model for run in results["runs"])
+            ]
+            if missing:
+                unfinished.append((task, model, missing))
+    return unfinished
+
+
+def _best_by_epoch(history: list[dict], epoch: int) -> float:
+    """The best validation accuracy (%) of a run's first `epoch` epochs."""
+    return 100 * max(point["val_accuracy"] for point in history if point["epoch"] <= epoch)
+
+
+def _in_progress_order(config: dict, run: dict) -> tuple:
+    """Tasks, models and learning rates in the comparison's own order, then seeds."""
+    return (
+        config["tasks"].index(run["task"]),
+        model_names(config).index(run["model"]),
+        config["learning_rates"].index(run["learning_rate"]),
+        run["seed"],
+    )
+
+
+def _in_progress_lines(results_per_seed: list[dict], in_progress: list[dict]) -> list[str]:
+    """Markdown for the runs still training (`train.runs_in_progress`): how far each got and, beside it, what the
+    finished runs of the same seed, task and learning rate had reached by the same epoch (validation accuracy: the
+    only measure an unfinished run has)."""
+    if not in_progress:
+        return []
+    config = results_per_seed[0]["config"]
+    several_rates = len(config["learning_rates"]) > 1
+    finished_by_seed = {results["config"]["seed"]: results["runs"] for results in results_per_seed}
+    finished_models = [
+        model
+        for model in model_names(config)
+        if any(run["model"] == model for runs in finished_by_seed.values() for run in runs)
+    ]
+    header = ["Task", "Model", *(["lr"] if several_rates else []), "seed", "epochs run", "best val acc (epoch)"]
+    header += ["epochs without a gain", *[f"{model} by that epoch" for model in finished_models]]
+    text = (
+        f"**Runs in progress** (not in the tables above): how far each got, out of at most {config['max_epochs']} "
+        f"epochs with patience {config['patience']}; validation accuracy (%), the best of the epochs run so far."
+    )
+    if finished_models:
+        text += (
+            " Beside it, the best validation accuracy the finished runs of the same seed and learning rate had reached "
+            "by the same epoch (a run that stopped earlier: its best, and the epoch it stopped at)."
+        )
+    lines = ["", text, "", "| " + " | ".join(header) + " |", "|---|---|" + "---:|" * (len(header) - 2)]
+    for run in sorted(in_progress, key=lambda run: _in_progress_order(config, run)):
+        epoch = run["epochs_run"]
+        row = [run["task"], run["model"], *([f"{run['learning_rate']:g}"] if several_rates else [])]
+        row += [str(run["seed"]), str(epoch), f"{100 * run['val_accuracy']:.2f} ({run['best_epoch']})"]
+        row.append(str(run["epochs_without_gain"]))
+        for model in finished_models:
+            matching = [
+                finished
+                for finished in finished_by_seed.get(run["seed"], [])
+                if (finished["task"], finished["model"], finished["learning_rate"])
+                == (run["task"], model, run["learning_rate"])
+            ]
+            if not matching:
+                row.append("–")
+                continue
+            history = matching[0]["history"]
+            cell = f"{_best_by_epoch(history, epoch):.2f}"
+            if len(history) < epoch:
+                cell += f" (stopped at {len(history)})"
+            row.append(cell)
+        lines.append("| " + " | ".join(row) + " |")
+    return lines
+
+
+def _unfinished_text(unfinished: list[tuple[str, str, list[int]]], in_progress: list[dict]) -> str:
+    """The unfinished (task, model) pairs and their seeds, in one sentence; the seeds in progress are marked."""
+    training = {(run["task"], run["model"], run["seed"]) for run in in_progress}
+    parts = []
+    for task, model, missing in unfinished:
+        text = f"{task} {model} (seed{'s' if len(missing) > 1 else ''} {', '.join(map(str, missing))}"
+        running = [str(seed) for seed in missing if (task, model, seed) in training]
+        if running:
+            text += f"; seed{'s' if len(running) > 1 else ''} {', '.join(running)} in progress, below"
+        parts.append(text + ")")
+    return "; ".join(parts)
+
+
+def seed_summary(results_per_seed: list[dict], in_progress: list[dict] | None = None) -> tuple[str, dict]:
+    """Test accuracy over several seeds: mean ± std per task, model and learning rate, for the validation-selected
+    learning rate (with every seed's value and the gap to each baseline), and per m; a markdown table and its numbers.
+
+    Every element of `results_per_seed` is the output of one `run_comparison` (same tasks and models, another seed);
+    `in_progress` (`train.runs_in_progress`) adds a table of the unfinished runs, as far as they got.
+    """
+    if not results_per_seed:
+        raise ValueError("No results to summarise.")
+    seeds = [results["config"]["seed"] for results in results_per_seed]
+    if len(set(seeds)) != len(seeds):
+        raise ValueError(f"Each result must come from a different seed; got seeds {seeds}.")
+    first = results_per_seed[0]["config"]
+    models = model_names(first)
+    learning_rates = first["learning_rates"]
+    baselines = [name for name in ("MHA", "2-simplicial") if name in models]
+    selected = [best_runs(results) for results in results_per_seed]
+    summary = {}
+    header = ["Task", "m", "Model", *[f"lr {lr:g}" for lr in learning_rates], "val-selected lr"]
+    header += [f"seed {seed}" for seed in seeds] + [f"− {name}" for name in baselines]
+    lines = ["| " + " | ".join(header) + " |", "|---|---:|---|" + "---:|" * (len(header) - 3)]
+    for task in first["tasks"]:
+        for model in models:
+            per_rate = {}
+            for lr in learning_rates:
+                values = []
+                for results in results_per_seed:
+                    matching = [
+                        run["test_accuracy"]
+                        for run in results["runs"]
+                        if run["task"] == task and run["model"] == model and run["learning_rate"] == lr
+                    ]
+                    values += [100 * accuracy for accuracy in matching[:1]]
+                if values:  # a seed may have run fewer learning rates (then the table says over how many seeds)
+                    per_rate[f"{lr:g}"] = dict(zip(("mean", "std"), _mean_std(values)), test_accuracy=values)
+            # Seeds that have this model (all, unless some results are a partial checkpoint of a running call).
+            having = [(seed, runs[(task, model)]) for seed, runs in zip(seeds, selected) if (task, model) in runs]
+            if not having:
+                continue
+            values = [100 * run["test_accuracy"] for _, run in having]
+            mean, std = _mean_std(values)
+            by_m = {}
+            for size in task_sizes(first, task):
+                per_seed = [run.get("test_accuracy_by_m", {}).get(str(size)) for _, run in having]
+                if None not in per_seed:
+                    by_m[str(size)] = dict(zip(("mean", "std"), _mean_std([100 * value for value in per_seed])))
+            exact_match = [100 * run["test_exact_match"] for _, run in having]
+            summary[f"{task}/{model}"] = {
+                "task": task,
+                "m": first["m"][task],
+                "model": model,
+                "test_accuracy": values,
+                "mean": mean,
+                "std": std,
+                "test_exact_match": exact_match,
+                "exact_match_mean": _mean_std(exact_match)[0],
+                "exact_match_std": _mean_std(exact_match)[1],
+                "seeds": [seed for seed, _ in having],
+                "unfinished_seeds": [seed for seed, runs in zip(seeds, selected) if (task, model) not in runs],
+                "paired": _paired_with_baselines(task, model, baselines, seeds, selected),
+                "learning_rates": [run["learning_rate"] for _, run in having],
+                "by_learning_rate": per_rate,
+                "by_m": by_m,
+                "stopped_by_patience": sum(
+                    run.get("stopped_by") == "patience"
+                    for results in results_per_seed
+                    for run in results["runs"]
+                    if run["task"] == task and run["model"] == model
+                ),
+                "runs": sum(
+                    run["task"] == task and run["model"] == model
+                    for results in results_per_seed
+                    for run in results["runs"]
+                ),
+            }
+            row = [task, describe_m(first["m"][task]), model]
+            for lr in learning_rates:
+                rate = per_rate.get(f"{lr:g}")
+                cell = "–" if rate is None else f"{rate['mean']:.2f} ± {rate['std']:.2f}"
+                if rate is not None and len(rate["test_accuracy"]) < len(seeds):
+                    cell += f" ({len(rate['test_accuracy'])} of {len(seeds)} seeds)"
+                row.append(cell)
+            selected_cell = f"**{mean:.2f} ± {std:.2f}**"
+            if len(having) < len(seeds):
+                selected_cell += f" ({len(having)} of {len(seeds)} seeds)"
+            by_seed = {seed: 100 * run["test_accuracy"] for seed, run in having}
+            row += [selected_cell, *[f"{by_seed[seed]:.2f}" if seed in by_seed else "–" for seed in seeds]]
+            for name in baselines:
+                reference = summary.get(f"{task}/{name}")
+                row.append("–" if name == model or reference is None else f"{mean - reference['mean']:+.2f}")
+            lines.append("| " + " | ".join(row) + " |")
+    lines += _exact_match_lines(first, summary, seeds)
+    lines += _paired_lines(first, summary, baselines)
+    lines += ["", "Test accuracy per m, mean ± std over seeds (validation-selected learning rate):", ""]
+    for task in first["tasks"]:
+        sizes = task_sizes(first, task)
+        lines.append("| " + " | ".join([f"{task}: model", *[f"m = {size}" for size in sizes]]) + " |")
+        lines.append("|---|" + "---:|" * len(sizes))
+        for model in models:
+            if f"{task}/{model}" not in summary:
+                continue
+            by_m = summary[f"{task}/{model}"]["by_m"]
+            cells = [
+                f"{by_m[str(size)]['mean']:.2f} ± {by_m[str(size)]['std']:.2f}" if str(size) in by_m else "–"
+                for size in sizes
+            ]
+            lines.append("| " + " | ".join([model, *cells]) + " |")
+        lines.append("")
+    lines.append(_stopping_line([run for results in results_per_seed for run in results["runs"]]))
+    lines += _in_progress_lines(results_per_seed, in_progress or [])
+    unfinished = unfinished_runs(results_per_seed)
+    if unfinished:
+        total = len(first["tasks"]) * len(models) * len(seeds)
+        finished = total - sum(len(missing) for _, _, missing in unfinished)
+        lines = [
+            f"**Partial results: {finished} of {total} runs finished.** Not finished, so not in the tables: "
+            f"{_unfinished_text(unfinished, in_progress or [])}.",
+            "",
+            *lines,
+        ]
+    return "\n".join(lines), summary

@@ -1,0 +1,215 @@
+# Copyright 2026 The iha authors.
+#
+# Licensed under the Apache License, Version 2.0 (the "License");
+# you may not use this file except in compliance with the License.
+# You may obtain a copy of the License at
+#
+#     http://www.apache.org/licenses/LICENSE-2.0
+#
+# Unless required by applicable law or agreed to in writing, software
+# distributed under the License is distributed on an "AS IS" BASIS,
+# WITHOUT WARRANTIES OR CONDITIONS OF ANY KIND, either express or implied.
+# See the License for the specific language governing permissions and
+# limitations under the License.
+"""Interleaved Head Attention (IHA) on Gemma 3's text decoder.
+
+IHA's attention (`modeling_iha.IHAAttention`: projections, head mixing, interleaving, the kernels, the collapse) inside
+Gemma 3's block: Gemma's (1 + w) RMSNorm on each head's query and key, the scale `query_pre_attn_scalar ** -0.5`, norms
+after attention and around the MLP, embeddings scaled by sqrt(hidden_size), and a RoPE base per layer type. The
+forward passes, the masks per attention type, the caches and generation are `IHAModel`'s and `IHAForCausalLM`'s.
+Gemma 3's sliding layers become sliding IHA layers with the same window.
+
+This file is copied next to the weights by `save_pretrained`, so it imports only torch, transformers and its siblings.
+"""
+
+import torch
+from torch import nn
+from transformers import initialization as init
+from transformers.cache_utils import Cache
+from transformers.modeling_layers import GradientCheckpointingLayer
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+from transformers.modeling_utils import PreTrainedModel
+from transformers.models.gemma3.modeling_gemma3 import (
+    Gemma3MLP,
+    Gemma3RMSNorm,
+    Gemma3RotaryEmbedding,
+    Gemma3TextScaledWordEmbedding,
+)
+from transformers.processing_utils import Unpack
+from transformers.utils import TransformersKwargs
+
+# transformers 5.4 - 5.9 copy into their remote-code cache only the files the loaded module imports itself, not the
+# files those import: this module, which `auto_map` names, imports every sibling that `modeling_iha` needs, directly.
+from .attention_iha import choose_attention_path  # noqa: F401
+from .blocked_local_iha import BlockedLocalMask  # noqa: F401
+from .compat_iha import take_cache_argument
+from .configuration_iha import IHAConfig  # noqa: F401
+from .configuration_iha_gemma3 import IHAGemma3Config
+from .masking_iha import create_iha_masks  # noqa: F401
+from .modeling_iha import (
+    IHAAttention,
+    IHAForCausalLM,
+    IHAModel,
+    IHAPreTrainedModel,
+    LayerRotation,
+    RotaryInputs,
+    rotary_inputs,
+)
+from .packed_documents_iha import PackedDocumentsMask  # noqa: F401
+from .serving_iha import check_attention_engine  # noqa: F401
+
+
+class IHAGemma3RMSNorm(Gemma3RMSNorm):
+    pass
+
+
+class IHAGemma3MLP(Gemma3MLP):
+    pass
+
+
+class IHAGemma3RotaryEmbedding(Gemma3RotaryEmbedding):
+    pass
+
+
+class IHAGemma3ScaledWordEmbedding(Gemma3TextScaledWordEmbedding):
+    pass
+
+
+class IHAGemma3Attention(IHAAttention):
+    """IHA attention with Gemma 3's per-head (1 + w) query and key norms and its `query_pre_attn_scalar` scale."""
+
+    def __init__(self, config: IHAGemma3Config, layer_idx: int):
+        super().__init__(config, layer_idx)
+        self.scaling = config.query_pre_attn_scalar**-0.5
+        self.q_norm = IHAGemma3RMSNorm(self.head_dim, eps=config.rms_norm_eps)
+        self.k_norm = IHAGemma3RMSNorm(self.head_dim, eps=config.rms_norm_eps)
+
+
+class IHAGemma3DecoderLayer(GradientCheckpointingLayer):
+    def __init__(self, config: IHAGemma3Config, layer_idx: int):
+        super().__init__()
+        self.hidden_size = config.hidden_size
+        self.attention_type = config.attention_types[layer_idx]
+        self.self_attn = IHAGemma3Attention(config=config, layer_idx=layer_idx)
+        self.mlp = IHAGemma3MLP(config)
+        self.input_layernorm = IHAGemma3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.post_attention_layernorm = IHAGemma3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.pre_feedforward_layernorm = IHAGemma3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.post_feedforward_layernorm = IHAGemma3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.LongTensor | None = None,
+        past_key_values: Cache | None = None,
+        use_cache: bool | None = False,
+        rotation: LayerRotation | None = None,
+        **kwargs: Unpack[TransformersKwargs],
+    ) -> torch.Tensor:
+        # The cache comes under this release's name, the one `GradientCheckpointingLayer` clears on recomputation.
+        past_key_values = take_cache_argument(past_key_values, kwargs)
+        residual = hidden_states
+        hidden_states = self.input_layernorm(hidden_states)
+        hidden_states, _ = self.self_attn(
+            hidden_states=hidden_states,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            past_key_values=past_key_values,
+            use_cache=use_cache,
+            rotation=rotation,
+            **kwargs,
+        )
+        hidden_states = self.post_attention_layernorm(hidden_states)
+        hidden_states = residual + hidden_states
+
+        residual = hidden_states
+        hidden_states = self.pre_feedforward_layernorm(hidden_states)
+        hidden_states = self.mlp(hidden_states)
+        hidden_states = self.post_feedforward_layernorm(hidden_states)
+        hidden_states = residual + hidden_states
+        return hidden_states
+
+
+class IHAGemma3PreTrainedModel(IHAPreTrainedModel):
+    config_class = IHAGemma3Config
+    config: IHAGemma3Config
+    _no_split_modules = ["IHAGemma3DecoderLayer"]
+    _can_record_outputs = {
+        "hidden_states": IHAGemma3DecoderLayer,
+        "attentions": IHAGemma3Attention,
+    }
+
+    def _init_weights(self, module):
+        super()._init_weights(module)
+        # Gemma's norms multiply by (1 + weight): a weight of zero is the identity.
+        if isinstance(module, IHAGemma3RMSNorm):
+            init.zeros_(module.weight)
+        # Buffers that are not saved with the weights, computed again whenever the model is built or loaded.
+        elif isinstance(module, IHAGemma3ScaledWordEmbedding):
+            init.constant_(module.embed_scale, module.scalar_embed_scale)
+        elif isinstance(module, IHAGemma3RotaryEmbedding):
+            for layer_type in module.layer_types:
+                inv_freq = compute_inv_freq(module, layer_type)
+                init.copy_(getattr(module, f"{layer_type}_inv_freq"), inv_freq)
+                init.copy_(getattr(module, f"{layer_type}_original_inv_freq"), inv_freq)
+
+
+def compute_inv_freq(rotary_emb: IHAGemma3RotaryEmbedding, layer_type: str) -> torch.Tensor:
+    """The inverse RoPE frequencies of one layer type, from its `rope_parameters` entry."""
+
+    rope_type = rotary_emb.rope_type[layer_type]
+    compute = rotary_emb.compute_default_rope_parameters if rope_type == "default" else ROPE_INIT_FUNCTIONS[rope_type]
+    inv_freq, _ = compute(rotary_emb.config, layer_type=layer_type)
+    return inv_freq
+
+
+class IHAGemma3TextModel(IHAGemma3PreTrainedModel, IHAModel):
+    """`IHAModel`'s forward on Gemma 3's modules: scaled embeddings, Gemma's block and a RoPE base per layer type."""
+
+    def __init__(self, config: IHAGemma3Config):
+        # `IHAModel.__init__` builds Llama's block; this builds Gemma 3's (the forward is `IHAModel`'s).
+        PreTrainedModel.__init__(self, config)
+        self.padding_idx = config.pad_token_id
+        self.vocab_size = config.vocab_size
+
+        self.embed_tokens = IHAGemma3ScaledWordEmbedding(
+            config.vocab_size, config.hidden_size, self.padding_idx, embed_scale=config.hidden_size**0.5
+        )
+        self.layers = nn.ModuleList(
+            [IHAGemma3DecoderLayer(config, layer_idx) for layer_idx in range(config.num_hidden_layers)]
+        )
+        self.norm = IHAGemma3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.rotary_emb = IHAGemma3RotaryEmbedding(config)
+        self.gradient_checkpointing = False
+        self.post_init()
+        self._check_attention_implementation()
+
+    def layer_rotations(self, hidden_states: torch.Tensor, position_ids: torch.Tensor) -> dict[str, RotaryInputs]:
+        """The RoPE inputs (`rotary_inputs`) of each layer type, each with its own base (`rope_parameters`)."""
+        return {
+            layer_type: rotary_inputs(
+                self.rotary_emb,
+                getattr(self.rotary_emb, f"{layer_type}_attention_scaling"),
+                hidden_states,
+                position_ids,
+                self.config,
+                layer_type=layer_type,
+            )
+            for layer_type in set(self.config.layer_types)
+        }
+
+
+class IHAGemma3ForCausalLM(IHAGemma3PreTrainedModel, IHAForCausalLM):
+    """`IHAForCausalLM` (forward, generation, masks for `generate`, caches) on the Gemma 3 text model."""
+
+    def __init__(self, config: IHAGemma3Config):
+        # `IHAForCausalLM.__init__` builds the Llama-block `IHAModel`; this builds Gemma 3's.
+        PreTrainedModel.__init__(self, config)
+        self.model = IHAGemma3TextModel(config)
+        self.vocab_size = config.vocab_size
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.post_init()
+
+
+__all__ = ["IHAGemma3ForCausalLM", "IHAGemma3TextModel", "IHAGemma3PreTrainedModel"]

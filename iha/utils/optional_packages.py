@@ -1,0 +1,73 @@
+"""The packages only some jobs need (the `train` and `eval` extras): a missing one is one line with the pip command.
+
+`require` checks, before a job starts, that the packages it will import are installed, and names every missing one
+in one error. `missing_package_message` turns an import that failed on one of the package's declared requirements
+into that same line, for the `iha` commands (`iha.cli.main`); a module the package does not declare is a real bug and
+keeps its traceback. The pip command asks for what the package's own metadata declares (`trl>=1.7.0,<1.17`), so it
+installs a release inside the supported range.
+"""
+
+import importlib.metadata
+import importlib.util
+
+from packaging.requirements import Requirement
+
+
+DISTRIBUTION = "iha-transformers"
+
+
+class MissingPackageError(ModuleNotFoundError):
+    """One or more optional packages a job needs are not installed; the message holds the pip command."""
+
+
+def _canonical(name: str) -> str:
+    return name.lower().replace("_", "-").replace(".", "-")
+
+
+def declared_requirements() -> dict[str, str]:
+    """Canonical distribution name -> the requirement the package declares for it (`trl` -> `trl<1.17,>=1.7.0`)."""
+
+    try:
+        lines = importlib.metadata.requires(DISTRIBUTION) or []
+    except importlib.metadata.PackageNotFoundError:  # a source checkout that was never installed
+        return {}
+    requirements = {}
+    for line in lines:
+        requirement = Requirement(line)
+        requirements.setdefault(_canonical(requirement.name), f"{requirement.name}{requirement.specifier}")
+    return requirements
+
+
+def pip_command(modules: list[str]) -> str:
+    """`pip install "trl<1.17,>=1.7.0" "gguf>=0.10"` for the top-level modules `trl` and `gguf`."""
+    requirements = declared_requirements()
+    names = [requirements.get(_canonical(module), _canonical(module)) for module in modules]
+    return "pip install " + " ".join(f'"{name}"' if any(c in name for c in "<>=!~") else name for name in names)
+
+
+def missing_packages_error(modules: list[str], purpose: str) -> MissingPackageError:
+    listed = ", ".join(f"`{_canonical(module)}`" for module in modules)
+    what = "package, which is" if len(modules) == 1 else "packages, which are"
+    error = MissingPackageError(f"{purpose} needs the {listed} {what} not installed: {pip_command(modules)}")
+    error.name = modules[0]
+    return error
+
+
+def require(*modules: str, purpose: str) -> None:
+    """Raise one `MissingPackageError` naming every module of `modules` that cannot be imported."""
+    missing = [module for module in modules if importlib.util.find_spec(module) is None]
+    if missing:
+        raise missing_packages_error(missing, purpose)
+
+
+def missing_package_message(error: ModuleNotFoundError) -> str | None:
+    """The one line for an import that failed on a package the package declares (an optional one); None otherwise."""
+    if isinstance(error, MissingPackageError):
+        return str(error)
+    module = (error.name or "").split(".")[0]
+    if not module or _canonical(module) not in declared_requirements():
+        return None
+    return str(missing_packages_error([module], "this command"))
+
+
+__all__ = ["MissingPackageError", "missing_package_message", "pip_command", "require"]
