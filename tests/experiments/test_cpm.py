@@ -1,6 +1,7 @@
-"""CPM-3 as defined in `iha.experiments.synthetic.cpm` (prefix counts of a sequence of up to N_max symbols from {0, 1, 2}, at a
-readout token): ceil(sqrt(N_max)) hard-attention IHA heads answer it exactly, as do N_max MHA heads, and fewer than
-N_max MHA heads whose patterns read positions only cannot (float64, every input or thousands of drawn ones)."""
+"""CPM-3 as defined in `iha.experiments.synthetic.cpm` (prefix counts of a sequence of up to N_max symbols from
+{0, 1, 2}, at a readout token): ceil(sqrt(N_max)) hard-attention IHA heads answer it exactly, as do N_max MHA heads,
+and fewer than N_max MHA heads whose patterns read positions only cannot (float64, every input or thousands of drawn
+ones)."""
 
 import math
 

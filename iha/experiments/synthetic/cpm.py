@@ -23,15 +23,15 @@ readout).
 N_max MHA heads (`hand_set_mha_cpm`): head j attends to slots 0 .. j (every one a logit of 1, the rest 0), so it
 returns c[j, :] / (j + 1), and `o_proj` multiplies by j + 1.
 
-ceil(sqrt(N_max)) IHA heads (`hand_set_iha_cpm`): as in the polynomial filter (`iha.experiments.synthetic.polynomial_filter`),
-pseudo-query p of a head takes query head p and pseudo-key stream q key head q, so their pattern is Q_p K_q^T. Let
-H = ceil(sqrt(N_max)); query head p at the readout is sum_{t <= p} e_t + e_H, and key head q at slot i is
-e_(i - H q) when 0 <= i - H q < H, e_H when i < H q, else 0: Q_p K_q^T = [i <= p + H q], a prefix of slots, for each
-of the H^2 >= N_max thresholds p + H q. Pseudo-query p attends evenly to all its matches over the H streams (stream
-q's prefix holds min(p + H q + 1, N_max) slots); value stream q holds the symbol one-hot in its own coordinates
-[3 q, 3 q + 3), so stream q's block receives the counts of prefix p + H q divided by the (fixed) number of matches.
-Head h keeps pseudo-query h, and `o_proj` rescales and orders the blocks (threshold j = h + H q), dropping thresholds
->= N_max. Exact in float64.
+ceil(sqrt(N_max)) IHA heads (`hand_set_iha_cpm`): as in the polynomial filter
+(`iha.experiments.synthetic.polynomial_filter`), pseudo-query p of a head takes query head p and pseudo-key stream q key
+head q, so their pattern is Q_p K_q^T. Let H = ceil(sqrt(N_max)); query head p at the readout is sum_{t <= p} e_t + e_H,
+and key head q at slot i is e_(i - H q) when 0 <= i - H q < H, e_H when i < H q, else 0: Q_p K_q^T = [i <= p + H q], a
+prefix of slots, for each of the H^2 >= N_max thresholds p + H q. Pseudo-query p attends evenly to all its matches over
+the H streams (stream q's prefix holds min(p + H q + 1, N_max) slots); value stream q holds the symbol one-hot in its
+own coordinates [3 q, 3 q + 3), so stream q's block receives the counts of prefix p + H q divided by the (fixed) number
+of matches. Head h keeps pseudo-query h, and `o_proj` rescales and orders the blocks (threshold j = h + H q), dropping
+thresholds >= N_max. Exact in float64.
 
 Why MHA needs N_max heads (the bound `cpm_kronecker_rank` measures): when the patterns at the readout read positions
 only (any weights, so also softmax or hard attention) and the answer is read from `o_proj`, H MHA heads' readout
