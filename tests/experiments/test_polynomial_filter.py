@@ -225,6 +225,7 @@ def test_processes_split_by_attention_pair_with_each_other_and_an_unfinished_rep
     markdown = (tmp_path / "all" / "report.md").read_text()
     assert "## Unfinished: 3 of 12 runs" in markdown
     assert "linear MHA H=2: seed 0; " in markdown and "softmax IHA H=2 P=2: none" in markdown
+    assert "each row pairs only the seeds where both models have a run" in markdown
     # The other attention in another process; then the full command trains only what is still missing, and a run
     # made by a split process is the run the full command makes (it depends on its settings, model, attention, seed).
     run_experiment(PolynomialConfig(**tiny, attentions=["softmax"]), tmp_path / "softmax", progress=False)
@@ -266,7 +267,8 @@ def test_the_command_records_the_command_that_makes_its_runs(tmp_path, capsys):
     report = json.loads((tmp_path / "k9" / "report.json").read_text())
     assert report["runs"] == [] and report["command"] == reproducing_command("iha polynomial-filter", argv)
     assert "--report-only" not in report["command"] and "elsewhere" not in report["command"]
-    assert "## Unfinished: 0 of 3 runs" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "## Unfinished: 0 of 3 runs" in printed and "nothing to pair" in printed
     assert reproducing_command("iha x", ["--runs-from=a", "--seeds", "0", "--report-only"]) == "iha x --seeds 0"
 
 

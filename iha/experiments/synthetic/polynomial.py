@@ -298,6 +298,24 @@ def _unfinished_lines(config: PolynomialConfig, summary: dict) -> list[str]:
     ]
 
 
+def _paired_note(config: PolynomialConfig, summary: dict, family: int) -> str:
+    """What the paired table's tests are over and how low they can go."""
+    seeds = len(config.seeds)
+    if not summary["paired"]:
+        return "No IHA model and MHA model have a run on the same seed yet: nothing to pair."
+    note = f"Negative: IHA lower. Holm: adjusted over the {family} tested comparisons of this table (one family); "
+    if all(paired["n"] == seeds for paired in summary["paired"].values()):
+        return note + (
+            f"with {seeds} seeds the exact sign-flip test cannot go below {2 / 2**seeds:.3g} raw, nor below "
+            f"{min(1.0, family * 2 / 2**seeds):.3g} after Holm."
+        )
+    return note + (
+        "each row pairs only the seeds where both models have a run (n in the 'seeds IHA higher' column); with n "
+        "seeds the exact sign-flip test cannot go below 2 / 2^n (0.0625 for 5, 0.125 for 4, 0.25 for 3), and one "
+        "seed allows no test."
+    )
+
+
 def render_markdown(config: PolynomialConfig, summary: dict, runs: list[dict], command: str) -> str:
     family = sum(paired["t_p_value"] is not None for paired in summary["paired"].values())
     mha_heads = sorted(MODELS[model][0] for model in config.models if not is_iha(model))
@@ -345,14 +363,7 @@ def render_markdown(config: PolynomialConfig, summary: dict, runs: list[dict], c
         "",
         "## IHA against MHA, paired by seed (log10 of the final relative error, IHA - MHA)",
         "",
-        f"Negative: IHA lower. Holm: adjusted over the {family} tested comparisons of this table (one family); "
-        + (
-            f"with {len(config.seeds)} seeds the exact sign-flip test cannot go below {2 / 2 ** len(config.seeds):.3g} "
-            f"raw, nor below {min(1.0, family * 2 / 2 ** len(config.seeds)):.3g} after Holm."
-            if all(paired["n"] == len(config.seeds) for paired in summary["paired"].values())
-            else "each row pairs only the seeds where both models have a run (n in the 'seeds IHA higher' column); "
-            "with n seeds the exact sign-flip test cannot go below 2 / 2^n (0.0625 for 5, 0.125 for 4, 0.25 for 3)."
-        ),
+        _paired_note(config, summary, family),
         "",
         "| attention | comparison | mean [95% t interval] | seeds IHA higher | paired t p | Holm | sign-flip p | Holm |",
         "|---|---|---|---:|---:|---:|---:|---:|",
