@@ -7,10 +7,18 @@ import math
 
 import pytest
 import torch
+from testing_utils import REPO_ROOT
 
 from iha.cli.polynomial_filter import main as polynomial_filter_main
 from iha.cli.polynomial_filter import reproducing_command
-from iha.experiments.synthetic.polynomial import PolynomialConfig, run_experiment, task_adjacency, train_filter
+from iha.experiments.synthetic.polynomial import (
+    PolynomialConfig,
+    render_markdown,
+    run_experiment,
+    summarize,
+    task_adjacency,
+    train_filter,
+)
 from iha.experiments.synthetic.polynomial_filter import (
     filter_target,
     hand_set_iha_filter,
@@ -270,6 +278,18 @@ def test_the_command_records_the_command_that_makes_its_runs(tmp_path, capsys):
     printed = capsys.readouterr().out
     assert "## Unfinished: 0 of 3 runs" in printed and "nothing to pair" in printed
     assert reproducing_command("iha x", ["--runs-from=a", "--seeds", "0", "--report-only"]) == "iha x --seeds 0"
+
+
+@pytest.mark.parametrize("folder", ["polynomial-filter", "polynomial-filter-k9"])
+def test_the_committed_reports_are_what_their_own_runs_give(folder):
+    # Every number of report.md (and the summary in report.json) recomputes from the runs saved beside it.
+    saved = json.loads((REPO_ROOT / "benchmarks" / "synthetic" / folder / "report.json").read_text())
+    config = PolynomialConfig(**saved["config"])
+    summary = summarize(config, saved["runs"])
+    assert summary == saved["summary"] and summary["missing"] == []
+    markdown = render_markdown(config, summary, saved["runs"], saved["command"])
+    assert markdown == (REPO_ROOT / "benchmarks" / "synthetic" / folder / "report.md").read_text()
+    assert saved["command"].startswith("iha polynomial-filter ") and "--runs-from" not in saved["command"]
 
 
 def test_the_config_refuses_an_unknown_order_or_graph_family():

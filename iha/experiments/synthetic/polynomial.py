@@ -1,8 +1,8 @@
 """The paper's polynomial-filter claim, trained: `run_experiment` trains, from random initialisations on fresh random
 features every step, MHA with ceil(sqrt(k)) and with k heads and IHA with ceil(sqrt(k)) heads (P = the same) on the
 filter of order k (k = 4: 2, 4 and 2 heads; k = 9: 3, 9 and 3), with linear and softmax attention, and reports the
-relative error on held-out features against steps (`iha polynomial-filter --output-dir DIR`; `--order 9` for k
-= 9).
+relative error on held-out features against steps (`iha polynomial-filter --output-dir DIR`; k = 9 with
+`--order 9`).
 
 The task, the attention layer and the hand-set constructions that show why the claim holds are in
 `iha.experiments.synthetic.polynomial_filter`.
