@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 
-from ..statistics import paired_differences
+from ..statistics import holm_adjusted, paired_differences
 from .config import config_from_saved, describe_m
 from .train import model_variants
 
@@ -91,6 +91,29 @@ def _mean_std(values: list[float]) -> tuple[float, float]:
     return mean, std
 
 
+def spread_cell(seeds: list[int], values: list[float], all_seeds: list[int]) -> str:
+    """A table cell for one model's values over its seeds: "mean ± std", with "(k of n seeds)" when some seeds
+    lack it; one seed's value is "value (seed N only)", never a mean with a spread of zero."""
+    if len(values) == 1:
+        return f"{values[0]:.2f} (seed {seeds[0]} only)"
+    mean, std = _mean_std(values)
+    cell = f"{mean:.2f} ± {std:.2f}"
+    if len(values) < len(all_seeds):
+        cell += f" ({len(values)} of {len(all_seeds)} seeds)"
+    return cell
+
+
+def paired_gap_cell(paired: dict | None) -> str:
+    """The "− baseline" cell: the mean difference paired by seed over the seeds both models have, and how many (a
+    model on one seed is never set against a baseline's mean over three)."""
+    if paired is None:
+        return "–"
+    labels = paired["labels"] or []
+    if paired["n"] == 1 and labels:
+        return f"{paired['mean']:+.2f} (seed {labels[0]} only)"
+    return f"{paired['mean']:+.2f} ({paired['n']} seeds)"
+
+
 def _paired_with_baselines(
     task: str, model: str, baselines: list[str], seeds: list[int], selected: list[dict]
 ) -> dict[str, dict]:
@@ -121,41 +144,94 @@ def _exact_match_lines(config: dict, summary: dict, seeds: list[int]) -> list[st
     for entry in summary.values():
         by_seed = dict(zip(entry["seeds"], entry["test_exact_match"]))
         cells = [f"{by_seed[seed]:.2f}" if seed in by_seed else "–" for seed in seeds]
-        mean = f"{entry['exact_match_mean']:.2f} ± {entry['exact_match_std']:.2f}"
-        if len(entry["seeds"]) < len(seeds):
-            mean += f" ({len(entry['seeds'])} of {len(seeds)} seeds)"
+        mean = spread_cell(entry["seeds"], entry["test_exact_match"], seeds)
         lines.append(f"| {entry['task']} | {entry['model']} | {mean} | " + " | ".join(cells) + " |")
     return lines
 
 
-def _paired_lines(config: dict, summary: dict, baselines: list[str]) -> list[str]:
-    """The paired table: model minus baseline per seed; mean, t interval, paired t and sign-flip permutation p."""
-    rows = [
+def paired_rows(summary: dict) -> list[tuple[dict, str, str, dict]]:
+    """(entry, baseline, metric, paired) of every paired comparison in the summary, in the table's order."""
+    return [
         (entry, baseline, metric, paired)
         for entry in summary.values()
         for baseline, metrics in entry["paired"].items()
         for metric, paired in metrics.items()
     ]
+
+
+def add_holm_adjustment(summary: dict) -> None:
+    """Holm-adjust the paired table's tests as one family (`statistics.holm_adjusted`), each kind of p-value on its
+    own: every paired result with a p-value gains `t_p_value_holm` / `permutation_p_value_holm` and the family's
+    size. One table is one family: a reader who picks its smallest p among several picks from all of them."""
+    rows = [paired for _, _, _, paired in paired_rows(summary)]
+    for key in ("t_p_value", "permutation_p_value"):
+        tested = [paired for paired in rows if paired[key] is not None]
+        for paired, adjusted in zip(tested, holm_adjusted([paired[key] for paired in tested])):
+            paired[f"{key}_holm"] = adjusted
+            paired["holm_family_size"] = len(tested)
+
+
+def _p_cell(paired: dict, key: str) -> str:
+    return "–" if paired.get(key) is None else f"{paired[key]:.3g}"
+
+
+def _paired_lines(config: dict, summary: dict, baselines: list[str]) -> list[str]:
+    """The paired table: model minus baseline per seed; mean, t interval, paired t and sign-flip permutation p, each
+    with its Holm-adjusted value over the table's tests (`add_holm_adjustment`)."""
+    rows = paired_rows(summary)
     if not rows:
         return []
+    family = max((paired.get("holm_family_size", 0) for _, _, _, paired in rows), default=0)
     lines = [
         "",
-        "Paired by seed (the seeds share data, order and initial weights), model − baseline in points: mean, 95% "
-        "Student-t interval, paired t-test p, exact sign-flip permutation p (with n seeds it cannot fall below "
-        "2 / 2^n: 0.25 for 3 seeds), how many seeds came out positive:",
+        "Paired by seed (the seeds share data, order and initial weights), model − baseline in points, over the seeds "
+        "both models have: mean, 95% Student-t interval, paired t-test p, exact sign-flip permutation p (with n seeds "
+        "it cannot fall below 2 / 2^n: 0.25 for 3 seeds), how many seeds came out positive. Holm: the p-value "
+        f"adjusted by Holm's step-down method over the {family} tests of this table that have one (one family; a "
+        "comparison on one seed has no test).",
         "",
-        "| Task | Model − baseline | metric | seeds | mean | 95% CI | paired t p | permutation p | positive |",
-        "|---|---|---|---:|---:|---|---:|---:|---:|",
+        "| Task | Model − baseline | metric | seeds | mean | 95% CI | paired t p | Holm t p | permutation p "
+        "| Holm permutation p | positive |",
+        "|---|---|---|---:|---:|---|---:|---:|---:|---:|---:|",
     ]
     for entry, baseline, metric, paired in rows:
         ci = "–" if paired["ci"] is None else f"[{paired['ci'][0]:+.2f}, {paired['ci'][1]:+.2f}]"
-        t_p = "–" if paired["t_p_value"] is None else f"{paired['t_p_value']:.3g}"
-        permutation_p = "–" if paired["permutation_p_value"] is None else f"{paired['permutation_p_value']:.3g}"
+        seeds = str(paired["n"]) if paired["n"] > 1 or not paired["labels"] else f"1 (seed {paired['labels'][0]})"
         lines.append(
-            f"| {entry['task']} | {entry['model']} − {baseline} | {metric.replace('_', ' ')} | {paired['n']} | "
-            f"{paired['mean']:+.2f} | {ci} | {t_p} | {permutation_p} | {paired['positive']} of {paired['n']} |"
+            f"| {entry['task']} | {entry['model']} − {baseline} | {metric.replace('_', ' ')} | {seeds} | "
+            f"{paired['mean']:+.2f} | {ci} | {_p_cell(paired, 't_p_value')} | {_p_cell(paired, 't_p_value_holm')} | "
+            f"{_p_cell(paired, 'permutation_p_value')} | {_p_cell(paired, 'permutation_p_value_holm')} | "
+            f"{paired['positive']} of {paired['n']} |"
         )
     return lines
+
+
+# Per-entry accuracy above which every model of a task counts as saturated: the metric has no room left to
+# separate them (0.5% of 25 entries is one wrong entry in eight relations).
+SATURATED_ACCURACY = 99.5
+
+
+def saturation_lines(results_per_seed: list[dict]) -> list[str]:
+    """Per task, the range of per-entry test accuracy over every finished run, and whether it is saturated (every
+    run above `SATURATED_ACCURACY`): then exact match is the measure that separates the models."""
+    lines = []
+    for task in results_per_seed[0]["config"]["tasks"]:
+        values = [
+            100 * run["test_accuracy"] for results in results_per_seed for run in results["runs"] if run["task"] == task
+        ]
+        if not values:
+            continue
+        text = f"{task}: per-entry test accuracy of every finished run is {min(values):.2f}-{max(values):.2f}%"
+        if min(values) >= SATURATED_ACCURACY:
+            text += (
+                f" (all above {SATURATED_ACCURACY}%): the per-entry metric, the one the paper reports, is saturated "
+                "here and cannot separate the models; exact match (every entry of a relation right, which the paper "
+                "does not report) is the measure that does."
+            )
+        else:
+            text += "."
+        lines.append(text)
+    return ["", *lines] if lines else []
 
 
 def unfinished_runs(results_per_seed: list[dict]) -> list[tuple[str, str, list[int]]]:
@@ -277,16 +353,19 @@ def seed_summary(results_per_seed: list[dict], in_progress: list[dict] | None = 
         for model in models:
             per_rate = {}
             for lr in learning_rates:
-                values = []
-                for results in results_per_seed:
+                values, rate_seeds = [], []
+                for seed, results in zip(seeds, results_per_seed):
                     matching = [
                         run["test_accuracy"]
                         for run in results["runs"]
                         if run["task"] == task and run["model"] == model and run["learning_rate"] == lr
                     ]
                     values += [100 * accuracy for accuracy in matching[:1]]
+                    rate_seeds += [seed] * len(matching[:1])
                 if values:  # a seed may have run fewer learning rates (then the table says over how many seeds)
-                    per_rate[f"{lr:g}"] = dict(zip(("mean", "std"), _mean_std(values)), test_accuracy=values)
+                    per_rate[f"{lr:g}"] = dict(
+                        zip(("mean", "std"), _mean_std(values)), test_accuracy=values, seeds=rate_seeds
+                    )
             # Seeds that have this model (all, unless some results are a partial checkpoint of a running call).
             having = [(seed, runs[(task, model)]) for seed, runs in zip(seeds, selected) if (task, model) in runs]
             if not having:
@@ -297,7 +376,8 @@ def seed_summary(results_per_seed: list[dict], in_progress: list[dict] | None = 
             for size in task_sizes(first, task):
                 per_seed = [run.get("test_accuracy_by_m", {}).get(str(size)) for _, run in having]
                 if None not in per_seed:
-                    by_m[str(size)] = dict(zip(("mean", "std"), _mean_std([100 * value for value in per_seed])))
+                    per_seed = [100 * value for value in per_seed]
+                    by_m[str(size)] = dict(zip(("mean", "std"), _mean_std(per_seed)), values=per_seed)
             exact_match = [100 * run["test_exact_match"] for _, run in having]
             summary[f"{task}/{model}"] = {
                 "task": task,
@@ -330,19 +410,16 @@ def seed_summary(results_per_seed: list[dict], in_progress: list[dict] | None = 
             row = [task, describe_m(first["m"][task]), model]
             for lr in learning_rates:
                 rate = per_rate.get(f"{lr:g}")
-                cell = "–" if rate is None else f"{rate['mean']:.2f} ± {rate['std']:.2f}"
-                if rate is not None and len(rate["test_accuracy"]) < len(seeds):
-                    cell += f" ({len(rate['test_accuracy'])} of {len(seeds)} seeds)"
-                row.append(cell)
-            selected_cell = f"**{mean:.2f} ± {std:.2f}**"
-            if len(having) < len(seeds):
-                selected_cell += f" ({len(having)} of {len(seeds)} seeds)"
+                row.append("–" if rate is None else spread_cell(rate["seeds"], rate["test_accuracy"], seeds))
             by_seed = {seed: 100 * run["test_accuracy"] for seed, run in having}
-            row += [selected_cell, *[f"{by_seed[seed]:.2f}" if seed in by_seed else "–" for seed in seeds]]
+            selected_cell = spread_cell(list(by_seed), list(by_seed.values()), seeds)
+            row += [f"**{selected_cell}**", *[f"{by_seed[seed]:.2f}" if seed in by_seed else "–" for seed in seeds]]
             for name in baselines:
-                reference = summary.get(f"{task}/{name}")
-                row.append("–" if name == model or reference is None else f"{mean - reference['mean']:+.2f}")
+                paired = summary[f"{task}/{model}"]["paired"].get(name, {}).get("accuracy")
+                row.append(paired_gap_cell(paired))
             lines.append("| " + " | ".join(row) + " |")
+    add_holm_adjustment(summary)
+    lines += saturation_lines(results_per_seed)
     lines += _exact_match_lines(first, summary, seeds)
     lines += _paired_lines(first, summary, baselines)
     lines += ["", "Test accuracy per m, mean ± std over seeds (validation-selected learning rate):", ""]
@@ -354,8 +431,9 @@ def seed_summary(results_per_seed: list[dict], in_progress: list[dict] | None = 
             if f"{task}/{model}" not in summary:
                 continue
             by_m = summary[f"{task}/{model}"]["by_m"]
+            entry = summary[f"{task}/{model}"]
             cells = [
-                f"{by_m[str(size)]['mean']:.2f} ± {by_m[str(size)]['std']:.2f}" if str(size) in by_m else "–"
+                spread_cell(entry["seeds"], by_m[str(size)]["values"], seeds) if str(size) in by_m else "–"
                 for size in sizes
             ]
             lines.append("| " + " | ".join([model, *cells]) + " |")
