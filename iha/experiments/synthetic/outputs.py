@@ -12,17 +12,22 @@ from .report import results_table, seed_summary
 
 
 def write_seed_summary(
-    results_per_seed: list[dict], output_dir: str | os.PathLike, in_progress: list[dict] | None = None
+    results_per_seed: list[dict],
+    output_dir: str | os.PathLike,
+    in_progress: list[dict] | None = None,
+    relations: dict | None = None,
 ) -> dict[str, Path]:
     """seeds.md (the table), seeds.json and seeds.png in `output_dir`. With `in_progress` (`train.runs_in_progress`,
     what `iha synthetic --report` passes), the runs still training as far as they got, in seeds.md and
     in_progress.json (with their per-epoch history), and curves.png: validation error per epoch of every run,
-    finished or not."""
+    finished or not. With `relations` (`relations.relation_tests`), their tables in seeds.md and relations.json."""
     output_dir = Path(output_dir)
-    table, summary = seed_summary(results_per_seed, in_progress)
+    table, summary = seed_summary(results_per_seed, in_progress, relations)
     paths = {"table": output_dir / "seeds.md", "json": output_dir / "seeds.json", "plot": output_dir / "seeds.png"}
     write_text_atomic(table + "\n", paths["table"])
     write_json_atomic(summary, paths["json"])
+    if relations is not None:
+        paths["relations"] = write_json_atomic(relations, output_dir / "relations.json")
     # Nothing to draw: no picture, and none left from an earlier call that would disagree with the table.
     if summary:
         plot_seed_summary(summary, paths["plot"])

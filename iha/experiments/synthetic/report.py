@@ -234,6 +234,83 @@ def saturation_lines(results_per_seed: list[dict]) -> list[str]:
     return ["", *lines] if lines else []
 
 
+def _percent(value: float | None) -> str:
+    return "–" if value is None else f"{100 * value:.2f}"
+
+
+def data_overlap_lines(relations: dict) -> list[str]:
+    """What the test relations share with training data: per seed its own training set (the duplicate rate), and
+    across seeds every split of the other seeds (`relations.cross_seed_overlap`)."""
+    lines = []
+    for task, overlap in relations["overlap"].items():
+        own = ", ".join(f"seed {seed} {100 * share:.2f}%" for seed, share in overlap["own_train"].items())
+        lines += [
+            "",
+            f"**Data, {task}** ({overlap['data_streams']} data streams). Test relations present verbatim in the same "
+            f"seed's training set (duplicates; small m at the paper's density repeats relations by chance): {own}. "
+            "Across seeds, the share of one seed's test relations present verbatim in another seed's splits (%):",
+            "",
+            "| test of seed | splits of seed | train | val | test |",
+            "|---:|---:|---:|---:|---:|",
+        ]
+        for row in overlap["pairs"]:
+            lines.append(
+                f"| {row['test_of']} | {row['splits_of']} | {_percent(row['train'])} | {_percent(row['val'])} | "
+                f"{_percent(row['test'])} |"
+            )
+    return lines
+
+
+def relation_lines(relations: dict) -> list[str]:
+    """The per-relation tables (`relations.relation_tests`): exact match per run from its saved weights, on the test
+    relations absent from and present in training; McNemar within each seed for every pair of models with weights."""
+    from .relations import NO_WEIGHTS
+
+    lines = [
+        "",
+        "**Per relation, from the saved best weights** (the model and its test split rebuilt exactly as training made "
+        "them): exact match over all test relations (rebuilt / as recorded at training), on the test relations absent "
+        "from that seed's training set and on those present in it (n relations each).",
+        "",
+        "| Task | seed | Model | exact match, rebuilt / recorded | unseen in training (n) | seen in training (n) |",
+        "|---|---:|---|---:|---:|---:|",
+    ]
+    for seed in relations["seeds"]:
+        for task, tests in seed["tasks"].items():
+            for model, run in tests["runs"].items():
+                if run["weights"] is None:
+                    lines.append(f"| {task} | {seed['seed']} | {model} | {NO_WEIGHTS} | – | – |")
+                    continue
+                lines.append(
+                    f"| {task} | {seed['seed']} | {model} | {_percent(run['exact_match'])} / "
+                    f"{_percent(run['recorded_exact_match'])} | {_percent(run['unseen']['exact_match'])} "
+                    f"({run['unseen']['relations']}) | {_percent(run['seen']['exact_match'])} "
+                    f"({run['seen']['relations']}) |"
+                )
+    lines += [
+        "",
+        "McNemar within a seed (the same test relations; exact match per relation): relations only A / only B got "
+        "entirely right, the exact two-sided McNemar p, and Holm's adjustment over the "
+        f"{relations['mcnemar_tests']} tests of this table.",
+        "",
+        "| Task | seed | A | B | only A right | only B right | McNemar p | Holm p |",
+        "|---|---:|---|---|---:|---:|---:|---:|",
+    ]
+    for seed in relations["seeds"]:
+        for task, tests in seed["tasks"].items():
+            for pair in tests["pairs"]:
+                model_a, model_b = pair["models"]
+                row = f"| {task} | {seed['seed']} | {model_a} | {model_b} |"
+                if "p_value" not in pair:
+                    lines.append(f"{row} {NO_WEIGHTS}: {', '.join(pair['missing_weights'])} | – | – | – |")
+                    continue
+                lines.append(
+                    f"{row} {pair['only_a_right']} | {pair['only_b_right']} | {pair['p_value']:.3g} | "
+                    f"{pair['p_value_holm']:.3g} |"
+                )
+    return lines
+
+
 def unfinished_runs(results_per_seed: list[dict]) -> list[tuple[str, str, list[int]]]:
     """(task, model, seeds) for every (task, model) of the comparison that some seeds have not finished."""
     config = results_per_seed[0]["config"]
@@ -328,12 +405,15 @@ def _unfinished_text(unfinished: list[tuple[str, str, list[int]]], in_progress: 
     return "; ".join(parts)
 
 
-def seed_summary(results_per_seed: list[dict], in_progress: list[dict] | None = None) -> tuple[str, dict]:
+def seed_summary(
+    results_per_seed: list[dict], in_progress: list[dict] | None = None, relations: dict | None = None
+) -> tuple[str, dict]:
     """Test accuracy over several seeds: mean ± std per task, model and learning rate, for the validation-selected
     learning rate (with every seed's value and the gap to each baseline), and per m; a markdown table and its numbers.
 
     Every element of `results_per_seed` is the output of one `run_comparison` (same tasks and models, another seed);
-    `in_progress` (`train.runs_in_progress`) adds a table of the unfinished runs, as far as they got.
+    `in_progress` (`train.runs_in_progress`) adds a table of the unfinished runs, as far as they got; `relations`
+    (`relations.relation_tests`) the data the splits share and the per-relation tests from saved weights.
     """
     if not results_per_seed:
         raise ValueError("No results to summarise.")
@@ -422,6 +502,8 @@ def seed_summary(results_per_seed: list[dict], in_progress: list[dict] | None = 
     lines += saturation_lines(results_per_seed)
     lines += _exact_match_lines(first, summary, seeds)
     lines += _paired_lines(first, summary, baselines)
+    if relations is not None:
+        lines += data_overlap_lines(relations) + relation_lines(relations)
     lines += ["", "Test accuracy per m, mean ± std over seeds (validation-selected learning rate):", ""]
     for task in first["tasks"]:
         sizes = task_sizes(first, task)
