@@ -234,3 +234,42 @@ def test_a_saturated_per_entry_metric_is_said_to_be_saturated():
     spread, _ = seed_summary([fake_results(0, {"MHA": 0.80, "2-simplicial": 1.0, "IHA P=2": 0.9991})])
     assert "binary: per-entry test accuracy of every finished run is 80.00-100.00%." in spread
     assert "saturated" not in spread
+
+
+def history_of(accuracies: list[float]) -> list[dict]:
+    return [{"epoch": epoch, "train_loss": 0.1, "val_accuracy": value} for epoch, value in enumerate(accuracies, 1)]
+
+
+def test_equal_epochs_say_when_the_stopping_rule_decides_the_order(tmp_path):
+    from iha.experiments.synthetic.outputs import write_seed_summary
+    from iha.experiments.synthetic.report import best_so_far, equal_epoch_comparison
+
+    assert best_so_far(history_of([0.5, 0.7, 0.6, 0.8])) == [50.0, 70.0, 70.0, 80.0]
+    # MHA ahead at every epoch it ran (1-4), then stopped by patience; IHA ran on to 6 and passed it.
+    mha = {"model": "MHA", "epochs_run": 4, "stopped_by": "patience", "history": history_of([0.6, 0.7, 0.8, 0.8])}
+    iha = {"model": "IHA P=2", "epochs_run": 6, "stopped_by": "epoch budget"}
+    iha["history"] = history_of([0.5, 0.6, 0.7, 0.75, 0.85, 0.9])
+    comparison = equal_epoch_comparison("binary", 0, mha, iha)
+    assert comparison["stretches"] == [(-1, 1, 4)] and comparison["common_epochs"] == 4
+    assert comparison["at_common_epoch"] == [80.0, 75.0] and comparison["at_stop"] == [80.0, 90.0]
+    assert comparison["decided_by_stopping"]
+    # Passing it before MHA stopped: the same order both ways, with both stretches named.
+    iha["history"] = history_of([0.5, 0.6, 0.9, 0.9, 0.9, 0.9])
+    comparison = equal_epoch_comparison("binary", 0, mha, iha)
+    assert comparison["stretches"] == [(-1, 1, 2), (1, 3, 4)] and not comparison["decided_by_stopping"]
+    # In the report: the table at equal epochs and the sentence, and the figure.
+    per_seed = [fake_results(0, {"MHA": 0.8, "2-simplicial": 0.8, "IHA P=2": 0.9})]
+    runs = {run["model"]: run for run in per_seed[0]["runs"]}
+    runs["MHA"].update(mha)
+    runs["IHA P=2"].update(iha, history=history_of([0.5, 0.6, 0.7, 0.75, 0.85, 0.9]))
+    runs["2-simplicial"].update(history=history_of([0.8] * 5), epochs_run=5)
+    paths = write_seed_summary(per_seed, tmp_path)
+    table = paths["table"].read_text()
+    assert "| binary | 0 | IHA P=2 | – | – | – | 4: 75.00 | 90.00 | 6 (the budget) |" in table
+    assert (
+        "seed 0, IHA P=2 against MHA: best validation accuracy so far MHA above IHA P=2 at every epoch from 1 to 4. "
+        "MHA stopped at 4 (patience), where IHA P=2 − MHA was -5.000 points; IHA P=2 ran to 6 (epoch budget), and at "
+        "the stopping points the difference is +10.000: the order at the stopping points is not the order at equal "
+        "epochs, so the stopping rule decides it." in table
+    )
+    assert paths["equal_epochs"].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

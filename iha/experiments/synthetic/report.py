@@ -311,6 +311,150 @@ def relation_lines(relations: dict) -> list[str]:
     return lines
 
 
+# The epochs at which every model is compared at equal training (those a seed's runs all reached), beside the
+# smallest stopping epoch of the seed's runs.
+EQUAL_EPOCHS = (10, 25, 50)
+
+
+def best_so_far(history: list[dict]) -> list[float]:
+    """The best validation accuracy (%) of epochs 1..e, for every epoch e a run trained (its history's order)."""
+    best, curve = -math.inf, []
+    for point in history:
+        best = max(best, 100 * point["val_accuracy"])
+        curve.append(best)
+    return curve
+
+
+def _stop_text(run: dict) -> str:
+    how = {"patience": "patience", "epoch budget": "the budget"}.get(run.get("stopped_by", ""), "?")
+    return f"{run['epochs_run']} ({how})"
+
+
+def leading_stretches(curve_a: list[float], curve_b: list[float]) -> list[tuple[int, int, int]]:
+    """(sign, first, last) of every stretch of equal epochs in which the order of two best-so-far curves stayed the
+    same (sign 1: b above, -1: a above, 0: level), epochs counted from 1, over the epochs both ran."""
+    stretches = []
+    for epoch, (a, b) in enumerate(zip(curve_a, curve_b), start=1):
+        sign = (b > a) - (b < a)
+        if stretches and stretches[-1][0] == sign:
+            stretches[-1] = (sign, stretches[-1][1], epoch)
+        else:
+            stretches.append((sign, epoch, epoch))
+    return stretches
+
+
+def equal_epoch_comparison(task: str, seed: int, run_a: dict, run_b: dict) -> dict:
+    """Run a (a baseline) against run b of one seed at equal epochs and at their stopping points: whether the
+    stopping rule decides the comparison (the leader at the last epoch both ran is not the leader at the end)."""
+    curve_a, curve_b = best_so_far(run_a["history"]), best_so_far(run_b["history"])
+    common = min(len(curve_a), len(curve_b))
+    stretches = leading_stretches(curve_a[:common], curve_b[:common])
+    final_sign = (curve_b[-1] > curve_a[-1]) - (curve_b[-1] < curve_a[-1])
+    return {
+        "task": task,
+        "seed": seed,
+        "models": [run_a["model"], run_b["model"]],
+        "epochs_run": [run_a["epochs_run"], run_b["epochs_run"]],
+        "stopped_by": [run_a.get("stopped_by"), run_b.get("stopped_by")],
+        "common_epochs": common,
+        "at_common_epoch": [curve_a[common - 1], curve_b[common - 1]],
+        "at_stop": [curve_a[-1], curve_b[-1]],
+        "stretches": stretches,
+        "leader_at_common_epoch": stretches[-1][0],
+        "leader_at_stop": final_sign,
+        "decided_by_stopping": stretches[-1][0] != final_sign,
+    }
+
+
+def _leader_name(sign: int, models: list[str]) -> str:
+    return "level" if sign == 0 else models[0 if sign < 0 else 1]
+
+
+def _stretch_text(stretch: tuple[int, int, int], models: list[str]) -> str:
+    sign, first, last = stretch
+    epochs = f"at epoch {first}" if first == last else f"at every epoch from {first} to {last}"
+    if sign == 0:
+        return f"level {epochs}"
+    leader = _leader_name(sign, models)
+    return f"{leader} above {models[1] if leader == models[0] else models[0]} {epochs}"
+
+
+def describe_equal_epochs(comparison: dict) -> str:
+    """The comparison of `equal_epoch_comparison` in words: the last two stretches of one order before the shorter
+    run stopped, the gap then and at the stopping points, and whether the stopping rule decides the order."""
+    models = comparison["models"]
+    common = comparison["common_epochs"]
+    shorter = 0 if comparison["epochs_run"][0] <= comparison["epochs_run"][1] else 1
+    longer = 1 - shorter
+    stretches = "; then ".join(_stretch_text(stretch, models) for stretch in comparison["stretches"][-2:])
+    at_common = comparison["at_common_epoch"]
+    at_stop = comparison["at_stop"]
+    text = (
+        f"seed {comparison['seed']}, {models[1]} against {models[0]}: best validation accuracy so far {stretches}. "
+        f"{models[shorter]} stopped at {common} ({comparison['stopped_by'][shorter]}), where {models[1]} − "
+        f"{models[0]} was {at_common[1] - at_common[0]:+.3f} points"
+    )
+    if comparison["epochs_run"][longer] > common:
+        text += (
+            f"; {models[longer]} ran to {comparison['epochs_run'][longer]} ({comparison['stopped_by'][longer]}), "
+            f"and at the stopping points the difference is {at_stop[1] - at_stop[0]:+.3f}"
+        )
+    if comparison["decided_by_stopping"]:
+        return (
+            text
+            + ": the order at the stopping points is not the order at equal epochs, so the stopping rule decides it."
+        )
+    return text + ": the same order at equal epochs and at the stopping points."
+
+
+def equal_epoch_lines(results_per_seed: list[dict]) -> tuple[list[str], list[dict]]:
+    """Every model at equal epochs: best validation accuracy so far at `EQUAL_EPOCHS` and at the smallest stopping
+    epoch of the seed's runs (a table), and against each baseline at equal epochs and at the stopping points
+    (in words). Returns the lines and the comparisons."""
+    config = results_per_seed[0]["config"]
+    models = model_names(config)
+    baselines = [name for name in ("MHA", "2-simplicial") if name in models]
+    lines, comparisons = [], []
+    rows = []
+    for task in config["tasks"]:
+        for results in results_per_seed:
+            seed, selected = results["config"]["seed"], best_runs(results)
+            runs = [selected[(task, model)] for model in models if (task, model) in selected]
+            if not runs:
+                continue
+            shortest = min(len(run["history"]) for run in runs)
+            for run in runs:
+                curve = best_so_far(run["history"])
+                cells = [f"{curve[epoch - 1]:.2f}" if epoch <= len(curve) else "–" for epoch in EQUAL_EPOCHS]
+                rows.append(
+                    f"| {task} | {seed} | {run['model']} | " + " | ".join(cells) + f" | {shortest}: "
+                    f"{curve[shortest - 1]:.2f} | {curve[-1]:.2f} | {_stop_text(run)} |"
+                )
+            for model in models:
+                for baseline in baselines[: baselines.index(model) if model in baselines else len(baselines)]:
+                    if (task, model) in selected and (task, baseline) in selected:
+                        comparisons.append(
+                            equal_epoch_comparison(task, seed, selected[(task, baseline)], selected[(task, model)])
+                        )
+    if not rows:
+        return [], []
+    epochs = " | ".join(f"epoch {epoch}" for epoch in EQUAL_EPOCHS)
+    lines += [
+        "",
+        "**At equal epochs** (validation accuracy, %, the best of epochs 1..e: what early stopping would have kept "
+        "had the run stopped at e): at fixed epochs, at the smallest stopping epoch of the seed's runs, and at the "
+        "run's own stop (`equal_epochs.png` draws every epoch).",
+        "",
+        f"| Task | seed | Model | {epochs} | smallest stop of the seed: best by then | at its stop | epochs run |",
+        "|---|---:|---|" + "---:|" * (len(EQUAL_EPOCHS) + 3),
+        *rows,
+    ]
+    if comparisons:
+        lines += ["", "Which comparisons the stopping rule decides (best validation accuracy so far):", ""]
+        lines += [f"- {comparison['task']}, {describe_equal_epochs(comparison)}" for comparison in comparisons]
+    return lines, comparisons
+
+
 def unfinished_runs(results_per_seed: list[dict]) -> list[tuple[str, str, list[int]]]:
     """(task, model, seeds) for every (task, model) of the comparison that some seeds have not finished."""
     config = results_per_seed[0]["config"]
@@ -502,6 +646,7 @@ def seed_summary(
     lines += saturation_lines(results_per_seed)
     lines += _exact_match_lines(first, summary, seeds)
     lines += _paired_lines(first, summary, baselines)
+    lines += equal_epoch_lines(results_per_seed)[0]
     if relations is not None:
         lines += data_overlap_lines(relations) + relation_lines(relations)
     lines += ["", "Test accuracy per m, mean ± std over seeds (validation-selected learning rate):", ""]
