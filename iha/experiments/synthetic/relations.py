@@ -120,6 +120,15 @@ def seed_relation_tests(
     return {"seed": config.seed, "tasks": tasks}
 
 
+def duplicate_rates(config: SyntheticConfig) -> dict[str, float]:
+    """Per task of `config` (its seed): the share of test relations present verbatim in the training set."""
+    rates = {}
+    for task in config.tasks:
+        data = comparison_data(config, task)
+        rates[task] = _share(seen_in(data["test"], data["train"]))
+    return rates
+
+
 def cross_seed_overlap(configs: list[SyntheticConfig]) -> dict:
     """Per task and ordered pair of seeds (a, b): the fraction of seed a's test relations present verbatim in each of
     seed b's splits, beside seed a's own duplicate rate (its test relations in its own training set)."""
