@@ -37,6 +37,7 @@ _EXPORTS = {
     "CPU": "config",
     "FIXED": "config",
     "PAPER": "config",
+    "PAPER_REGIME": "config",
     "PAPER_TERNARY": "config",
     "PRESET_SEEDS": "config",
     "PRESETS": "config",
