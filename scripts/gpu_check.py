@@ -22,6 +22,8 @@ that fails is reported with its error and the next one runs, unless it needs wha
   bench_perf      benchmarks/bench_perf.py --quick: IHA / base ratios and absolute times
   bench_sft       benchmarks/bench_sft.py, short: SFT tokens per second, IHA / base
   synthetic       iha synthetic --preset tiny on the device (the synthetic task's training loop)
+  paper_regime    iha synthetic --preset paper-regime: one epoch of seed 0's 12 runs at full size, and the whole
+                  grid's time projected from them (--quick: shrunk to seconds)
 
 A test skipped for want of CUDA on a CUDA run counts as a failure, so no CUDA path is skipped unseen. OUT receives
 summary.json, summary.md, steps.log (the end of every step's output) and the two benchmarks' reports; both summaries

@@ -86,6 +86,19 @@ if cuda:
 print("ENVIRONMENT " + json.dumps(result))
 """
 
+# The paper-regime step's projection: the preset's whole grid (every seed, every run at its epoch cap) from the
+# seconds per epoch its one-epoch runs measured (the first epoch includes CUDA's warm-up: an upper estimate).
+PAPER_REGIME_PROJECTION = r"""
+import json, sys
+from iha.experiments.synthetic.config import PAPER_REGIME, PRESET_SEEDS
+results = json.load(open(sys.argv[1]))
+per_epoch = {f"{run['task']} {run['model']} lr {run['learning_rate']:g}": run["train_seconds"] / run["epochs_run"]
+             for run in results["runs"]}
+seconds = sum(per_epoch.values()) * PAPER_REGIME.max_epochs * len(PRESET_SEEDS["paper-regime"])
+print("PAPER_REGIME " + json.dumps({"seconds_per_epoch": per_epoch, "projected_grid_minutes": seconds / 60,
+                                    "max_epochs": PAPER_REGIME.max_epochs, "seeds": PRESET_SEEDS["paper-regime"]}))
+"""
+
 
 @dataclass
 class Step:
@@ -229,6 +242,13 @@ class Steps:
             Step("bench_perf", "bench_perf --quick", self.bench_perf_commands, 90, read=self.read_bench_perf),
             Step("bench_sft", "bench_sft, short", self.bench_sft_commands, 150, ["smollm2"], self.read_bench_sft),
             Step("synthetic", "iha synthetic, tiny", self.synthetic_commands, 60, read=self.read_synthetic),
+            Step(
+                "paper_regime",
+                "iha synthetic --preset paper-regime, one epoch of seed 0",
+                self.paper_regime_commands,
+                150,
+                read=self.read_paper_regime,
+            ),
         ]
 
     def wheel_commands(self) -> list[list[str]]:
@@ -305,6 +325,18 @@ class Steps:
         command = [self.python, "-m", "iha.cli", "synthetic", "--preset", "tiny", "--tasks", "binary"]
         command += ["--max_epochs", "2", "--num_train", "256", "--device", self.device, "--fresh"]
         return [command + ["--output_dir", str(self.work / "synthetic")]]
+
+    def paper_regime_commands(self) -> list[list[str]]:
+        """One epoch of every run of the paper-regime preset's seed 0 (both tasks, MHA / IHA P = 8 / 2-simplicial,
+        both learning rates) at the preset's full size, then the grid's time projected from the epochs measured;
+        --quick: the same command shrunk to seconds."""
+        folder = self.work / "paper-regime"
+        command = [self.python, "-m", "iha.cli", "synthetic", "--preset", "paper-regime", "--seeds", "0"]
+        command += ["--max_epochs", "1", "--device", self.device, "--fresh", "--output_dir", str(folder)]
+        if self.quick:
+            command += ["--m", "binary=3-4", "ternary=3-4", "--num_train", "64", "--num_val", "32", "--num_test", "32"]
+            command += ["--hidden_size", "16", "--num_heads", "4", "--batch_size", "32"]
+        return [command, [self.python, "-c", PAPER_REGIME_PROJECTION, str(folder / "results.json")]]
 
     # reading the steps' results ------------------------------------------------------------------------------------
 
@@ -424,6 +456,26 @@ class Steps:
             f"{run['task']} {run['model']} lr {run['learning_rate']}": run["test_accuracy"] for run in results["runs"]
         }
         details = {"device": results["device"], "test_accuracy": runs}
+        if not results["device"].startswith(self.device.split(":")[0]):
+            raise DetailedFailure(f"trained on {results['device']}, not {self.device}", details)
+        return details
+
+    def read_paper_regime(self, log: str) -> dict:
+        found = re.search(r"^PAPER_REGIME (.*)$", log, re.MULTILINE)
+        if found is None:
+            raise StepFailed("the paper-regime projection printed no result")
+        projection = json.loads(found.group(1))
+        results = read_json(self.work / "paper-regime" / "results.json")
+        details = {
+            "device": results["device"],
+            "test_exact_match": {
+                f"{run['task']} {run['model']} lr {run['learning_rate']:g}": run["test_exact_match"]
+                for run in results["runs"]
+            },
+            **projection,
+        }
+        if len(results["runs"]) != 12:
+            raise DetailedFailure(f"{len(results['runs'])} runs instead of the preset's 12", details)
         if not results["device"].startswith(self.device.split(":")[0]):
             raise DetailedFailure(f"trained on {results['device']}, not {self.device}", details)
         return details

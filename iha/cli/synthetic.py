@@ -13,6 +13,7 @@ from filelock import FileLock
 
 from ..experiments.synthetic.config import PRESET_SEEDS, PRESETS, SyntheticConfig
 from ..experiments.synthetic.outputs import write_outputs, write_seed_summary
+from ..experiments.synthetic.relations import relation_tests
 from ..experiments.synthetic.report import results_table
 from ..experiments.synthetic.train import (
     config_as_saved,
@@ -53,7 +54,9 @@ def make_parser(prog: str = "iha synthetic") -> argparse.ArgumentParser:
         choices=sorted(PRESETS),
         default="cpu",
         help="cpu: the full comparison shrunk for 2 CPU cores (75-107 min of one thread a seed; default); "
-        "paper: the paper's scale (for a GPU); paper-ternary: the paper's data and width for ternary at m = 5 "
+        "paper: the paper's scale (for a GPU); paper-regime: the paper's m ranges, data, both learning rates, MHA, "
+        "IHA P = 8 and 2-simplicial, at most 10 epochs: minutes a seed on one GPU (days on a CPU, resumable); "
+        "paper-ternary: the paper's data and width for ternary at m = 5 "
         "(hours of one thread a run; start the same command twice to share the runs between two processes); "
         "fixed: every example at m = 6 / 5, MHA and IHA only; tiny: seconds",
     )
@@ -128,7 +131,9 @@ def _run(args: argparse.Namespace) -> int:
 
     if args.summarize:
         results_per_seed = [_read_results(path) for path in args.summarize]
-        paths = write_seed_summary(results_per_seed, args.output_dir)
+        # A run's weights are named relative to its results file.
+        relations = relation_tests(results_per_seed, [Path(path).parent for path in args.summarize], args.device)
+        paths = write_seed_summary(results_per_seed, args.output_dir, relations=relations)
         print(paths["table"].read_text(encoding="utf-8"))
         return 0
     if args.seed is not None and args.seeds is not None:
@@ -145,26 +150,30 @@ def _run(args: argparse.Namespace) -> int:
         raise SystemExit(f"--seeds must be distinct, got {seeds}.")
     output_dir = Path(args.output_dir)
     if args.report:
-        results_per_seed, in_progress = [], []
+        results_per_seed, in_progress, seed_dirs = [], [], []
         for seed in seeds:
             seed_dir = output_dir if len(seeds) == 1 else output_dir / f"seed-{seed}"
+            seed_dirs.append(seed_dir)
             results_per_seed.append(_finished_so_far(replace(config, seed=seed), seed_dir))
             in_progress += runs_in_progress(replace(config, seed=seed), seed_dir / "results.partial.json")
-        paths = write_seed_summary(results_per_seed, output_dir, in_progress)
+        relations = relation_tests(results_per_seed, seed_dirs, args.device)
+        paths = write_seed_summary(results_per_seed, output_dir, in_progress, relations)
         print(paths["table"].read_text(encoding="utf-8"))
         print("wrote " + ", ".join(str(path) for path in paths.values()))
         return 0
     if len(seeds) > 1 and not args.fresh:
         _train_cheap_models_first(config, seeds, output_dir, args.device)
-    results_per_seed = []
+    results_per_seed, seed_dirs = [], []
     for seed in seeds:
         # Several seeds: one complete comparison per seed in its own folder, then their mean and spread.
         seed_dir = output_dir if len(seeds) == 1 else output_dir / f"seed-{seed}"
+        seed_dirs.append(seed_dir)
         results_per_seed.append(_run_and_write(replace(config, seed=seed), seed_dir, args.fresh, args.device))
     if len(seeds) > 1:
         # Every run has finished: no run is in progress, so an earlier --report's in_progress.json and curves of
         # unfinished runs are replaced, not left beside the final tables.
-        paths = write_seed_summary(results_per_seed, output_dir, in_progress=[])
+        relations = relation_tests(results_per_seed, seed_dirs, args.device)
+        paths = write_seed_summary(results_per_seed, output_dir, in_progress=[], relations=relations)
         print("\n" + paths["table"].read_text(encoding="utf-8"))
         print("wrote " + ", ".join(str(path) for path in paths.values()))
     return 0

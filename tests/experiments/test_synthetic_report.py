@@ -4,6 +4,7 @@ paired differences, and `--report` on runs still in progress."""
 import copy
 import json
 import struct
+from dataclasses import replace
 
 import pytest
 import torch
@@ -68,7 +69,11 @@ def test_seed_summary(tiny_results, tmp_path, capsys):
     )
     summary = json.loads((tmp_path / "p" / "seeds.json").read_text())
     assert summary["binary/2-simplicial"]["seeds"] == [0] and summary["binary/IHA P=2"]["seeds"] == [0, 1]
-    assert "(1 of 2 seeds)" in (tmp_path / "p" / "seeds.md").read_text()
+    partial_table = (tmp_path / "p" / "seeds.md").read_text()
+    # One seed's value is that seed's, said so, with no spread of zero.
+    simplicial = summary["binary/2-simplicial"]
+    assert f"| **{simplicial['mean']:.2f} (seed 0 only)** |" in partial_table
+    assert f"{simplicial['mean']:.2f} ± 0.00" not in partial_table
     # ... and its picture says so: one seed's value with the seed named, not a mean with no spread.
     from iha.experiments.synthetic.figures import accuracy_label
 
@@ -156,3 +161,115 @@ def test_the_finished_comparison_replaces_a_report_of_runs_in_progress(tmp_path)
         not (tmp_path / "in_progress.json").exists() and "Runs in progress" not in (tmp_path / "seeds.md").read_text()
     )
     assert (tmp_path / "curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def fake_results(seed: int, accuracies: dict[str, float], exact: dict[str, float] | None = None) -> dict:
+    """One seed's results of the tiny preset's binary task with the given test accuracy (and exact match) per model."""
+    from iha.experiments.synthetic import TINY
+    from iha.experiments.synthetic.train import config_as_saved
+
+    config = config_as_saved(replace(TINY, tasks=["binary"], seed=seed))
+    runs = [
+        {
+            "task": "binary",
+            "model": model,
+            "learning_rate": config["learning_rates"][0],
+            "val_accuracy": accuracy,
+            "test_accuracy": accuracy,
+            "test_exact_match": (exact or accuracies)[model],
+            "test_accuracy_by_m": {"3": accuracy, "4": accuracy},
+            "stopped_by": "patience",
+            "best_epoch": 1,
+            "epochs_run": 1,
+            "history": [{"epoch": 1, "train_loss": 0.1, "val_accuracy": accuracy}],
+        }
+        for model, accuracy in accuracies.items()
+    ]
+    return {"config": config, "runs": runs}
+
+
+def test_gaps_are_paired_over_shared_seeds_and_the_paired_table_is_holm_adjusted():
+    from iha.experiments.statistics import holm_adjusted, paired_differences
+    from iha.experiments.synthetic.report import seed_summary
+
+    # 2-simplicial on seed 0 only, and far from its mean over the seeds MHA has: its "− MHA" is seed 0's gap.
+    per_seed = [
+        fake_results(0, {"MHA": 0.80, "2-simplicial": 0.90, "IHA P=2": 0.82}),
+        fake_results(1, {"MHA": 0.60, "IHA P=2": 0.65}),
+        fake_results(2, {"MHA": 0.70, "IHA P=2": 0.71}),
+    ]
+    table, summary = seed_summary(per_seed)
+    simplicial_row = next(line for line in table.splitlines() if line.startswith("| binary | 3..4 | 2-simplicial |"))
+    assert "| **90.00 (seed 0 only)** |" in simplicial_row and "| +10.00 (seed 0 only) |" in simplicial_row
+    assert "±" not in simplicial_row  # the 3-seed mean of MHA (70.00) would have given +20.00
+    iha_row = next(line for line in table.splitlines() if line.startswith("| binary | 3..4 | IHA P=2 |"))
+    assert iha_row.endswith("| +2.67 (3 seeds) | -8.00 (seed 0 only) |")
+    assert "| 90.00 (seed 0 only) |" in table  # exact match and per-m tables alike
+    # The paired table is one family: Holm over its tests with a p-value (IHA − MHA on 3 seeds, two metrics).
+    iha = summary["binary/IHA P=2"]["paired"]["MHA"]
+    raw = [iha["accuracy"]["t_p_value"], iha["exact_match"]["t_p_value"]]
+    assert [iha[metric]["t_p_value_holm"] for metric in ("accuracy", "exact_match")] == holm_adjusted(raw)
+    assert iha["accuracy"]["holm_family_size"] == 2
+    expected = paired_differences([80.0, 60.0, 70.0], [82.0, 65.0, 71.0])
+    assert iha["accuracy"]["t_p_value"] == pytest.approx(expected["t_p_value"])
+    line = next(line for line in table.splitlines() if line.startswith("| binary | IHA P=2 − MHA | accuracy |"))
+    cells = [cell.strip() for cell in line.strip("|").split("|")]
+    assert cells[6:10] == [
+        f"{iha['accuracy']['t_p_value']:.3g}",
+        f"{iha['accuracy']['t_p_value_holm']:.3g}",
+        f"{iha['accuracy']['permutation_p_value']:.3g}",
+        f"{iha['accuracy']['permutation_p_value_holm']:.3g}",
+    ]
+    assert "over the 2 tests of this table" in table
+    one_pair = summary["binary/2-simplicial"]["paired"]["MHA"]["accuracy"]
+    assert "t_p_value_holm" not in one_pair  # one seed: no test, so not in the family
+
+
+def test_a_saturated_per_entry_metric_is_said_to_be_saturated():
+    from iha.experiments.synthetic.report import seed_summary
+
+    saturated, _ = seed_summary([fake_results(0, {"MHA": 0.9984, "2-simplicial": 1.0, "IHA P=2": 0.9991})])
+    assert "binary: per-entry test accuracy of every finished run is 99.84-100.00% (all above 99.5%)" in saturated
+    assert "is saturated here" in saturated
+    spread, _ = seed_summary([fake_results(0, {"MHA": 0.80, "2-simplicial": 1.0, "IHA P=2": 0.9991})])
+    assert "binary: per-entry test accuracy of every finished run is 80.00-100.00%." in spread
+    assert "saturated" not in spread
+
+
+def history_of(accuracies: list[float]) -> list[dict]:
+    return [{"epoch": epoch, "train_loss": 0.1, "val_accuracy": value} for epoch, value in enumerate(accuracies, 1)]
+
+
+def test_equal_epochs_say_when_the_stopping_rule_decides_the_order(tmp_path):
+    from iha.experiments.synthetic.outputs import write_seed_summary
+    from iha.experiments.synthetic.report import best_so_far, equal_epoch_comparison
+
+    assert best_so_far(history_of([0.5, 0.7, 0.6, 0.8])) == [50.0, 70.0, 70.0, 80.0]
+    # MHA ahead at every epoch it ran (1-4), then stopped by patience; IHA ran on to 6 and passed it.
+    mha = {"model": "MHA", "epochs_run": 4, "stopped_by": "patience", "history": history_of([0.6, 0.7, 0.8, 0.8])}
+    iha = {"model": "IHA P=2", "epochs_run": 6, "stopped_by": "epoch budget"}
+    iha["history"] = history_of([0.5, 0.6, 0.7, 0.75, 0.85, 0.9])
+    comparison = equal_epoch_comparison("binary", 0, mha, iha)
+    assert comparison["stretches"] == [(-1, 1, 4)] and comparison["common_epochs"] == 4
+    assert comparison["at_common_epoch"] == [80.0, 75.0] and comparison["at_stop"] == [80.0, 90.0]
+    assert comparison["decided_by_stopping"]
+    # Passing it before MHA stopped: the same order both ways, with both stretches named.
+    iha["history"] = history_of([0.5, 0.6, 0.9, 0.9, 0.9, 0.9])
+    comparison = equal_epoch_comparison("binary", 0, mha, iha)
+    assert comparison["stretches"] == [(-1, 1, 2), (1, 3, 4)] and not comparison["decided_by_stopping"]
+    # In the report: the table at equal epochs and the sentence, and the figure.
+    per_seed = [fake_results(0, {"MHA": 0.8, "2-simplicial": 0.8, "IHA P=2": 0.9})]
+    runs = {run["model"]: run for run in per_seed[0]["runs"]}
+    runs["MHA"].update(mha)
+    runs["IHA P=2"].update(iha, history=history_of([0.5, 0.6, 0.7, 0.75, 0.85, 0.9]))
+    runs["2-simplicial"].update(history=history_of([0.8] * 5), epochs_run=5)
+    paths = write_seed_summary(per_seed, tmp_path)
+    table = paths["table"].read_text()
+    assert "| binary | 0 | IHA P=2 | – | – | – | 4: 75.00 | 90.00 | 6 (the budget) |" in table
+    assert (
+        "seed 0, IHA P=2 against MHA: best validation accuracy so far MHA above IHA P=2 at every epoch from 1 to 4. "
+        "MHA stopped at 4 (patience), where IHA P=2 − MHA was -5.000 points; IHA P=2 ran to 6 (epoch budget), and at "
+        "the stopping points the difference is +10.000: the order at the stopping points is not the order at equal "
+        "epochs, so the stopping rule decides it." in table
+    )
+    assert paths["equal_epochs"].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

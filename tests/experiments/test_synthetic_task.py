@@ -208,3 +208,78 @@ def test_model_checks_the_sequence_length():
         model(torch.zeros(2, 10, dtype=torch.long))
     with pytest.raises(ValueError, match="m = 5 need 25 tokens"):
         model(torch.zeros(2, 25, dtype=torch.long))
+
+
+def relation_probabilities(m: int, density: float) -> list[float]:
+    """The probability of every m x m relation (each pair related independently with probability `density`)."""
+    import itertools
+
+    return [
+        density ** sum(bits) * (1 - density) ** (m * m - sum(bits)) for bits in itertools.product((0, 1), repeat=m * m)
+    ]
+
+
+def test_independent_streams_share_no_draws_across_seeds_and_splits():
+    from dataclasses import replace
+
+    from iha.experiments.synthetic import TINY
+    from iha.experiments.synthetic.relations import seen_in
+    from iha.experiments.synthetic.task import split_seeds
+    from iha.experiments.synthetic.train import comparison_data
+
+    # Every (seed, task, split) draws from its own stream.
+    streams = [split_seeds(seed, task, 0, "independent") for seed in range(3) for task in ("binary", "ternary")]
+    generator_seeds = [seed for splits in streams for seed in splits.values()]
+    assert len(set(generator_seeds)) == len(generator_seeds) == 18
+    # At m = 8 (64 bits at density 0.325) two relations agree by chance with probability ~1e-17: whatever two seeds'
+    # splits share was drawn twice from the same stream. Independent streams share nothing; shifted ones share
+    # seed 0's test set as seed 1's validation set, which is what this check would catch.
+    for streams_kind, shared_expected in (("independent", False), ("shifted", True)):
+        config = replace(TINY, tasks=["binary"], m={"binary": [8, 8]}, num_train=512, num_val=128, num_test=128)
+        data = {
+            seed: comparison_data(replace(config, seed=seed, data_streams=streams_kind), "binary") for seed in (0, 1)
+        }
+        shared = {
+            (split_a, split_b): int(seen_in(data[0][split_a], data[1][split_b]).sum())
+            for split_a in data[0]
+            for split_b in data[1]
+        }
+        if shared_expected:
+            # ... and seed 0's validation stream is seed 1's training stream (offset by the draw of the sizes).
+            assert shared[("test", "val")] == 128 and shared[("val", "train")] > 64
+            assert sum(shared.values()) == shared[("test", "val")] + shared[("val", "train")]
+        else:
+            assert sum(shared.values()) == 0, shared
+
+
+def test_shared_relations_at_small_m_are_the_natural_duplicates_of_the_relation_space():
+    from dataclasses import replace
+
+    from iha.experiments.synthetic import TINY
+    from iha.experiments.synthetic.relations import seen_in
+    from iha.experiments.synthetic.train import comparison_data
+
+    # At m = 3 relations repeat by chance. The share of seed 0's test relations found in seed 1's training set is
+    # then what the relation space predicts for independent draws: sum_r p(r) (1 - (1 - p(r))^N).
+    config = replace(TINY, tasks=["binary"], m={"binary": [3, 3]}, num_train=200, num_val=100, num_test=2000)
+    seed_0, seed_1 = (comparison_data(replace(config, seed=seed), "binary") for seed in (0, 1))
+    probabilities = relation_probabilities(3, 0.325)
+    expected = sum(p * (1 - (1 - p) ** config.num_train) for p in probabilities)
+    standard_error = (expected * (1 - expected) / config.num_test) ** 0.5
+    for test, train in ((seed_0["test"], seed_1["train"]), (seed_0["test"], seed_0["train"])):
+        observed = seen_in(test, train).float().mean().item()
+        assert abs(observed - expected) < 4 * standard_error, (observed, expected)
+    assert 0.3 < expected < 0.7  # a rate this check can tell from 0 and from 1
+
+
+def test_duplicate_rates_per_preset():
+    """Test relations present verbatim in the same seed's training set: about 10.5% for paper-ternary (m = 5), about
+    1% for ternary at the paper's m ~ U{5..8} (its m = 5 quarter) and none for binary at m ~ U{6..10} (the numbers
+    benchmarks/synthetic/README.md quotes)."""
+    from iha.experiments.synthetic import PRESETS
+    from iha.experiments.synthetic.relations import duplicate_rates
+
+    paper_ternary = duplicate_rates(PRESETS["paper-ternary"])
+    assert 0.095 < paper_ternary["ternary"] < 0.115
+    paper = duplicate_rates(PRESETS["paper-regime"])
+    assert 0.005 < paper["ternary"] < 0.015 and paper["binary"] < 0.001

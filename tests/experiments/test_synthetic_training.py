@@ -73,6 +73,28 @@ def test_presets_and_size_ranges_on_the_command_line(tmp_path, capsys):
     )
     assert sorted(ternary.pseudo_heads) == [2, 8] and ternary.simplicial and PRESET_SEEDS["paper-ternary"] == [0, 1, 2]
     assert (ternary.batch_size, ternary.max_epochs) == (128, 100)
+    # The paper's own regime for a GPU: its m distributions, data, both rates, MHA / IHA P = 8 / 2-simplicial,
+    # independent data streams, capped at 10 epochs.
+    regime = PRESETS["paper-regime"]
+    assert (regime.tasks, regime.m, regime.learning_rates) == (
+        ["binary", "ternary"],
+        {"binary": [6, 10], "ternary": [5, 8]},
+        [1e-3, 1e-4],
+    )
+    assert (regime.num_train, regime.num_val, regime.num_test, regime.hidden_size, regime.num_heads) == (
+        40_000,
+        5_000,
+        5_000,
+        128,
+        8,
+    )
+    assert (regime.pseudo_heads, regime.simplicial, regime.data_streams, regime.patience) == (
+        [8],
+        True,
+        "independent",
+        10,
+    )
+    assert regime.max_epochs == 10 and PRESET_SEEDS["paper-regime"] == [0, 1, 2]
     # The CPU preset runs the same comparison (models, tasks, ranges, heads, patience) smaller.
     assert (cpu.m, cpu.num_heads, cpu.pseudo_heads, cpu.simplicial, cpu.patience) == (
         paper.m,

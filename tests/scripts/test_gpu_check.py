@@ -24,7 +24,7 @@ from gpu_smollm2 import cut_gguf  # noqa: E402
 
 
 STEPS = ["wheels", "environment", "smollm2", "tests_float32", "compile", "sft", "eval", "tests_bfloat16"]
-STEPS += ["tests_training", "bench_perf", "bench_sft", "synthetic"]
+STEPS += ["tests_training", "bench_perf", "bench_sft", "synthetic", "paper_regime"]
 
 
 @pytest.mark.slow
@@ -56,6 +56,11 @@ def test_quick_cpu_run_passes_every_step_and_writes_the_summaries(shared_data, t
     assert steps["eval"]["details"]["problems"] == 8
     assert set(steps["bench_sft"]["details"]["ratios"]) == {"global"}
     assert steps["synthetic"]["details"]["device"] == "cpu"
+    paper_regime = steps["paper_regime"]["details"]
+    assert paper_regime["device"] == "cpu" and len(paper_regime["seconds_per_epoch"]) == 12
+    assert paper_regime["projected_grid_minutes"] == pytest.approx(
+        sum(paper_regime["seconds_per_epoch"].values()) * 10 * 3 / 60
+    )
     markdown = (out / "summary.md").read_text()
     assert "every step passed" in markdown and all(f"| {name} | passed |" in markdown for name in STEPS)
 

@@ -1,5 +1,5 @@
 """The tasks (`TASKS`, the paper's sizes and densities), the settings of a comparison (`SyntheticConfig`) and the
-presets: paper, paper-ternary, cpu, fixed, tiny."""
+presets: paper, paper-regime, paper-ternary, cpu, fixed, tiny."""
 
 from __future__ import annotations
 
@@ -140,6 +140,18 @@ PAPER_TERNARY = replace(
     max_epochs=100,
     data_streams="shifted",
 )
+# The paper's own regime, sized for one GPU: both tasks with the paper's m distributions (binary m ~ U{6..10},
+# ternary m ~ U{5..8}), 40k / 5k / 5k relations, width 128, H = 8, both learning rates (1e-3, 1e-4), MHA, IHA at the
+# paper's P = H = 8 and 2-simplicial, patience 10, independent data streams (the default), seeds 0, 1, 2. At most 10
+# epochs a run (our cap, to fit minutes of one GPU; the paper does not state its length, and lr 1e-4 will not have
+# converged by then: every run says how it stopped). The estimate, from the paper-ternary CPU epochs (one thread, m =
+# 5: MHA 0.4 min, IHA P = 8 3.3, 2-simplicial 2.8) scaled by each model's FLOPs to the m ranges (token-linear work
+# by E[m^2], IHA's (P m^2)^2 attention by E[m^4], 2-simplicial's m^6 by E[m^6]): per epoch about 1 (MHA), 2-4
+# (IHA P = 8) and 4-15 (2-simplicial) seconds on a GPU at ~10-20 TFLOP/s, with a floor of ~1 s for the 313
+# steps' kernel launches, so ~55 s an epoch for the 12 runs of a seed: ~9 minutes a seed, ~27 for the grid. The GPU
+# check's `paper_regime` step measures the real epoch times (one epoch of seed 0's 12 runs) and projects the grid. On
+# a CPU the same command runs (days) and resumes after every epoch.
+PAPER_REGIME = replace(PAPER, pseudo_heads=[8], max_epochs=10)
 # Seconds, for the tests.
 TINY = SyntheticConfig(
     m={"binary": [3, 4], "ternary": [3, 4]},
@@ -155,6 +167,20 @@ TINY = SyntheticConfig(
     max_epochs=3,
     patience=2,
 )
-PRESETS = {"paper": PAPER, "paper-ternary": PAPER_TERNARY, "cpu": CPU, "fixed": FIXED, "tiny": TINY}
+PRESETS = {
+    "paper": PAPER,
+    "paper-regime": PAPER_REGIME,
+    "paper-ternary": PAPER_TERNARY,
+    "cpu": CPU,
+    "fixed": FIXED,
+    "tiny": TINY,
+}
 # Seeds a preset runs when neither --seed nor --seeds is given.
-PRESET_SEEDS = {"paper": [0, 1, 2], "paper-ternary": [0, 1, 2], "cpu": [0, 1, 2], "fixed": [0], "tiny": [0]}
+PRESET_SEEDS = {
+    "paper": [0, 1, 2],
+    "paper-regime": [0, 1, 2],
+    "paper-ternary": [0, 1, 2],
+    "cpu": [0, 1, 2],
+    "fixed": [0],
+    "tiny": [0],
+}

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from ...utils.atomic_files import saved_figure
 from .config import describe_m
-from .report import best_runs, model_names, task_sizes
+from .report import best_runs, best_so_far, model_names, task_sizes
 
 
 def plot_results(results: dict, path: str | os.PathLike) -> Path:
@@ -194,4 +194,51 @@ def plot_learning_curves(results_per_seed: list[dict], in_progress: list[dict], 
                 axis.set_yscale("log")
                 axis.grid(alpha=0.3, which="both")
                 axis.legend(fontsize=7)
+    return Path(path)
+
+
+def plot_equal_epochs(results_per_seed: list[dict], path: str | os.PathLike) -> Path:
+    """Best validation accuracy so far by epoch (as error, log scale), one panel per task: every model's
+    validation-selected run of every seed as a thin line ending at its stop (marked: x by patience, o by the epoch
+    budget), and the mean over seeds, thick, over the epochs every seed ran; so models read at equal epochs as well
+    as at their stopping points."""
+    from matplotlib.ticker import MaxNLocator
+
+    config = results_per_seed[0]["config"]
+    tasks, models = config["tasks"], model_names(config)
+    colors = {model: f"C{index}" for index, model in enumerate(models)}  # matplotlib's default color cycle
+    grid = dict(nrows=1, ncols=len(tasks), squeeze=False)
+    with saved_figure(path, dpi=110, figsize=(7 * len(tasks), 5), **grid) as (_, axes):
+        for column, task in enumerate(tasks):
+            axis = axes[0][column]
+            for model in models:
+                runs = [best_runs(results).get((task, model)) for results in results_per_seed]
+                curves = [best_so_far(run["history"]) for run in runs if run is not None]
+                seeds = [results["config"]["seed"] for results, run in zip(results_per_seed, runs) if run]
+                for curve, run in zip(curves, [run for run in runs if run is not None]):
+                    errors = [max(100 - value, ZERO_ERROR_DRAWN_AT) for value in curve]
+                    epochs = list(range(1, len(errors) + 1))
+                    axis.plot(epochs, errors, "-", color=colors[model], linewidth=0.7, alpha=0.6)
+                    marker = "x" if run.get("stopped_by") == "patience" else "o"
+                    axis.plot(epochs[-1:], errors[-1:], marker, color=colors[model], markersize=5)
+                if not curves:
+                    continue
+                shared = min(len(curve) for curve in curves)
+                mean = [sum(curve[epoch] for curve in curves) / len(curves) for epoch in range(shared)]
+                label = f"{model} (mean of seeds {', '.join(map(str, seeds))} to epoch {shared})"
+                if len(curves) == 1:
+                    label = f"{model} (seed {seeds[0]} only)"
+                errors = [max(100 - value, ZERO_ERROR_DRAWN_AT) for value in mean]
+                axis.plot(range(1, shared + 1), errors, "-", color=colors[model], linewidth=2.2, label=label)
+            axis.set_yscale("log")
+            axis.set_title(
+                f"{task}, m = {describe_m(config['m'][task])}: best validation error so far\n"
+                "(thin: each seed; x: stopped by patience, o: by the epoch budget)",
+                fontsize=9,
+            )
+            axis.set_xlabel("epoch")
+            axis.xaxis.set_major_locator(MaxNLocator(integer=True))
+            axis.set_ylabel(f"100 − best validation accuracy so far (%, log; none drawn at {ZERO_ERROR_DRAWN_AT:g})")
+            axis.grid(alpha=0.3, which="both")
+            axis.legend(fontsize=7)
     return Path(path)

@@ -7,28 +7,37 @@ import os
 from pathlib import Path
 
 from ...utils.atomic_files import write_json_atomic, write_text_atomic
-from .figures import plot_learning_curves, plot_results, plot_seed_summary
+from .figures import plot_equal_epochs, plot_learning_curves, plot_results, plot_seed_summary
 from .report import results_table, seed_summary
 
 
 def write_seed_summary(
-    results_per_seed: list[dict], output_dir: str | os.PathLike, in_progress: list[dict] | None = None
+    results_per_seed: list[dict],
+    output_dir: str | os.PathLike,
+    in_progress: list[dict] | None = None,
+    relations: dict | None = None,
 ) -> dict[str, Path]:
-    """seeds.md (the table), seeds.json and seeds.png in `output_dir`. With `in_progress` (`train.runs_in_progress`,
+    """seeds.md (the table), seeds.json, seeds.png and equal_epochs.png (best validation so far by epoch) in
+    `output_dir`. With `in_progress` (`train.runs_in_progress`,
     what `iha synthetic --report` passes), the runs still training as far as they got, in seeds.md and
     in_progress.json (with their per-epoch history), and curves.png: validation error per epoch of every run,
-    finished or not."""
+    finished or not. With `relations` (`relations.relation_tests`), their tables in seeds.md and relations.json."""
     output_dir = Path(output_dir)
-    table, summary = seed_summary(results_per_seed, in_progress)
+    table, summary = seed_summary(results_per_seed, in_progress, relations)
     paths = {"table": output_dir / "seeds.md", "json": output_dir / "seeds.json", "plot": output_dir / "seeds.png"}
     write_text_atomic(table + "\n", paths["table"])
     write_json_atomic(summary, paths["json"])
+    if relations is not None:
+        paths["relations"] = write_json_atomic(relations, output_dir / "relations.json")
     # Nothing to draw: no picture, and none left from an earlier call that would disagree with the table.
+    equal_epochs = output_dir / "equal_epochs.png"
     if summary:
         plot_seed_summary(summary, paths["plot"])
+        paths["equal_epochs"] = plot_equal_epochs(results_per_seed, equal_epochs)
     else:
         paths["plot"].unlink(missing_ok=True)
         del paths["plot"]
+        equal_epochs.unlink(missing_ok=True)
     if in_progress is not None:
         # A run that finished since the last report is in seeds.json now: no stale in_progress.json beside it.
         progress_path = output_dir / "in_progress.json"

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 
-from ..statistics import paired_differences
+from ..statistics import holm_adjusted, paired_differences
 from .config import config_from_saved, describe_m
 from .train import model_variants
 
@@ -91,6 +91,29 @@ def _mean_std(values: list[float]) -> tuple[float, float]:
     return mean, std
 
 
+def spread_cell(seeds: list[int], values: list[float], all_seeds: list[int]) -> str:
+    """A table cell for one model's values over its seeds: "mean ± std", with "(k of n seeds)" when some seeds
+    lack it; one seed's value is "value (seed N only)", never a mean with a spread of zero."""
+    if len(values) == 1:
+        return f"{values[0]:.2f} (seed {seeds[0]} only)"
+    mean, std = _mean_std(values)
+    cell = f"{mean:.2f} ± {std:.2f}"
+    if len(values) < len(all_seeds):
+        cell += f" ({len(values)} of {len(all_seeds)} seeds)"
+    return cell
+
+
+def paired_gap_cell(paired: dict | None) -> str:
+    """The "− baseline" cell: the mean difference paired by seed over the seeds both models have, and how many (a
+    model on one seed is never set against a baseline's mean over three)."""
+    if paired is None:
+        return "–"
+    labels = paired["labels"] or []
+    if paired["n"] == 1 and labels:
+        return f"{paired['mean']:+.2f} (seed {labels[0]} only)"
+    return f"{paired['mean']:+.2f} ({paired['n']} seeds)"
+
+
 def _paired_with_baselines(
     task: str, model: str, baselines: list[str], seeds: list[int], selected: list[dict]
 ) -> dict[str, dict]:
@@ -121,41 +144,315 @@ def _exact_match_lines(config: dict, summary: dict, seeds: list[int]) -> list[st
     for entry in summary.values():
         by_seed = dict(zip(entry["seeds"], entry["test_exact_match"]))
         cells = [f"{by_seed[seed]:.2f}" if seed in by_seed else "–" for seed in seeds]
-        mean = f"{entry['exact_match_mean']:.2f} ± {entry['exact_match_std']:.2f}"
-        if len(entry["seeds"]) < len(seeds):
-            mean += f" ({len(entry['seeds'])} of {len(seeds)} seeds)"
+        mean = spread_cell(entry["seeds"], entry["test_exact_match"], seeds)
         lines.append(f"| {entry['task']} | {entry['model']} | {mean} | " + " | ".join(cells) + " |")
     return lines
 
 
-def _paired_lines(config: dict, summary: dict, baselines: list[str]) -> list[str]:
-    """The paired table: model minus baseline per seed; mean, t interval, paired t and sign-flip permutation p."""
-    rows = [
+def paired_rows(summary: dict) -> list[tuple[dict, str, str, dict]]:
+    """(entry, baseline, metric, paired) of every paired comparison in the summary, in the table's order."""
+    return [
         (entry, baseline, metric, paired)
         for entry in summary.values()
         for baseline, metrics in entry["paired"].items()
         for metric, paired in metrics.items()
     ]
+
+
+def add_holm_adjustment(summary: dict) -> None:
+    """Holm-adjust the paired table's tests as one family (`statistics.holm_adjusted`), each kind of p-value on its
+    own: every paired result with a p-value gains `t_p_value_holm` / `permutation_p_value_holm` and the family's
+    size. One table is one family: a reader who picks its smallest p among several picks from all of them."""
+    rows = [paired for _, _, _, paired in paired_rows(summary)]
+    for key in ("t_p_value", "permutation_p_value"):
+        tested = [paired for paired in rows if paired[key] is not None]
+        for paired, adjusted in zip(tested, holm_adjusted([paired[key] for paired in tested])):
+            paired[f"{key}_holm"] = adjusted
+            paired["holm_family_size"] = len(tested)
+
+
+def _p_cell(paired: dict, key: str) -> str:
+    return "–" if paired.get(key) is None else f"{paired[key]:.3g}"
+
+
+def _paired_lines(config: dict, summary: dict, baselines: list[str]) -> list[str]:
+    """The paired table: model minus baseline per seed; mean, t interval, paired t and sign-flip permutation p, each
+    with its Holm-adjusted value over the table's tests (`add_holm_adjustment`)."""
+    rows = paired_rows(summary)
     if not rows:
         return []
+    family = max((paired.get("holm_family_size", 0) for _, _, _, paired in rows), default=0)
     lines = [
         "",
-        "Paired by seed (the seeds share data, order and initial weights), model − baseline in points: mean, 95% "
-        "Student-t interval, paired t-test p, exact sign-flip permutation p (with n seeds it cannot fall below "
-        "2 / 2^n: 0.25 for 3 seeds), how many seeds came out positive:",
+        "Paired by seed (the seeds share data, order and initial weights), model − baseline in points, over the seeds "
+        "both models have: mean, 95% Student-t interval, paired t-test p, exact sign-flip permutation p (with n seeds "
+        "it cannot fall below 2 / 2^n: 0.25 for 3 seeds), how many seeds came out positive. Holm: the p-value "
+        f"adjusted by Holm's step-down method over the {family} tests of this table that have one (one family; a "
+        "comparison on one seed has no test).",
         "",
-        "| Task | Model − baseline | metric | seeds | mean | 95% CI | paired t p | permutation p | positive |",
-        "|---|---|---|---:|---:|---|---:|---:|---:|",
+        "| Task | Model − baseline | metric | seeds | mean | 95% CI | paired t p | Holm t p | permutation p "
+        "| Holm permutation p | positive |",
+        "|---|---|---|---:|---:|---|---:|---:|---:|---:|---:|",
     ]
     for entry, baseline, metric, paired in rows:
         ci = "–" if paired["ci"] is None else f"[{paired['ci'][0]:+.2f}, {paired['ci'][1]:+.2f}]"
-        t_p = "–" if paired["t_p_value"] is None else f"{paired['t_p_value']:.3g}"
-        permutation_p = "–" if paired["permutation_p_value"] is None else f"{paired['permutation_p_value']:.3g}"
+        seeds = str(paired["n"]) if paired["n"] > 1 or not paired["labels"] else f"1 (seed {paired['labels'][0]})"
         lines.append(
-            f"| {entry['task']} | {entry['model']} − {baseline} | {metric.replace('_', ' ')} | {paired['n']} | "
-            f"{paired['mean']:+.2f} | {ci} | {t_p} | {permutation_p} | {paired['positive']} of {paired['n']} |"
+            f"| {entry['task']} | {entry['model']} − {baseline} | {metric.replace('_', ' ')} | {seeds} | "
+            f"{paired['mean']:+.2f} | {ci} | {_p_cell(paired, 't_p_value')} | {_p_cell(paired, 't_p_value_holm')} | "
+            f"{_p_cell(paired, 'permutation_p_value')} | {_p_cell(paired, 'permutation_p_value_holm')} | "
+            f"{paired['positive']} of {paired['n']} |"
         )
     return lines
+
+
+# Per-entry accuracy above which every model of a task counts as saturated: the metric has no room left to
+# separate them (0.5% of 25 entries is one wrong entry in eight relations).
+SATURATED_ACCURACY = 99.5
+
+
+def saturation_lines(results_per_seed: list[dict]) -> list[str]:
+    """Per task, the range of per-entry test accuracy over every finished run, and whether it is saturated (every
+    run above `SATURATED_ACCURACY`): then exact match is the measure that separates the models."""
+    lines = []
+    for task in results_per_seed[0]["config"]["tasks"]:
+        values = [
+            100 * run["test_accuracy"] for results in results_per_seed for run in results["runs"] if run["task"] == task
+        ]
+        if not values:
+            continue
+        text = f"{task}: per-entry test accuracy of every finished run is {min(values):.2f}-{max(values):.2f}%"
+        if min(values) >= SATURATED_ACCURACY:
+            text += (
+                f" (all above {SATURATED_ACCURACY}%): the per-entry metric, the one the paper reports, is saturated "
+                "here and cannot separate the models; exact match (every entry of a relation right, which the paper "
+                "does not report) is the measure that does."
+            )
+        else:
+            text += "."
+        lines.append(text)
+    return ["", *lines] if lines else []
+
+
+def _percent(value: float | None) -> str:
+    return "–" if value is None else f"{100 * value:.2f}"
+
+
+def data_overlap_lines(relations: dict) -> list[str]:
+    """What the test relations share with training data: per seed its own training set (the duplicate rate), and
+    across seeds every split of the other seeds (`relations.cross_seed_overlap`)."""
+    lines = []
+    for task, overlap in relations["overlap"].items():
+        own = ", ".join(f"seed {seed} {100 * share:.2f}%" for seed, share in overlap["own_train"].items())
+        lines += [
+            "",
+            f"**Data, {task}** ({overlap['data_streams']} data streams). Test relations present verbatim in the same "
+            f"seed's training set (duplicates; small m at the paper's density repeats relations by chance): {own}. "
+            "Across seeds, the share of one seed's test relations present verbatim in another seed's splits (%):",
+            "",
+            "| test of seed | splits of seed | train | val | test |",
+            "|---:|---:|---:|---:|---:|",
+        ]
+        for row in overlap["pairs"]:
+            lines.append(
+                f"| {row['test_of']} | {row['splits_of']} | {_percent(row['train'])} | {_percent(row['val'])} | "
+                f"{_percent(row['test'])} |"
+            )
+    return lines
+
+
+def relation_lines(relations: dict) -> list[str]:
+    """The per-relation tables (`relations.relation_tests`): exact match per run from its saved weights, on the test
+    relations absent from and present in training; McNemar within each seed for every pair of models with weights."""
+    from .relations import NO_WEIGHTS
+
+    lines = [
+        "",
+        "**Per relation, from the saved best weights** (the model and its test split rebuilt exactly as training made "
+        "them): exact match over all test relations (rebuilt / as recorded at training), on the test relations absent "
+        "from that seed's training set and on those present in it (n relations each).",
+        "",
+        "| Task | seed | Model | exact match, rebuilt / recorded | unseen in training (n) | seen in training (n) |",
+        "|---|---:|---|---:|---:|---:|",
+    ]
+    for seed in relations["seeds"]:
+        for task, tests in seed["tasks"].items():
+            for model, run in tests["runs"].items():
+                if run["weights"] is None:
+                    lines.append(f"| {task} | {seed['seed']} | {model} | {NO_WEIGHTS} | – | – |")
+                    continue
+                lines.append(
+                    f"| {task} | {seed['seed']} | {model} | {_percent(run['exact_match'])} / "
+                    f"{_percent(run['recorded_exact_match'])} | {_percent(run['unseen']['exact_match'])} "
+                    f"({run['unseen']['relations']}) | {_percent(run['seen']['exact_match'])} "
+                    f"({run['seen']['relations']}) |"
+                )
+    lines += [
+        "",
+        "McNemar within a seed (the same test relations; exact match per relation): relations only A / only B got "
+        "entirely right, the exact two-sided McNemar p, and Holm's adjustment over the "
+        f"{relations['mcnemar_tests']} tests of this table.",
+        "",
+        "| Task | seed | A | B | only A right | only B right | McNemar p | Holm p |",
+        "|---|---:|---|---|---:|---:|---:|---:|",
+    ]
+    for seed in relations["seeds"]:
+        for task, tests in seed["tasks"].items():
+            for pair in tests["pairs"]:
+                model_a, model_b = pair["models"]
+                row = f"| {task} | {seed['seed']} | {model_a} | {model_b} |"
+                if "p_value" not in pair:
+                    lines.append(f"{row} {NO_WEIGHTS}: {', '.join(pair['missing_weights'])} | – | – | – |")
+                    continue
+                lines.append(
+                    f"{row} {pair['only_a_right']} | {pair['only_b_right']} | {pair['p_value']:.3g} | "
+                    f"{pair['p_value_holm']:.3g} |"
+                )
+    return lines
+
+
+# The epochs at which every model is compared at equal training (those a seed's runs all reached), beside the
+# smallest stopping epoch of the seed's runs.
+EQUAL_EPOCHS = (10, 25, 50)
+
+
+def best_so_far(history: list[dict]) -> list[float]:
+    """The best validation accuracy (%) of epochs 1..e, for every epoch e a run trained (its history's order)."""
+    best, curve = -math.inf, []
+    for point in history:
+        best = max(best, 100 * point["val_accuracy"])
+        curve.append(best)
+    return curve
+
+
+def _stop_text(run: dict) -> str:
+    how = {"patience": "patience", "epoch budget": "the budget"}.get(run.get("stopped_by", ""), "?")
+    return f"{run['epochs_run']} ({how})"
+
+
+def leading_stretches(curve_a: list[float], curve_b: list[float]) -> list[tuple[int, int, int]]:
+    """(sign, first, last) of every stretch of equal epochs in which the order of two best-so-far curves stayed the
+    same (sign 1: b above, -1: a above, 0: level), epochs counted from 1, over the epochs both ran."""
+    stretches = []
+    for epoch, (a, b) in enumerate(zip(curve_a, curve_b), start=1):
+        sign = (b > a) - (b < a)
+        if stretches and stretches[-1][0] == sign:
+            stretches[-1] = (sign, stretches[-1][1], epoch)
+        else:
+            stretches.append((sign, epoch, epoch))
+    return stretches
+
+
+def equal_epoch_comparison(task: str, seed: int, run_a: dict, run_b: dict) -> dict:
+    """Run a (a baseline) against run b of one seed at equal epochs and at their stopping points: whether the
+    stopping rule decides the comparison (the leader at the last epoch both ran is not the leader at the end)."""
+    curve_a, curve_b = best_so_far(run_a["history"]), best_so_far(run_b["history"])
+    common = min(len(curve_a), len(curve_b))
+    stretches = leading_stretches(curve_a[:common], curve_b[:common])
+    final_sign = (curve_b[-1] > curve_a[-1]) - (curve_b[-1] < curve_a[-1])
+    return {
+        "task": task,
+        "seed": seed,
+        "models": [run_a["model"], run_b["model"]],
+        "epochs_run": [run_a["epochs_run"], run_b["epochs_run"]],
+        "stopped_by": [run_a.get("stopped_by"), run_b.get("stopped_by")],
+        "common_epochs": common,
+        "at_common_epoch": [curve_a[common - 1], curve_b[common - 1]],
+        "at_stop": [curve_a[-1], curve_b[-1]],
+        "stretches": stretches,
+        "leader_at_common_epoch": stretches[-1][0],
+        "leader_at_stop": final_sign,
+        "decided_by_stopping": stretches[-1][0] != final_sign,
+    }
+
+
+def _leader_name(sign: int, models: list[str]) -> str:
+    return "level" if sign == 0 else models[0 if sign < 0 else 1]
+
+
+def _stretch_text(stretch: tuple[int, int, int], models: list[str]) -> str:
+    sign, first, last = stretch
+    epochs = f"at epoch {first}" if first == last else f"at every epoch from {first} to {last}"
+    if sign == 0:
+        return f"level {epochs}"
+    leader = _leader_name(sign, models)
+    return f"{leader} above {models[1] if leader == models[0] else models[0]} {epochs}"
+
+
+def describe_equal_epochs(comparison: dict) -> str:
+    """The comparison of `equal_epoch_comparison` in words: the last two stretches of one order before the shorter
+    run stopped, the gap then and at the stopping points, and whether the stopping rule decides the order."""
+    models = comparison["models"]
+    common = comparison["common_epochs"]
+    shorter = 0 if comparison["epochs_run"][0] <= comparison["epochs_run"][1] else 1
+    longer = 1 - shorter
+    stretches = "; then ".join(_stretch_text(stretch, models) for stretch in comparison["stretches"][-2:])
+    at_common = comparison["at_common_epoch"]
+    at_stop = comparison["at_stop"]
+    text = (
+        f"seed {comparison['seed']}, {models[1]} against {models[0]}: best validation accuracy so far {stretches}. "
+        f"{models[shorter]} stopped at {common} ({comparison['stopped_by'][shorter]}), where {models[1]} − "
+        f"{models[0]} was {at_common[1] - at_common[0]:+.3f} points"
+    )
+    if comparison["epochs_run"][longer] > common:
+        text += (
+            f"; {models[longer]} ran to {comparison['epochs_run'][longer]} ({comparison['stopped_by'][longer]}), "
+            f"and at the stopping points the difference is {at_stop[1] - at_stop[0]:+.3f}"
+        )
+    if comparison["decided_by_stopping"]:
+        return (
+            text
+            + ": the order at the stopping points is not the order at equal epochs, so the stopping rule decides it."
+        )
+    return text + ": the same order at equal epochs and at the stopping points."
+
+
+def equal_epoch_lines(results_per_seed: list[dict]) -> tuple[list[str], list[dict]]:
+    """Every model at equal epochs: best validation accuracy so far at `EQUAL_EPOCHS` and at the smallest stopping
+    epoch of the seed's runs (a table), and against each baseline at equal epochs and at the stopping points
+    (in words). Returns the lines and the comparisons."""
+    config = results_per_seed[0]["config"]
+    models = model_names(config)
+    baselines = [name for name in ("MHA", "2-simplicial") if name in models]
+    lines, comparisons = [], []
+    rows = []
+    for task in config["tasks"]:
+        for results in results_per_seed:
+            seed, selected = results["config"]["seed"], best_runs(results)
+            runs = [selected[(task, model)] for model in models if (task, model) in selected]
+            if not runs:
+                continue
+            shortest = min(len(run["history"]) for run in runs)
+            for run in runs:
+                curve = best_so_far(run["history"])
+                cells = [f"{curve[epoch - 1]:.2f}" if epoch <= len(curve) else "–" for epoch in EQUAL_EPOCHS]
+                rows.append(
+                    f"| {task} | {seed} | {run['model']} | " + " | ".join(cells) + f" | {shortest}: "
+                    f"{curve[shortest - 1]:.2f} | {curve[-1]:.2f} | {_stop_text(run)} |"
+                )
+            for model in models:
+                for baseline in baselines[: baselines.index(model) if model in baselines else len(baselines)]:
+                    if (task, model) in selected and (task, baseline) in selected:
+                        comparisons.append(
+                            equal_epoch_comparison(task, seed, selected[(task, baseline)], selected[(task, model)])
+                        )
+    if not rows:
+        return [], []
+    epochs = " | ".join(f"epoch {epoch}" for epoch in EQUAL_EPOCHS)
+    lines += [
+        "",
+        "**At equal epochs** (validation accuracy, %, the best of epochs 1..e: what early stopping would have kept "
+        "had the run stopped at e): at fixed epochs, at the smallest stopping epoch of the seed's runs, and at the "
+        "run's own stop (`equal_epochs.png` draws every epoch).",
+        "",
+        f"| Task | seed | Model | {epochs} | smallest stop of the seed: best by then | at its stop | epochs run |",
+        "|---|---:|---|" + "---:|" * (len(EQUAL_EPOCHS) + 3),
+        *rows,
+    ]
+    if comparisons:
+        lines += ["", "Which comparisons the stopping rule decides (best validation accuracy so far):", ""]
+        lines += [f"- {comparison['task']}, {describe_equal_epochs(comparison)}" for comparison in comparisons]
+    return lines, comparisons
 
 
 def unfinished_runs(results_per_seed: list[dict]) -> list[tuple[str, str, list[int]]]:
@@ -252,12 +549,15 @@ def _unfinished_text(unfinished: list[tuple[str, str, list[int]]], in_progress: 
     return "; ".join(parts)
 
 
-def seed_summary(results_per_seed: list[dict], in_progress: list[dict] | None = None) -> tuple[str, dict]:
+def seed_summary(
+    results_per_seed: list[dict], in_progress: list[dict] | None = None, relations: dict | None = None
+) -> tuple[str, dict]:
     """Test accuracy over several seeds: mean ± std per task, model and learning rate, for the validation-selected
     learning rate (with every seed's value and the gap to each baseline), and per m; a markdown table and its numbers.
 
     Every element of `results_per_seed` is the output of one `run_comparison` (same tasks and models, another seed);
-    `in_progress` (`train.runs_in_progress`) adds a table of the unfinished runs, as far as they got.
+    `in_progress` (`train.runs_in_progress`) adds a table of the unfinished runs, as far as they got; `relations`
+    (`relations.relation_tests`) the data the splits share and the per-relation tests from saved weights.
     """
     if not results_per_seed:
         raise ValueError("No results to summarise.")
@@ -277,16 +577,19 @@ def seed_summary(results_per_seed: list[dict], in_progress: list[dict] | None = 
         for model in models:
             per_rate = {}
             for lr in learning_rates:
-                values = []
-                for results in results_per_seed:
+                values, rate_seeds = [], []
+                for seed, results in zip(seeds, results_per_seed):
                     matching = [
                         run["test_accuracy"]
                         for run in results["runs"]
                         if run["task"] == task and run["model"] == model and run["learning_rate"] == lr
                     ]
                     values += [100 * accuracy for accuracy in matching[:1]]
+                    rate_seeds += [seed] * len(matching[:1])
                 if values:  # a seed may have run fewer learning rates (then the table says over how many seeds)
-                    per_rate[f"{lr:g}"] = dict(zip(("mean", "std"), _mean_std(values)), test_accuracy=values)
+                    per_rate[f"{lr:g}"] = dict(
+                        zip(("mean", "std"), _mean_std(values)), test_accuracy=values, seeds=rate_seeds
+                    )
             # Seeds that have this model (all, unless some results are a partial checkpoint of a running call).
             having = [(seed, runs[(task, model)]) for seed, runs in zip(seeds, selected) if (task, model) in runs]
             if not having:
@@ -297,7 +600,8 @@ def seed_summary(results_per_seed: list[dict], in_progress: list[dict] | None = 
             for size in task_sizes(first, task):
                 per_seed = [run.get("test_accuracy_by_m", {}).get(str(size)) for _, run in having]
                 if None not in per_seed:
-                    by_m[str(size)] = dict(zip(("mean", "std"), _mean_std([100 * value for value in per_seed])))
+                    per_seed = [100 * value for value in per_seed]
+                    by_m[str(size)] = dict(zip(("mean", "std"), _mean_std(per_seed)), values=per_seed)
             exact_match = [100 * run["test_exact_match"] for _, run in having]
             summary[f"{task}/{model}"] = {
                 "task": task,
@@ -330,21 +634,21 @@ def seed_summary(results_per_seed: list[dict], in_progress: list[dict] | None = 
             row = [task, describe_m(first["m"][task]), model]
             for lr in learning_rates:
                 rate = per_rate.get(f"{lr:g}")
-                cell = "–" if rate is None else f"{rate['mean']:.2f} ± {rate['std']:.2f}"
-                if rate is not None and len(rate["test_accuracy"]) < len(seeds):
-                    cell += f" ({len(rate['test_accuracy'])} of {len(seeds)} seeds)"
-                row.append(cell)
-            selected_cell = f"**{mean:.2f} ± {std:.2f}**"
-            if len(having) < len(seeds):
-                selected_cell += f" ({len(having)} of {len(seeds)} seeds)"
+                row.append("–" if rate is None else spread_cell(rate["seeds"], rate["test_accuracy"], seeds))
             by_seed = {seed: 100 * run["test_accuracy"] for seed, run in having}
-            row += [selected_cell, *[f"{by_seed[seed]:.2f}" if seed in by_seed else "–" for seed in seeds]]
+            selected_cell = spread_cell(list(by_seed), list(by_seed.values()), seeds)
+            row += [f"**{selected_cell}**", *[f"{by_seed[seed]:.2f}" if seed in by_seed else "–" for seed in seeds]]
             for name in baselines:
-                reference = summary.get(f"{task}/{name}")
-                row.append("–" if name == model or reference is None else f"{mean - reference['mean']:+.2f}")
+                paired = summary[f"{task}/{model}"]["paired"].get(name, {}).get("accuracy")
+                row.append(paired_gap_cell(paired))
             lines.append("| " + " | ".join(row) + " |")
+    add_holm_adjustment(summary)
+    lines += saturation_lines(results_per_seed)
     lines += _exact_match_lines(first, summary, seeds)
     lines += _paired_lines(first, summary, baselines)
+    lines += equal_epoch_lines(results_per_seed)[0]
+    if relations is not None:
+        lines += data_overlap_lines(relations) + relation_lines(relations)
     lines += ["", "Test accuracy per m, mean ± std over seeds (validation-selected learning rate):", ""]
     for task in first["tasks"]:
         sizes = task_sizes(first, task)
@@ -354,8 +658,9 @@ def seed_summary(results_per_seed: list[dict], in_progress: list[dict] | None = 
             if f"{task}/{model}" not in summary:
                 continue
             by_m = summary[f"{task}/{model}"]["by_m"]
+            entry = summary[f"{task}/{model}"]
             cells = [
-                f"{by_m[str(size)]['mean']:.2f} ± {by_m[str(size)]['std']:.2f}" if str(size) in by_m else "–"
+                spread_cell(entry["seeds"], by_m[str(size)]["values"], seeds) if str(size) in by_m else "–"
                 for size in sizes
             ]
             lines.append("| " + " | ".join([model, *cells]) + " |")

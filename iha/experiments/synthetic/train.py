@@ -29,8 +29,11 @@ def default_device() -> torch.device:
 
 
 @torch.no_grad()
-def evaluate(model: nn.Module, data: CompositionData, batch_size: int = 256) -> dict:
-    """Accuracy over real positions (the paper's), per-matrix exact match, mean BCE loss; overall and per m.
+def evaluate_relations(
+    model: nn.Module, data: CompositionData, batch_size: int = 256
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per relation of `data`: the number of entries right, whether every entry is right (exact match), and the summed
+    BCE loss over its entries; [n] each, in `data`'s order.
 
     Examples are evaluated in order of m, so that a batch holds few sizes and little padding (the mask makes the
     result independent of how the examples are batched).
@@ -38,7 +41,7 @@ def evaluate(model: nn.Module, data: CompositionData, batch_size: int = 256) -> 
     model.eval()
     order = torch.argsort(data.sizes.cpu(), stable=True).to(data.sizes.device)
     correct = torch.zeros(len(data), device=data.sizes.device)
-    loss = torch.zeros((), device=data.sizes.device)
+    loss = torch.zeros(len(data), device=data.sizes.device)
     exact = torch.zeros(len(data), dtype=torch.bool, device=data.sizes.device)
     for start in range(0, len(order), batch_size):
         index = order[start : start + batch_size]
@@ -49,12 +52,19 @@ def evaluate(model: nn.Module, data: CompositionData, batch_size: int = 256) -> 
         correct[index] = right.float().sum(dim=-1)
         exact[index] = (right | ~is_real).all(dim=-1)
         losses = F.binary_cross_entropy_with_logits(logits, batch.labels, reduction="none")
-        loss += losses[is_real].sum()
+        loss[index] = (losses * is_real).sum(dim=-1)
+    return correct, exact, loss
+
+
+def evaluate(model: nn.Module, data: CompositionData, batch_size: int = 256) -> dict:
+    """Accuracy over real positions (the paper's), per-matrix exact match, mean BCE loss; overall and per m
+    (`evaluate_relations`, summed)."""
+    correct, exact, loss = evaluate_relations(model, data, batch_size)
     positions = (data.sizes * data.sizes).float()
     metrics = {
         "accuracy": (correct.sum() / positions.sum()).item(),
         "exact_match": exact.float().mean().item(),
-        "loss": (loss / positions.sum()).item(),
+        "loss": (loss.sum() / positions.sum()).item(),
         "accuracy_by_m": {},
         "exact_match_by_m": {},
     }
@@ -360,6 +370,14 @@ def weights_description(run: dict, m: list[int], config: SyntheticConfig) -> dic
     }
 
 
+def comparison_data(config: SyntheticConfig, task: str) -> dict[str, CompositionData]:
+    """The train / validation / test relations of `task` in the comparison `config` (its seed and data streams), as
+    `run_comparison` trains and tests on them: what rebuilds a finished run's test split."""
+    seeds = split_seeds(config.seed, task, config.tasks.index(task), config.data_streams)
+    sizes = {"train": config.num_train, "val": config.num_val, "test": config.num_test}
+    return {split: make_composition_data(task, config.m[task], sizes[split], seeds[split]) for split in sizes}
+
+
 def majority_baseline(data: CompositionData) -> dict:
     """Accuracy of always predicting the more frequent label, over all real positions and per m."""
     is_real = valid_positions(data.sizes, data.bits.shape[1])
@@ -402,11 +420,9 @@ def run_comparison(
     variants = model_variants(config)
     total = len(config.tasks) * len(variants) * len(config.learning_rates)
     with tqdm(total=total, desc="synthetic runs", unit="run", disable=not progress) as overall:
-        for task_index, task in enumerate(config.tasks):
+        for task in config.tasks:
             m = config.m[task]
-            seeds = split_seeds(config.seed, task, task_index, config.data_streams)
-            sizes = {"train": config.num_train, "val": config.num_val, "test": config.num_test}
-            data = {split: make_composition_data(task, m, sizes[split], seeds[split]) for split in sizes}
+            data = comparison_data(config, task)
             baselines[task] = {
                 "m": m,
                 **majority_baseline(data["test"]),
