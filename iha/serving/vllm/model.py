@@ -403,6 +403,7 @@ class IHAForCausalLM(nn.Module, SupportsPP):
         check_servable(
             config,
             tensor_parallel_size=vllm_config.parallel_config.tensor_parallel_size,
+            pipeline_parallel_size=vllm_config.parallel_config.pipeline_parallel_size,
             device_type=current_platform.device_type,
         )
         if vllm_config.cache_config.cache_dtype != "auto":

@@ -73,6 +73,7 @@ def check_servable(
     config,
     *,
     tensor_parallel_size: int = 1,
+    pipeline_parallel_size: int = 1,
     device_type: str = "cpu",
 ) -> None:
     """Refuse, in one line, a folder or a setting whose IHA layers vLLM would not compute exactly."""
@@ -117,6 +118,12 @@ def check_servable(
         raise UnsupportedByVLLMError(
             f"Tensor parallelism needs the head mixing folded into the projections; `{FOLD_OVERRIDE}` is off. Leave "
             "it on, or use tensor_parallel_size=1."
+        )
+    if pipeline_parallel_size > 1 and device_type == "cpu":
+        raise UnsupportedByVLLMError(
+            "Pipeline parallelism does not run on vLLM's CPU backend (0.32.0): its runner never allocates a later "
+            "stage's intermediate tensors under enforce_eager, and a stock Llama stops the same way; use "
+            "tensor_parallel_size instead (IHA layers shard exactly by KV group)."
         )
     if tensor_parallel_size > 1 and config.num_attention_heads % tensor_parallel_size != 0:
         raise UnsupportedByVLLMError(
