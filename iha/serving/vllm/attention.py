@@ -52,18 +52,57 @@ IHA_CPU_BACKEND_NAME = "IHA_CPU_ATTN"
 IHA_FLASH_BACKEND_NAME = "IHA_FLASH_ATTN"
 
 
-def virtual_slot_mapping(slot_mapping: torch.Tensor, pseudo_offsets: torch.Tensor) -> torch.Tensor:
-    """[tokens] cache slots -> [tokens * P] virtual slots: pseudo-token (n, p) of the token in slot s at s * P + p.
-
-    Padding tokens (slot -1) stay -1 for all their pseudo-tokens: the kernels skip them.
-    """
-    num_pseudo_heads = pseudo_offsets.shape[0]
-    virtual = slot_mapping.unsqueeze(-1) * num_pseudo_heads + pseudo_offsets
-    return torch.where(slot_mapping.unsqueeze(-1) >= 0, virtual, -1).reshape(-1).contiguous()
-
-
 def num_pseudo_heads_of(vllm_config: VllmConfig) -> int:
     return vllm_config.model_config.hf_config.num_pseudo_heads
+
+
+class VirtualBatch:
+    """A step's batch in virtual units, built by a metadata builder into buffers it keeps: query starts and sequence
+    lengths times P, and the slot mapping of the pseudo-tokens (pseudo-token (n, p) of the token in slot s at virtual
+    slot s * P + p; padding tokens, slot -1, stay -1 for all their pseudo-tokens).
+
+    The buffers outlive the step, so that a CUDA graph captured over the layer's forward reads this step's values at
+    the addresses it recorded.
+    """
+
+    def __init__(self, vllm_config: VllmConfig, device: torch.device):
+        self.num_pseudo_heads = num_pseudo_heads_of(vllm_config)
+        scheduler = vllm_config.scheduler_config
+        max_tokens = max(
+            scheduler.max_num_batched_tokens, vllm_config.compilation_config.max_cudagraph_capture_size or 0
+        )
+        max_requests = max(scheduler.max_num_seqs, max_tokens)  # padded batches may count a request per token
+        self.pseudo_offsets = torch.arange(self.num_pseudo_heads, device=device)
+        self.query_start_loc = torch.zeros(max_requests + 1, dtype=torch.int32, device=device)
+        self.seq_lens = torch.zeros(max_requests, dtype=torch.int32, device=device)
+        self.slot_mapping = torch.full((max_tokens * self.num_pseudo_heads,), -1, dtype=torch.int64, device=device)
+
+    def of(self, metadata: CommonAttentionMetadata) -> CommonAttentionMetadata:
+        if metadata.causal is not True:
+            raise ValueError("IHA layers run causal decoder attention only; this batch asks for another mask.")
+        num_pseudo = self.num_pseudo_heads
+        query_start_loc = self.query_start_loc[: metadata.query_start_loc.shape[0]]
+        torch.mul(metadata.query_start_loc, num_pseudo, out=query_start_loc)
+        seq_lens = self.seq_lens[: metadata.seq_lens.shape[0]]
+        torch.mul(metadata.seq_lens, num_pseudo, out=seq_lens)
+        slots = metadata.slot_mapping
+        slot_mapping = self.slot_mapping[: slots.shape[0] * num_pseudo]
+        virtual_slots = slots.unsqueeze(-1) * num_pseudo + self.pseudo_offsets
+        slot_mapping.copy_(torch.where(slots.unsqueeze(-1) >= 0, virtual_slots, -1).view(-1))
+        upper_bound = metadata.seq_lens_cpu_upper_bound
+        return metadata.replace(
+            query_start_loc=query_start_loc,
+            query_start_loc_cpu=metadata.query_start_loc_cpu * num_pseudo,
+            seq_lens=seq_lens,
+            seq_lens_cpu_upper_bound=None if upper_bound is None else upper_bound * num_pseudo,
+            num_actual_tokens=metadata.num_actual_tokens * num_pseudo,
+            max_query_len=metadata.max_query_len * num_pseudo,
+            max_seq_len=metadata.max_seq_len * num_pseudo,
+            slot_mapping=slot_mapping,
+            positions=None,
+            _num_computed_tokens_cache=None,
+            _token_to_req_indices_cache=None,
+        )
 
 
 class IHACPUAttentionMetadataBuilder(AttentionMetadataBuilder[CPUAttentionMetadata]):
@@ -71,9 +110,10 @@ class IHACPUAttentionMetadataBuilder(AttentionMetadataBuilder[CPUAttentionMetada
 
     def __init__(self, kv_cache_spec: AttentionSpec, layer_names: list[str], vllm_config: VllmConfig, device):
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
-        self.num_pseudo_heads = num_pseudo_heads_of(vllm_config)
-        self.head_dim = kv_cache_spec.head_size // self.num_pseudo_heads
-        self.virtual_block_size = kv_cache_spec.block_size * self.num_pseudo_heads
+        self.virtual_batch = VirtualBatch(vllm_config, device)
+        num_pseudo = self.virtual_batch.num_pseudo_heads
+        self.head_dim = kv_cache_spec.head_size // num_pseudo
+        self.virtual_block_size = kv_cache_spec.block_size * num_pseudo
         self.num_heads = get_num_attention_heads_from_layers(vllm_config, layer_names)
         self.num_kv_heads = kv_cache_spec.num_kv_heads
         self.dtype = vllm_config.model_config.dtype
@@ -83,26 +123,19 @@ class IHACPUAttentionMetadataBuilder(AttentionMetadataBuilder[CPUAttentionMetada
         self.isa = _get_attn_isa(self.dtype, self.virtual_block_size, self.head_dim, self.kv_cache_dtype)
         for layer in get_layers_from_vllm_config(vllm_config, Attention, layer_names).values():
             layer.isa = self.isa
-        self.pseudo_offsets = torch.arange(self.num_pseudo_heads, device=device)
 
     def build(
         self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata, fast_build: bool = False
     ) -> CPUAttentionMetadata:
-        metadata = common_attn_metadata
-        if metadata.causal is not True:
-            raise ValueError("IHA layers run causal decoder attention only; this batch asks for non-causal attention.")
-        num_pseudo = self.num_pseudo_heads
-        num_tokens = metadata.num_actual_tokens
-        query_start_loc = (metadata.query_start_loc * num_pseudo).contiguous()
-        seq_lens = (metadata.seq_lens * num_pseudo).contiguous()
+        virtual = self.virtual_batch.of(common_attn_metadata)
         scheduler_metadata = ops.cpu_attn_get_scheduler_metadata(
-            num_reqs=metadata.num_reqs,
+            num_reqs=virtual.num_reqs,
             num_heads=self.num_heads,
             num_kv_heads=self.num_kv_heads,
             head_dim=self.head_dim,
-            seq_lens=seq_lens,
+            seq_lens=virtual.seq_lens,
             dtype=self.dtype,
-            query_start_loc=query_start_loc,
+            query_start_loc=virtual.query_start_loc,
             causal=True,
             sliding_window_size=-1,
             isa=self.isa,
@@ -110,13 +143,13 @@ class IHACPUAttentionMetadataBuilder(AttentionMetadataBuilder[CPUAttentionMetada
             kv_cache_dtype=self.kv_cache_dtype,
         )
         return CPUAttentionMetadata(
-            num_actual_tokens=num_tokens * num_pseudo,
-            max_query_len=metadata.max_query_len * num_pseudo,
-            query_start_loc=query_start_loc,
-            max_seq_len=metadata.max_seq_len * num_pseudo,
-            seq_lens=seq_lens,
-            block_table=metadata.block_table_tensor,
-            slot_mapping=virtual_slot_mapping(metadata.slot_mapping[:num_tokens], self.pseudo_offsets),
+            num_actual_tokens=virtual.num_actual_tokens,
+            max_query_len=virtual.max_query_len,
+            query_start_loc=virtual.query_start_loc,
+            max_seq_len=virtual.max_seq_len,
+            seq_lens=virtual.seq_lens,
+            block_table=virtual.block_table_tensor,
+            slot_mapping=virtual.slot_mapping[: virtual.num_actual_tokens],
             scheduler_metadata=scheduler_metadata,
             causal=True,
         )
@@ -255,20 +288,43 @@ class IHACPUAttentionBackend(CPUAttentionBackend):
 
 
 def iha_attention_backend() -> type:
-    """The IHA backend for this platform: the CPU backend on CPU, FlashAttention on CUDA GPUs; others refuse."""
+    """The IHA backend of this platform: CPU attention on CPUs, FlashAttention on CUDA GPUs. Anything else refuses in
+    one line, as does another backend asked for explicitly (`attention_config.backend`)."""
+    from vllm.config import get_current_vllm_config
     from vllm.platforms import current_platform
 
+    requested = get_current_vllm_config().attention_config.backend
+    requested_name = getattr(requested, "name", requested)
     if current_platform.is_cpu():
-        return IHACPUAttentionBackend
-    raise ValueError(
-        f"IHA layers run on vLLM's CPU attention backend only in this build of the plugin; this platform is "
-        f"{current_platform.device_type!r}."
-    )
+        expected, backend_module, backend_class = "CPU_ATTN", __name__, "IHACPUAttentionBackend"
+    elif current_platform.is_cuda():
+        expected, backend_module, backend_class = (
+            "FLASH_ATTN",
+            f"{__package__}.attention_flash",
+            "IHAFlashAttentionBackend",
+        )
+    else:
+        raise ValueError(
+            f"IHA layers run on vLLM's CPU_ATTN (CPU) and FLASH_ATTN (CUDA GPU) attention backends; this platform is "
+            f"{current_platform.device_type!r}."
+        )
+    if requested_name not in (None, expected):
+        raise ValueError(
+            f"IHA layers run on vLLM's CPU_ATTN (CPU) and FLASH_ATTN (CUDA GPU) attention backends, not "
+            f"{requested_name}: leave the attention backend unset or set it to {expected}."
+        )
+    import importlib
+
+    return getattr(importlib.import_module(backend_module), backend_class)
 
 
 def register_backends() -> None:
     """Give the IHA backends their names in vLLM's backend registry (the `Attention` layer looks its backend up by
     name). Safe to call again: vLLM loads plugins once per process, but tests may call it more often."""
-    for name, class_name in ((IHA_CPU_BACKEND_NAME, "IHACPUAttentionBackend"),):
+    backends = {
+        IHA_CPU_BACKEND_NAME: f"{__name__}.IHACPUAttentionBackend",
+        IHA_FLASH_BACKEND_NAME: f"{__package__}.attention_flash.IHAFlashAttentionBackend",
+    }
+    for name, class_path in backends.items():
         if name not in AttentionBackendEnum.__members__:
-            register_backend(name, f"{__name__}.{class_name}")
+            register_backend(name, class_path)

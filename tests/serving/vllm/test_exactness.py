@@ -15,7 +15,9 @@ pytest.importorskip("vllm")
 
 from safetensors import safe_open  # noqa: E402
 from vllm_cases import (  # noqa: E402
+    BF16_LOGPROB_TOLERANCE,
     LOGPROB_TOLERANCE,
+    reference_best_logprobs,
     reference_greedy,
     reference_logprobs,
     reference_model,
@@ -159,3 +161,19 @@ def test_bf16_weights_with_fp32_mixing(tmp_path):
     with vllm_engine(folder) as llm:
         outputs = run_batch(llm, PROMPTS, LENGTHS)
     assert [list(output.outputs[0].token_ids) for output in outputs] == expected
+
+
+def test_bfloat16_engine_follows_the_float64_reference(folders):
+    """In bfloat16 (on CPUs with AMX the kernel lays its blocks out differently, read here through the same virtual
+    view): every greedy token is the reference's best or within bf16 rounding of it, and the log-probabilities stay
+    within bf16 rounding of the float64 reference."""
+    folder, model, _ = folders["gqa-shared-P2"]
+    with vllm_engine(folder, dtype="bfloat16") as llm:
+        outputs = run_batch(llm, PROMPTS, LENGTHS, logprobs=1)
+    for prompt, output in zip(PROMPTS, outputs):
+        tokens = list(output.outputs[0].token_ids)
+        best = reference_best_logprobs(model, prompt, tokens)
+        reference = reference_logprobs(model, prompt, tokens)
+        for step, (got, want, top) in enumerate(zip(chosen_logprobs(output), reference, best)):
+            assert top - want <= BF16_LOGPROB_TOLERANCE, f"step {step}: not the reference's greedy token"
+            assert abs(got - want) <= BF16_LOGPROB_TOLERANCE, f"step {step}: log-probability {got} vs {want}"
