@@ -19,7 +19,7 @@ pytest.importorskip("vllm")
 openai = pytest.importorskip("openai")
 
 from server_utils import free_port  # noqa: E402
-from vllm_cases import reference_greedy, reference_model, tiny_iha_folder  # noqa: E402
+from vllm_cases import reference_greedy, reference_model, tiny_iha_folder, word_tokenizer  # noqa: E402
 
 
 STARTUP_SECONDS = 420
@@ -31,20 +31,6 @@ QUESTIONS = ["t12 t40 t41", "t99 t3 t3 t3 t250 t17"]
 CHAT_TEMPLATE = (
     "<s>{% for message in messages %} {{ message['content'] }}{% endfor %}{% if add_generation_prompt %} t5{% endif %}"
 )
-
-
-def word_tokenizer(vocab_size: int):
-    """A word-level tokenizer over the tiny model's vocabulary ("<unk>", "<s>", "</s>", then "t3" ... ): real text in,
-    real token ids out, without a download."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{f"t{index}": index for index in range(3, vocab_size)}}
-    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    return PreTrainedTokenizerFast(
-        tokenizer_object=tokenizer, unk_token="<unk>", bos_token="<s>", eos_token="</s>", chat_template=CHAT_TEMPLATE
-    )
 
 
 @pytest.fixture(scope="module")

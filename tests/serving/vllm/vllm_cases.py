@@ -169,3 +169,23 @@ def run_staggered(llm, prompts: list[list[int]], lengths: list[int], join_steps:
 
 # Prompts of 4 to 70 tokens for the runs with ranks in processes of their own (slower to start, so fewer runs).
 PROMPTS_FOR_PARALLELISM = [[1, 5, 7, 9], list(range(3, 40)), [11] * 3 + list(range(20, 87))]
+
+
+# A chat template that only joins the messages' words: the reference tokenizes what it renders, as the server does.
+CHAT_TEMPLATE = (
+    "<s>{% for message in messages %} {{ message['content'] }}{% endfor %}{% if add_generation_prompt %} t5{% endif %}"
+)
+
+
+def word_tokenizer(vocab_size: int):
+    """A word-level tokenizer over the tiny model's vocabulary ("<unk>", "<s>", "</s>", then "t3" ... ): real text in,
+    real token ids out, without a download."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{f"t{index}": index for index in range(3, vocab_size)}}
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer, unk_token="<unk>", bos_token="<s>", eos_token="</s>", chat_template=CHAT_TEMPLATE
+    )
