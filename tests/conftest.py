@@ -51,6 +51,16 @@ def pytest_collection_modifyitems(config, items):
     items.sort(key=rank)  # stable: in their collected order within each rank
 
 
+@pytest.fixture
+def one_torch_thread():
+    """One torch thread for a test of tiny layers, so that a busy machine's other threads do not slow every step
+    down; the previous count is restored."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture(scope="module")
 def tiny_llama_dir(tmp_path_factory):
     """A folder with a tiny random Llama, the real SmolLM2 tokenizer and its chat template."""

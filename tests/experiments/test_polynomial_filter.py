@@ -29,13 +29,8 @@ from iha.experiments.synthetic.polynomial_filter import (
 )
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """These layers are tiny: one thread, so that a busy machine's other threads do not slow every step down."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+# These layers are tiny: one torch thread (conftest.py's `one_torch_thread`).
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def cycle(num_tokens: int) -> torch.Tensor:

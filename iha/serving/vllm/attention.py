@@ -152,6 +152,20 @@ def virtual_cache_views(kv_cache: torch.Tensor, num_pseudo_heads: int) -> tuple[
     return key_cache, value_cache
 
 
+def refuse_unsupported_layer_settings(
+    attn_type: str,
+    alibi_slopes: list[float] | None,
+    sliding_window: int | None,
+    logits_soft_cap: float | None,
+    kv_sharing_target_layer_name: str | None,
+) -> None:
+    """What neither IHA backend (CPU, FlashAttention) runs: the virtual sequence is one causal decoder pass."""
+    if attn_type != AttentionType.DECODER or alibi_slopes is not None or sliding_window is not None:
+        raise ValueError("IHA layers run causal decoder attention without ALiBi or a kernel window.")
+    if logits_soft_cap or kv_sharing_target_layer_name is not None:
+        raise ValueError("IHA layers run without logit soft-capping or KV sharing across layers.")
+
+
 class IHACPUAttentionImpl(AttentionImpl[CPUAttentionMetadata]):
     """One IHA layer's attention on the CPU kernel: write the new pseudo-keys and values at their virtual slots,
     then one causal paged-attention call over the virtual sequence.
@@ -174,10 +188,9 @@ class IHACPUAttentionImpl(AttentionImpl[CPUAttentionMetadata]):
         kv_sharing_target_layer_name: str | None = None,
         num_pseudo_heads: int = 1,
     ) -> None:
-        if attn_type != AttentionType.DECODER or alibi_slopes is not None or sliding_window is not None:
-            raise ValueError("IHA layers run causal decoder attention without ALiBi or a kernel window.")
-        if logits_soft_cap or kv_sharing_target_layer_name is not None:
-            raise ValueError("IHA layers run without logit soft-capping or KV sharing across layers.")
+        refuse_unsupported_layer_settings(
+            attn_type, alibi_slopes, sliding_window, logits_soft_cap, kv_sharing_target_layer_name
+        )
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.num_pseudo_heads = num_pseudo_heads

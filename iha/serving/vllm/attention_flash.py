@@ -25,7 +25,12 @@ from vllm.v1.attention.backends.flash_attn import (
 )
 from vllm.v1.kv_cache_interface import AttentionSpec
 
-from .attention import IHA_FLASH_BACKEND_NAME, VirtualBatch, num_pseudo_heads_of
+from .attention import (
+    IHA_FLASH_BACKEND_NAME,
+    VirtualBatch,
+    num_pseudo_heads_of,
+    refuse_unsupported_layer_settings,
+)
 
 
 class IHAFlashAttentionMetadataBuilder(FlashAttentionMetadataBuilder):
@@ -81,10 +86,9 @@ class IHAFlashAttentionImpl(FlashAttentionImpl):
         kv_sharing_target_layer_name: str | None = None,
         num_pseudo_heads: int = 1,
     ) -> None:
-        if attn_type != AttentionType.DECODER or alibi_slopes is not None or sliding_window is not None:
-            raise ValueError("IHA layers run causal decoder attention without ALiBi or a kernel window.")
-        if logits_soft_cap or kv_sharing_target_layer_name is not None:
-            raise ValueError("IHA layers run without logit soft-capping or KV sharing across layers.")
+        refuse_unsupported_layer_settings(
+            attn_type, alibi_slopes, sliding_window, logits_soft_cap, kv_sharing_target_layer_name
+        )
         self.num_pseudo_heads = num_pseudo_heads
         super().__init__(
             num_heads, head_size // num_pseudo_heads, scale, num_kv_heads, None, None, kv_cache_dtype, None, attn_type
