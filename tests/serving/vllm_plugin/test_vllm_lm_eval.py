@@ -79,6 +79,7 @@ def reference_loglikelihood(model, tokenizer, context: str, continuation: str) -
     return logprobs[torch.arange(len(continuation_ids)), torch.tensor(continuation_ids)].sum().item()
 
 
+@pytest.mark.slow
 def test_lm_eval_vllm_backend_scores_an_iha_folder(tmp_path):
     folder = tiny_iha_folder(tmp_path / "model", num_pseudo_heads=2, iha_position_mode="virtual")
     tokenizer = word_tokenizer(256)

@@ -95,6 +95,7 @@ def server(served_folder, tmp_path_factory):
         assert stop(process), "vllm serve did not stop within 60 s of SIGTERM"
 
 
+@pytest.mark.slow
 def test_completions_and_chat_answer_what_generate_answers(server, served_folder):
     url, log = server
     folder, tokenizer = served_folder

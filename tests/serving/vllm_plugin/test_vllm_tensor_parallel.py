@@ -20,6 +20,7 @@ from vllm_cases import (  # noqa: E402
 LENGTHS = [10, 6, 12]
 
 
+@pytest.mark.slow
 def test_two_ranks_decode_what_generate_decodes(tmp_path):
     folder = tiny_iha_folder(
         tmp_path,
