@@ -57,6 +57,7 @@ VLLM_TEST_FILES = [
     "tests/serving/vllm_plugin/test_vllm_refusals.py",
     "tests/serving/vllm_plugin/test_vllm_folding.py",
     "tests/serving/vllm_plugin/test_vllm_support.py",
+    "tests/serving/vllm_plugin/test_vllm_virtual_metadata.py",
 ]
 # How to run the vLLM step where it is skipped.
 VLLM_HOW_TO_RUN = "it runs on a CUDA machine with vLLM installed (pip install -e .[vllm])"
