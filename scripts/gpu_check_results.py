@@ -132,6 +132,12 @@ def one_line(outcome: Outcome) -> str:
         return f"{details['device']}: " + ", ".join(
             f"{run} {value:.3f}" for run, value in details["test_accuracy"].items()
         )
+    if outcome.name == "paper_regime":
+        return (
+            f"{details['device']}: {len(details['test_exact_match'])} runs of one epoch; the whole grid "
+            f"({len(details['seeds'])} seeds, up to {details['max_epochs']} epochs) projected at "
+            f"{details['projected_grid_minutes']:.1f} minutes"
+        )
     if outcome.name == "bench_sft":
         return "IHA / base " + ", ".join(f"{layout} {ratio:.2f}" for layout, ratio in details["ratios"].items())
     if outcome.name == "bench_perf":

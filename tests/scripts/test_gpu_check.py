@@ -69,6 +69,7 @@ def test_quick_cpu_run_passes_every_step_and_writes_the_summaries(shared_data, t
     markdown = (out / "summary.md").read_text()
     assert "every step passed or was skipped (vllm)" in markdown and "| vllm | skipped |" in markdown
     assert all(f"| {name} | passed |" in markdown for name in STEPS if name != "vllm")
+    assert "cpu: 12 runs of one epoch; the whole grid (3 seeds, up to 10 epochs) projected at" in markdown
 
 
 @pytest.fixture(scope="module")
