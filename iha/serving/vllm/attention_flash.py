@@ -18,6 +18,7 @@ vLLM step (docs/serving.md) is what records its equality with `generate()`.
 import dataclasses
 
 import torch
+from vllm.platforms import current_platform
 from vllm.v1.attention.backend import AttentionLayer, AttentionType, CommonAttentionMetadata, MultipleOf
 from vllm.v1.attention.backends.fa_utils import reshape_and_cache_flash
 from vllm.v1.attention.backends.flash_attn import (
@@ -91,6 +92,14 @@ class IHAFlashAttentionImpl(FlashAttentionImpl):
         refuse_unsupported_layer_settings(
             attn_type, alibi_slopes, sliding_window, logits_soft_cap, kv_sharing_target_layer_name
         )
+        # vLLM checks the GPU against a backend only where it chooses the backend itself; the IHA layers name theirs.
+        capability = current_platform.get_device_capability()
+        if capability is None or not FlashAttentionBackend.supports_compute_capability(capability):
+            found = "an unknown one" if capability is None else f"{capability.major}.{capability.minor}"
+            raise ValueError(
+                "IHA layers on CUDA run on vLLM's FlashAttention, which needs a GPU of compute capability 8.0 or newer "
+                f"(this one has {found}): serve it with transformers instead (`iha serve FOLDER --continuous_batching`)."
+            )
         head_dim = head_size // num_pseudo_heads
         if not FlashAttentionBackend.supports_head_size(head_dim):
             raise ValueError(
