@@ -113,6 +113,7 @@ def build_folders(shape: dict, layers: int, num_pseudo_heads: int, root: Path) -
 
 def start_engines(folders: dict[str, Path], args, max_len: int) -> dict:
     from vllm import LLM
+    from vllm.platforms import current_platform
 
     settings = dict(
         skip_tokenizer_init=True,
@@ -125,6 +126,10 @@ def start_engines(folders: dict[str, Path], args, max_len: int) -> dict:
         enable_prefix_caching=False,  # every run prefills its prompts again
         seed=0,
     )
+    if current_platform.is_cuda():
+        # The three engines share one GPU in this process: vLLM's default would reserve 92% of its memory for the
+        # first, and the next would find too little free to start. A 1 GiB KV cache each, as on the CPU.
+        settings.update(gpu_memory_utilization=0.25, kv_cache_memory_bytes=2**30)
     overrides = {"iha": {"iha_fold_mixing": True}, "iha_explicit": {"iha_fold_mixing": False}}
     return {name: LLM(str(folder), hf_overrides=overrides.get(name), **settings) for name, folder in folders.items()}
 
@@ -137,7 +142,9 @@ def kv_bytes_per_token(llm) -> int:
         for layer in model.model.layers:
             attention = layer.self_attn.attn
             cache = attention.kv_cache[0] if isinstance(attention.kv_cache, list) else attention.kv_cache
-            block = cache[0]  # [kv heads, block size, 2 * head size] on the CPU
+            block = cache[
+                0
+            ]  # [kv heads, block size, 2 * head size] (the logical shape of the CPU and FlashAttention pages)
             total += block.numel() * block.element_size() // block.shape[1]
         return total
 
@@ -298,9 +305,9 @@ def markdown_report(meta: dict, rows: list[dict], kv_bytes: dict[str, int]) -> s
         "# vLLM: IHA (the plugin) vs the base Llama",
         "",
         f"Command: `{meta['command']}`  ",
-        f"Date: {meta['date']}; machine: {meta['machine']}; vLLM {meta['vllm']} (CPU build), torch {meta['torch']}, "
-        f"transformers {meta['transformers']}; {meta['dtype']}; CPU attention kernel variant "
-        f"{meta['kernel_variants']}; enforce_eager (no torch.compile); the engines inside the benchmark's process.  ",
+        f"Date: {meta['date']}; machine: {meta['machine']}; vLLM {meta['vllm']} ({meta['vllm_build']}), torch "
+        f"{meta['torch']}, transformers {meta['transformers']}; {meta['dtype']}; {meta['attention']}; enforce_eager "
+        "(no torch.compile, no CUDA graphs); the engines inside the benchmark's process.  ",
         f"Model: {meta['shape_note']}, **{meta['layers']} layers**, random weights; IHA converted from the base "
         f"model's weights (P = {meta['P']}, identity head mixing, shared positions, flat causal mask, per-head "
         "collapse), served by the plugin folded (the default) and with the explicit mixing.  ",
@@ -384,8 +391,10 @@ def main(argv=None):
         return
     import transformers
     import vllm
+    from vllm.platforms import current_platform
 
     torch.set_num_threads(1)
+    on_cuda = current_platform.is_cuda()
     shape = QUICK_VLLM_SHAPE if args.quick else SMOLLM2_135M_SHAPE
     load_at_start = os.getloadavg()[0]
     with tempfile.TemporaryDirectory() as root:
@@ -403,11 +412,24 @@ def main(argv=None):
         rows = measure(args, shape, engines)
         for llm in engines.values():
             llm.llm_engine.engine_core.shutdown()
+    for row in rows:
+        variants = [variant for variant in row["variants"] if variant != "base"]
+        row["ratios"] = {
+            variant: {clock: ratios(row, variant, clock) for clock in ("cpu", "wall")} for variant in variants
+        }
+    if on_cuda:
+        machine = f"{torch.cuda.get_device_name(0)}, {os.cpu_count()} CPU cores"
+        attention = "IHA layers on FlashAttention"
+    else:
+        machine = f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPU cores"
+        attention = f"CPU attention kernel variant {', '.join(kernel_variants)}"
     meta = {
         "command": "python " + " ".join([Path(sys.argv[0]).as_posix(), *(argv if argv is not None else sys.argv[1:])]),
         "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-        "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPU cores",
+        "machine": machine,
         "vllm": vllm.__version__,
+        "vllm_build": "CUDA build" if on_cuda else "CPU build",
+        "attention": attention,
         "torch": torch.__version__,
         "transformers": transformers.__version__,
         "dtype": args.dtype,

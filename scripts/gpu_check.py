@@ -20,15 +20,18 @@ that fails is reported with its error and the next one runs, unless it needs wha
   tests_bfloat16  the model tests again in bfloat16, within bf16 tolerances
   tests_training  the training tests, whose trainer moves to the GPU and turns bf16 on there (tests/training/test_sft.py)
   bench_perf      benchmarks/bench_perf.py --quick: IHA / base ratios and absolute times
+  vllm            the vLLM plugin on vLLM's FlashAttention backend: its tests (tokens and log-probabilities against
+                  generate(), chunked prefill, prefix caching) and benchmarks/bench_vllm.py --quick; skipped, which
+                  fails nothing, where vLLM is not importable or the device is not CUDA
   bench_sft       benchmarks/bench_sft.py, short: SFT tokens per second, IHA / base
   synthetic       iha synthetic --preset tiny on the device (the synthetic task's training loop)
   paper_regime    iha synthetic --preset paper-regime: one epoch of seed 0's 12 runs at full size, and the whole
                   grid's time projected from them (--quick: shrunk to seconds)
 
 A test skipped for want of CUDA on a CUDA run counts as a failure, so no CUDA path is skipped unseen. OUT receives
-summary.json, summary.md, steps.log (the end of every step's output) and the two benchmarks' reports; both summaries
+summary.json, summary.md, steps.log (the end of every step's output) and the benchmarks' reports; both summaries
 are rewritten after every step, so a run stopped from outside still leaves what it did. Exit code 0 when every step
-passed.
+passed or was skipped (a skipped step says why in the summaries).
 """
 
 import json
@@ -42,7 +45,7 @@ import time
 from datetime import datetime, timezone
 from pathlib import Path
 
-from gpu_check_results import Outcome, StepFailed, markdown_summary, markdown_table
+from gpu_check_results import Outcome, StepFailed, markdown_summary, markdown_table, succeeded
 from gpu_check_steps import REPO_ROOT, Step, Steps
 
 
@@ -100,6 +103,10 @@ class Check:
         environment = self.steps.environment  # empty until the environment step has run
         if self.steps.on_cuda and environment and not environment.get("cuda") and step.name != "wheels":
             outcome.error = "not run: no CUDA device"
+            return outcome
+        reason = step.skip() if step.skip is not None else None
+        if reason is not None:
+            outcome.status, outcome.details = "skipped", {"skipped": reason}
             return outcome
         limit = min(step.limit * (1 if self.steps.on_cuda else CPU_LIMIT_SCALE), int(self.seconds_left()))
         if limit < MIN_STEP_SECONDS:
@@ -178,13 +185,13 @@ class Check:
         self.write_summaries()
         print("\n" + markdown_table(self.outcomes))
         print(f"summary: {self.out / 'summary.md'} and summary.json; work folder {self.work}")
-        return 0 if all(outcome.status == "passed" for outcome in self.outcomes) else 1
+        return 0 if all(succeeded(outcome) for outcome in self.outcomes) else 1
 
     def write_summaries(self):
         summary = {
             "meta": {**self.meta, "wall_seconds": round(time.monotonic() - self.started, 1)},
             "environment": self.steps.environment,
-            "passed": all(outcome.status == "passed" for outcome in self.outcomes),
+            "passed": all(succeeded(outcome) for outcome in self.outcomes),
             "steps": [outcome.__dict__ for outcome in self.outcomes],
         }
         write_text_atomic(json.dumps(summary, indent=2, default=str) + "\n", self.out / "summary.json")

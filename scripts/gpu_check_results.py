@@ -24,13 +24,20 @@ class DetailedFailure(StepFailed):
 class Outcome:
     name: str
     title: str
-    status: str  # passed, failed, timed_out, not_run
+    status: (
+        str  # passed, skipped (it cannot run on this machine; details["skipped"] says why), failed, timed_out, not_run
+    )
     seconds: float = 0.0
     cpu_seconds: float = 0.0  # of the step's processes (what a loaded machine does not inflate)
     limit: int = 0
     commands: list[str] = field(default_factory=list)
     error: str | None = None
     details: dict = field(default_factory=dict)
+
+
+def succeeded(outcome: Outcome) -> bool:
+    """Whether a step leaves the check passing: it passed, or it cannot run on this machine and said so."""
+    return outcome.status in ("passed", "skipped")
 
 
 # --- reading what the steps wrote -----------------------------------------------------------------------------------
@@ -97,8 +104,17 @@ def read_json(path: Path) -> dict:
 
 def one_line(outcome: Outcome) -> str:
     details = outcome.details
+    if outcome.status == "skipped":
+        return details["skipped"]
     if outcome.status != "passed":
         return (outcome.error or "").splitlines()[0][:160]
+    if outcome.name == "vllm":
+        line = f"{details['passed']} passed, {details['failed']} failed, {details['skipped']} skipped"
+        folded = [row for row in details["bench_rows"] if row["variant"] == "iha"]
+        line += "; bench_vllm IHA / base decode tok/s (wall): " + ", ".join(
+            f"{row['requests']} requests {row['decode_speed']['wall']:.2f}" for row in folded
+        )
+        return line
     if "passed" in details and "skipped" in details:
         line = f"{details['passed']} passed, {details['skipped']} skipped, {details['xfailed']} xfailed"
         flex = list(details.get("flex", {}).values())
@@ -115,6 +131,12 @@ def one_line(outcome: Outcome) -> str:
     if outcome.name == "synthetic":
         return f"{details['device']}: " + ", ".join(
             f"{run} {value:.3f}" for run, value in details["test_accuracy"].items()
+        )
+    if outcome.name == "paper_regime":
+        return (
+            f"{details['device']}: {len(details['test_exact_match'])} runs of one epoch; the whole grid "
+            f"({len(details['seeds'])} seeds, up to {details['max_epochs']} epochs) projected at "
+            f"{details['projected_grid_minutes']:.1f} minutes"
         )
     if outcome.name == "bench_sft":
         return "IHA / base " + ", ".join(f"{layout} {ratio:.2f}" for layout, ratio in details["ratios"].items())
@@ -153,9 +175,34 @@ def bench_perf_table(details: dict) -> list[str]:
     return [*lines, ""]
 
 
+def vllm_bench_table(details: dict) -> list[str]:
+    bench = details["bench"]
+    lines = [
+        f"## bench_vllm --quick (vLLM {bench['vllm']}, torch {bench['torch']}, {bench['dtype']}; all of it in "
+        "bench_vllm.md)",
+        "",
+        "| requests | IHA | decode tok/s IHA / base, wall (CPU) | x decode FLOP ratio, wall (CPU) | TTFT IHA / base, "
+        "wall (CPU) | same tokens as base |",
+        "|---|---|---|---|---|---|",
+    ]
+    for row in details["bench_rows"]:
+        speed, relative, ttft = row["decode_speed"], row["speed_over_inverse_flops"], row["ttft"]
+        lines.append(
+            f"| {row['requests']} | {'folded' if row['variant'] == 'iha' else 'explicit'} | {speed['wall']:.2f} "
+            f"({speed['cpu']:.2f}) | {relative['wall']:.2f} ({relative['cpu']:.2f}) | {ttft['wall']:.2f} "
+            f"({ttft['cpu']:.2f}) | {'yes' if row['same_tokens_as_base'] else 'no'} |"
+        )
+    kv_bytes = details["kv_bytes_per_token"]
+    lines += ["", f"KV-cache bytes per token: base {kv_bytes['base']:,}, IHA {kv_bytes['iha']:,}.", ""]
+    return lines
+
+
 def markdown_summary(summary: dict, outcomes: list[Outcome]) -> str:
     meta, environment = summary["meta"], summary["environment"]
+    skipped = [outcome.name for outcome in outcomes if outcome.status == "skipped"]
     verdict = "every step passed" if summary["passed"] else "NOT every step passed"
+    if summary["passed"] and skipped:
+        verdict += f" or was skipped ({', '.join(skipped)})"
     lines = [
         "# GPU check",
         "",
@@ -193,6 +240,8 @@ def markdown_summary(summary: dict, outcomes: list[Outcome]) -> str:
     for outcome in outcomes:
         if outcome.name == "bench_perf" and outcome.status == "passed":
             lines += bench_perf_table(outcome.details)
+        if outcome.name == "vllm" and outcome.details.get("bench_rows"):
+            lines += vllm_bench_table(outcome.details)
         if outcome.name in ("sft", "eval", "smollm2", "bench_sft") and outcome.status == "passed":
             lines += [f"## {outcome.name}", "", "```json", json.dumps(outcome.details, indent=1), "```", ""]
     return "\n".join(lines)

@@ -6,6 +6,7 @@ import math
 import os
 import re
 import shutil
+import subprocess
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -48,6 +49,19 @@ PYTEST_WORKERS = min(8, max(1, (os.cpu_count() or 2) // 2))
 INDUCTOR_COMPILE_THREADS = max(1, (os.cpu_count() or 2) // PYTEST_WORKERS)
 # pytest-timeout's limit per test, where the machine has the plugin.
 TEST_TIMEOUT_SECONDS = 120
+# The vLLM plugin's tests that run on a GPU: tokens and log-probabilities against generate() through the
+# FlashAttention backend (chunked prefill, prefix caching, requests joining), what it refuses, the folding. The
+# others of tests/serving/vllm_plugin/ (two CPU ranks, lm-eval and `vllm serve` on vLLM's CPU build) are CPU runs.
+VLLM_TEST_FILES = [
+    "tests/serving/vllm_plugin/test_vllm_exactness.py",
+    "tests/serving/vllm_plugin/test_vllm_refusals.py",
+    "tests/serving/vllm_plugin/test_vllm_folding.py",
+    "tests/serving/vllm_plugin/test_vllm_support.py",
+    "tests/serving/vllm_plugin/test_vllm_virtual_metadata.py",
+]
+# How to run the vLLM step where it is skipped.
+VLLM_HOW_TO_RUN = "it runs on a CUDA machine with vLLM installed (pip install -e .[vllm])"
+VLLM_PROBE_SECONDS = 120
 
 
 # The packages the steps import; `environment` fails when one of them is missing.
@@ -108,6 +122,8 @@ class Step:
     limit: int  # seconds on a GPU (gpu_check.py's CPU_LIMIT_SCALE times more on a CPU)
     needs: list[str] = field(default_factory=list)
     read: Callable[[str], dict] | None = None  # log text -> details; raises StepFailed for a failure it finds
+    # Why the step cannot run on this machine (it is then skipped, which fails nothing), or None where it can.
+    skip: Callable[[], str | None] | None = None
 
 
 class Steps:
@@ -147,6 +163,7 @@ class Steps:
             IHA_SHARED_DATA=str(self.shared_data),  # where the tests read GSM8K rows
             HF_DATASETS_CACHE=str(self.work / "datasets-cache"),
             MPLBACKEND="Agg",
+            VLLM_CACHE_ROOT=str(self.work / "vllm-cache"),
         )
         env.setdefault("TORCHINDUCTOR_COMPILE_THREADS", str(INDUCTOR_COMPILE_THREADS))
         return env
@@ -178,13 +195,13 @@ class Steps:
     def iha_dir(self) -> Path:
         return self.work / "smollm2-iha"
 
-    def pytest(self, report: str, targets: list[str], *options: str) -> list[str]:
+    def pytest(self, report: str, targets: list[str], *options: str, parallel: bool = True) -> list[str]:
         command = [self.python, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-o", "junit_family=xunit2"]
         command += [f"--junitxml={self.work / report}", "--device", self.device, *options]
         # Tests in parallel processes where pytest-xdist is installed (the CUDA image has it), each with its own CUDA
         # context; not in --quick runs, whose few tests would wait for the workers to start.
         packages = self.environment.get("packages", {})
-        if not self.quick and PYTEST_WORKERS > 1 and packages.get("xdist"):
+        if parallel and not self.quick and PYTEST_WORKERS > 1 and packages.get("xdist"):
             command += ["-n", str(PYTEST_WORKERS)]
         if packages.get("pytest_timeout"):  # a hung test fails alone instead of taking its step's whole limit
             command += ["--timeout", str(TEST_TIMEOUT_SECONDS)]
@@ -240,6 +257,14 @@ class Steps:
                 read=self.junit_reader("junit-training.xml"),
             ),
             Step("bench_perf", "bench_perf --quick", self.bench_perf_commands, 90, read=self.read_bench_perf),
+            Step(
+                "vllm",
+                "the vLLM plugin on FlashAttention: its tests and bench_vllm --quick",
+                self.vllm_commands,
+                150,
+                read=self.read_vllm,
+                skip=self.vllm_skip_reason,
+            ),
             Step("bench_sft", "bench_sft, short", self.bench_sft_commands, 150, ["smollm2"], self.read_bench_sft),
             Step("synthetic", "iha synthetic, tiny", self.synthetic_commands, 60, read=self.read_synthetic),
             Step(
@@ -304,6 +329,33 @@ class Steps:
     def bench_perf_commands(self) -> list[list[str]]:
         command = [self.python, str(REPO_ROOT / "benchmarks" / "bench_perf.py"), "--quick", "--device", self.device]
         return [command + ["--output_dir", str(self.work / "bench_perf"), "--name", "bench_perf"]]
+
+    def vllm_skip_reason(self) -> str | None:
+        """The vLLM step runs where the IHA layers take vLLM's FlashAttention path: a CUDA device, and vLLM importable
+        by the check's interpreter (probed in a process of its own, with the steps' environment)."""
+        if not self.on_cuda:
+            return (
+                f"vLLM's FlashAttention path needs a CUDA device (this run: --device {self.device}); {VLLM_HOW_TO_RUN}"
+            )
+        probe = [self.python, "-c", "import vllm"]
+        try:
+            result = subprocess.run(
+                probe, cwd=REPO_ROOT, env=self.env(), capture_output=True, text=True, timeout=VLLM_PROBE_SECONDS
+            )
+        except subprocess.TimeoutExpired:
+            return f"import vllm did not finish within {VLLM_PROBE_SECONDS} s; {VLLM_HOW_TO_RUN}"
+        if result.returncode != 0:
+            lines = [line for line in result.stderr.splitlines() if line.strip()]
+            why = lines[-1].strip()[:160] if lines else f"exit code {result.returncode}"
+            return f"vLLM is not importable here ({why}); {VLLM_HOW_TO_RUN}"
+        return None
+
+    def vllm_commands(self) -> list[list[str]]:
+        # One process for the tests: their engines run inside it, one at a time, each with a small share of the GPU.
+        tests = self.pytest("junit-vllm.xml", VLLM_TEST_FILES, parallel=False)
+        bench = [self.python, str(REPO_ROOT / "benchmarks" / "bench_vllm.py"), "--quick"]
+        bench += ["--output-dir", str(self.work / "vllm-bench"), "--name", "bench_vllm"]
+        return [tests, bench]
 
     def bench_sft_commands(self) -> list[list[str]]:
         command = [self.python, str(REPO_ROOT / "benchmarks" / "bench_sft.py"), "--model", str(self.llama_dir)]
@@ -434,6 +486,21 @@ class Steps:
         details = {"device": payload["meta"]["device"], "dtype": payload["meta"]["dtype"], "clock": clock}
         return {**details, "rows": rows, "targets": payload["targets"]}
 
+    def read_vllm(self, log: str) -> dict:
+        """The plugin's test counts, and the benchmark's IHA / base ratios (folded and explicit mixing)."""
+        bench = {}
+        report = self.work / "vllm-bench" / "bench_vllm.json"
+        if report.is_file():
+            bench = vllm_bench_ratios(read_json(report))
+            shutil.copy2(report.with_suffix(".md"), self.out / "bench_vllm.md")
+        try:
+            tests = read_junit(self.work / "junit-vllm.xml", self.device)
+        except DetailedFailure as failure:
+            raise DetailedFailure(str(failure), {**failure.details, **bench}) from None
+        if not bench:
+            raise DetailedFailure("bench_vllm.py wrote no bench_vllm.json", tests)
+        return {**tests, **bench}
+
     def read_bench_sft(self, log: str) -> dict:
         payload = read_json(self.work / "bench_sft" / "bench_sft.json")
         shutil.copy2(self.work / "bench_sft" / "bench_sft.md", self.out / "bench_sft.md")
@@ -479,3 +546,30 @@ class Steps:
         if not results["device"].startswith(self.device.split(":")[0]):
             raise DetailedFailure(f"trained on {results['device']}, not {self.device}", details)
         return details
+
+
+def vllm_bench_ratios(payload: dict) -> dict:
+    """bench_vllm.py's report, shortened: per workload and IHA variant, the decode speed and time-to-first-token
+    ratios (IHA / base, wall-clock and CPU time), the decode FLOP ratio and whether it decoded the base's tokens."""
+    rows = []
+    for row in payload["rows"]:
+        for variant, ratios in row["ratios"].items():
+            rows.append(
+                {
+                    "requests": row["requests"],
+                    "variant": variant,
+                    "decode_speed": {clock: ratios[clock]["speed"] for clock in ("wall", "cpu")},
+                    "speed_over_inverse_flops": {
+                        clock: ratios[clock]["speed_over_inverse_flops"] for clock in ("wall", "cpu")
+                    },
+                    "ttft": {clock: ratios[clock]["ttft"] for clock in ("wall", "cpu")},
+                    "decode_flops": ratios["wall"]["decode_flops"],
+                    "same_tokens_as_base": row["variants"][variant]["same_tokens_as_base"],
+                }
+            )
+    meta = payload["meta"]
+    return {
+        "bench": {"vllm": meta["vllm"], "torch": meta["torch"], "dtype": meta["dtype"], "machine": meta["machine"]},
+        "bench_rows": rows,
+        "kv_bytes_per_token": payload["kv_bytes_per_token"],
+    }

@@ -383,3 +383,51 @@ def test_two_processes_share_a_comparison_run_by_run(tmp_path, monkeypatch):
     results = json.loads((tmp_path / "seed-0" / "results.json").read_text())
     assert {run["model"]: run["test_accuracy"] for run in results["runs"]}["IHA P=2"] == 0.123
     assert trained == ["binary m=3..4 MHA lr=0.01", "binary m=3..4 IHA P=2 lr=0.01"]  # seed 1's, not seed 0's
+
+
+# The paper-regime preset shrunk to seconds as the GPU check's quick run shrinks it (scripts/gpu_check_steps.py), on
+# the binary task: MHA, IHA P = 8 and 2-simplicial at both of the preset's learning rates, two epochs each.
+PAPER_REGIME_SHRUNK = ["--preset", "paper-regime", "--seeds", "0", "--tasks", "binary", "--max-epochs", "2"]
+PAPER_REGIME_SHRUNK += ["--m", "binary=3-4", "ternary=3-4", "--num-train", "64", "--num-val", "32", "--num-test", "32"]
+PAPER_REGIME_SHRUNK += ["--hidden-size", "16", "--num-heads", "4", "--batch-size", "32", "--device", "cpu"]
+
+
+def test_the_paper_regime_command_on_a_cpu_resumes_to_the_result_of_an_uninterrupted_run(tmp_path, monkeypatch):
+    """The paper-regime command runs on a CPU as on a GPU; killed in the middle of its fourth run, the same command
+    continues from the last finished epoch and ends with the results of a call never stopped."""
+    import iha.experiments.synthetic.train as synthetic_training
+
+    assert main(PAPER_REGIME_SHRUNK + ["--output-dir", str(tmp_path / "uninterrupted")]) == 0
+    uninterrupted = json.loads((tmp_path / "uninterrupted" / "results.json").read_text())
+    assert uninterrupted["device"] == "cpu" and uninterrupted["config"]["learning_rates"] == [1e-3, 1e-4]
+    assert [(run["model"], run["learning_rate"]) for run in uninterrupted["runs"]] == [
+        (model, rate) for model in ("MHA", "2-simplicial", "IHA P=8") for rate in (1e-3, 1e-4)
+    ]
+
+    real_epoch_batches = synthetic_training.epoch_batches
+    epochs_started = []
+
+    def batches_then_fail_in_the_eighth_epoch(*args, **kwargs):
+        epochs_started.append(1)
+        if len(epochs_started) == 8:  # runs 1-3 finished, run 4 (2-simplicial, lr 1e-4) in its second epoch
+            raise KeyboardInterrupt
+        return real_epoch_batches(*args, **kwargs)
+
+    interrupted = PAPER_REGIME_SHRUNK + ["--output-dir", str(tmp_path / "interrupted")]
+    monkeypatch.setattr(synthetic_training, "epoch_batches", batches_then_fail_in_the_eighth_epoch)
+    assert main(interrupted) == 130
+    assert not (tmp_path / "interrupted" / "results.json").exists()
+
+    epochs_trained = []
+    monkeypatch.setattr(
+        synthetic_training,
+        "epoch_batches",
+        lambda *args, **kwargs: (epochs_trained.append(1), real_epoch_batches(*args, **kwargs))[1],
+    )
+    assert main(interrupted) == 0
+    assert len(epochs_trained) == 12 - 7  # the fourth run's second epoch and the two runs after it
+    resumed = json.loads((tmp_path / "interrupted" / "results.json").read_text())
+    fields = ("task", "model", "learning_rate", "history", "best_epoch", "stopped_by", "val_accuracy")
+    fields += ("test_accuracy", "test_exact_match", "test_loss", "test_accuracy_by_m")
+    for run, reference in zip(resumed["runs"], uninterrupted["runs"], strict=True):
+        assert {field: run[field] for field in fields} == {field: reference[field] for field in fields}

@@ -18,13 +18,16 @@ from iha.conversion import builtin
 
 
 sys.path.insert(0, str(REPO_ROOT / "scripts"))
+sys.path.insert(0, str(REPO_ROOT / "benchmarks"))
+import bench_vllm  # noqa: E402
 import gpu_check  # noqa: E402
-from gpu_check_results import StepFailed, read_junit  # noqa: E402
+import gpu_check_steps  # noqa: E402
+from gpu_check_results import DetailedFailure, StepFailed, markdown_summary, one_line, read_junit  # noqa: E402
 from gpu_smollm2 import cut_gguf  # noqa: E402
 
 
 STEPS = ["wheels", "environment", "smollm2", "tests_float32", "compile", "sft", "eval", "tests_bfloat16"]
-STEPS += ["tests_training", "bench_perf", "bench_sft", "synthetic", "paper_regime"]
+STEPS += ["tests_training", "bench_perf", "vllm", "bench_sft", "synthetic", "paper_regime"]
 
 
 @pytest.mark.slow
@@ -35,7 +38,7 @@ def test_quick_cpu_run_passes_every_step_and_writes_the_summaries(shared_data, t
     command += ["--carry_dir", str(tmp_path / "nothing-carried"), "--work_dir", str(work), "--budget", "1500", str(out)]
     result = subprocess.run(command, capture_output=True, text=True, timeout=1800)
     summary = json.loads((out / "summary.json").read_text())
-    failed = {step["name"]: step["error"] for step in summary["steps"] if step["status"] != "passed"}
+    failed = {step["name"]: step["error"] for step in summary["steps"] if step["status"] not in ("passed", "skipped")}
     assert result.returncode == 0 and not failed, failed or result.stdout[-3000:]
 
     assert [step["name"] for step in summary["steps"]] == STEPS
@@ -61,8 +64,12 @@ def test_quick_cpu_run_passes_every_step_and_writes_the_summaries(shared_data, t
     assert paper_regime["projected_grid_minutes"] == pytest.approx(
         sum(paper_regime["seconds_per_epoch"].values()) * 10 * 3 / 60
     )
+    # vLLM's FlashAttention path needs CUDA: skipped, which fails nothing, saying how to run it.
+    assert steps["vllm"]["status"] == "skipped" and "pip install -e .[vllm]" in steps["vllm"]["details"]["skipped"]
     markdown = (out / "summary.md").read_text()
-    assert "every step passed" in markdown and all(f"| {name} | passed |" in markdown for name in STEPS)
+    assert "every step passed or was skipped (vllm)" in markdown and "| vllm | skipped |" in markdown
+    assert all(f"| {name} | passed |" in markdown for name in STEPS if name != "vllm")
+    assert "cpu: 12 runs of one epoch; the whole grid (3 seeds, up to 10 epochs) projected at" in markdown
 
 
 @pytest.fixture(scope="module")
@@ -123,3 +130,138 @@ def test_a_step_past_its_limit_is_stopped_with_what_it_started(tmp_path):
     child = Path(f"/proc/{pid_file.read_text()}")  # the process the step started was killed with it
     time.sleep(0.5)
     assert not child.exists() or (child / "stat").read_text().split()[2] == "Z"
+
+
+def run_vllm_step(tmp_path, device: str, fake_vllm: str | None = None) -> dict:
+    """The check with its vllm step only; `fake_vllm`: the body of a `vllm` package put where the steps import
+    packages first (the folder the carried wheels go to), so that the probe sees vLLM importable or broken
+    whatever this environment has."""
+    work = tmp_path / "work"
+    if fake_vllm is not None:
+        package = work / "site" / "vllm"
+        package.mkdir(parents=True)
+        (package / "__init__.py").write_text(fake_vllm)
+    arguments = [str(tmp_path / "out"), "--device", device, "--steps", "vllm", "--work_dir", str(work)]
+    arguments += ["--carry_dir", str(tmp_path / "nothing-carried")]
+    check = gpu_check.Check(gpu_check.parse_args(arguments))
+    assert check.run() == 0
+    summary = json.loads((tmp_path / "out" / "summary.json").read_text())
+    (step,) = summary["steps"]
+    assert step["status"] == "skipped" and step["error"] is None
+    markdown = (tmp_path / "out" / "summary.md").read_text()
+    assert "every step passed or was skipped (vllm)" in markdown
+    assert f"| vllm | skipped | 0 | 0 | {step['details']['skipped']} |" in markdown
+    return step
+
+
+def test_vllm_step_is_skipped_on_the_cpu(tmp_path):
+    reason = run_vllm_step(tmp_path, "cpu")["details"]["skipped"]
+    assert reason.startswith("vLLM's FlashAttention path needs a CUDA device (this run: --device cpu)")
+    assert "pip install -e .[vllm]" in reason
+
+
+def test_vllm_step_is_skipped_on_cuda_where_vllm_does_not_import(tmp_path):
+    broken = 'raise ImportError("libcudart.so.12: cannot open shared object file")'
+    reason = run_vllm_step(tmp_path, "cuda", fake_vllm=broken)["details"]["skipped"]
+    assert "vLLM is not importable here (ImportError: libcudart.so.12: cannot open shared object file)" in reason
+    assert "pip install -e .[vllm]" in reason
+
+
+def test_vllm_step_runs_on_cuda_where_vllm_imports(tmp_path, monkeypatch):
+    args = gpu_check.parse_args([str(tmp_path / "out"), "--device", "cuda"])
+    steps = gpu_check.Steps(args, tmp_path / "work")
+    (tmp_path / "work" / "site" / "vllm").mkdir(parents=True)
+    (tmp_path / "work" / "site" / "vllm" / "__init__.py").write_text("")
+    assert steps.vllm_skip_reason() is None
+    # Where the model tests take 8 pytest-xdist workers, the plugin's tests stay in one process (its engines share
+    # the GPU one at a time).
+    monkeypatch.setattr(gpu_check_steps, "PYTEST_WORKERS", 8)
+    steps.environment = {"packages": {"xdist": "3.8.0"}}
+    by_name = {step.name: step for step in steps.in_order()}
+    assert by_name["tests_float32"].commands()[0][-len(gpu_check_steps.MODEL_TEST_FILES) - 2 :][:2] == ["-n", "8"]
+    tests, bench = by_name["vllm"].commands()
+    assert "--junitxml=" + str(tmp_path / "work" / "junit-vllm.xml") in tests and "-n" not in tests
+    assert "tests/serving/vllm_plugin/test_vllm_exactness.py" in tests
+    assert bench[1:] == [
+        str(REPO_ROOT / "benchmarks" / "bench_vllm.py"),
+        "--quick",
+        "--output-dir",
+        str(tmp_path / "work" / "vllm-bench"),
+        "--name",
+        "bench_vllm",
+    ]
+
+
+def fake_bench_vllm_report(folder: Path) -> None:
+    """bench_vllm.py's JSON for one workload of 4 requests, its ratios computed by the benchmark's own function."""
+
+    def variant(wall_speed, cpu_speed, ttft_wall, decode_flops, same):
+        return {
+            "decode_tokens_per_second": {"wall": wall_speed, "cpu": cpu_speed},
+            "ttft_seconds": {"wall": ttft_wall, "cpu": 2 * ttft_wall},
+            "flops": {"decode_step": decode_flops, "prefill": 10 * decode_flops},
+            "same_tokens_as_base": same,
+        }
+
+    row = {
+        "requests": 4,
+        "prompt_lengths": [40, 72, 40, 72],
+        "variants": {
+            "base": variant(100.0, 50.0, 0.1, 1000, True),
+            "iha": variant(80.0, 30.0, 0.2, 2000, True),
+            "iha_explicit": variant(40.0, 25.0, 0.3, 2500, False),
+        },
+    }
+    row["ratios"] = {
+        name: {clock: bench_vllm.ratios(row, name, clock) for clock in ("cpu", "wall")}
+        for name in ("iha", "iha_explicit")
+    }
+    meta = {"vllm": "0.32.0", "torch": "2.11.0", "dtype": "bfloat16", "machine": "NVIDIA H200, 16 CPU cores"}
+    payload = {"meta": meta, "kv_bytes_per_token": {"base": 512, "iha": 1024, "iha_explicit": 1024}, "rows": [row]}
+    folder.mkdir(parents=True)
+    (folder / "bench_vllm.json").write_text(json.dumps(payload))
+    (folder / "bench_vllm.md").write_text("# vLLM: IHA (the plugin) vs the base Llama\n")
+
+
+def vllm_junit_report(path: Path, failed: bool) -> None:
+    failure = '<failure message="assert [3, 4] == [3, 5]">tokens</failure>' if failed else ""
+    path.write_text(
+        '<?xml version="1.0"?><testsuites><testsuite name="pytest">'
+        '<testcase classname="tests.serving.vllm_plugin.test_vllm_exactness" name="test_prefix_caching_off"/>'
+        '<testcase classname="tests.serving.vllm_plugin.test_vllm_exactness" '
+        f'name="test_greedy_tokens_and_logprobs_equal_the_reference[gqa-shared-P2-folded]">{failure}</testcase>'
+        "</testsuite></testsuites>"
+    )
+
+
+def test_vllm_reader_reports_the_tests_and_the_benchmark_ratios(tmp_path):
+    args = gpu_check.parse_args([str(tmp_path / "out"), "--device", "cuda"])
+    (tmp_path / "out").mkdir()
+    steps = gpu_check.Steps(args, tmp_path / "work")
+    fake_bench_vllm_report(tmp_path / "work" / "vllm-bench")
+    vllm_junit_report(tmp_path / "work" / "junit-vllm.xml", failed=False)
+
+    details = steps.read_vllm("")
+    assert (details["passed"], details["failed"], details["skipped"]) == (2, 0, 0)
+    folded, explicit = details["bench_rows"]
+    assert folded["variant"] == "iha" and folded["requests"] == 4
+    assert folded["decode_speed"] == pytest.approx({"wall": 0.8, "cpu": 0.6})
+    assert folded["decode_flops"] == pytest.approx(2.0)
+    assert folded["speed_over_inverse_flops"] == pytest.approx({"wall": 1.6, "cpu": 1.2})
+    assert folded["ttft"] == pytest.approx({"wall": 2.0, "cpu": 2.0})
+    assert explicit["decode_speed"]["wall"] == pytest.approx(0.4) and not explicit["same_tokens_as_base"]
+    assert (tmp_path / "out" / "bench_vllm.md").is_file()
+
+    outcome = gpu_check.Outcome("vllm", "the vLLM plugin", "passed", details=details)
+    assert (
+        one_line(outcome) == "2 passed, 0 failed, 0 skipped; bench_vllm IHA / base decode tok/s (wall): 4 requests 0.80"
+    )
+    summary = {"meta": {"started": "now", "device": "cuda", "quick": False, "wall_seconds": 1, "budget_seconds": 450}}
+    markdown = markdown_summary({**summary, "environment": {}, "passed": True}, [outcome])
+    assert "| 4 | folded | 0.80 (0.60) | 1.60 (1.20) | 2.00 (2.00) | yes |" in markdown
+    assert "| 4 | explicit | 0.40 (0.50) |" in markdown
+
+    vllm_junit_report(tmp_path / "work" / "junit-vllm.xml", failed=True)
+    with pytest.raises(DetailedFailure, match=r"1 test\(s\) failed: .*gqa-shared-P2-folded") as failure:
+        steps.read_vllm("")
+    assert failure.value.details["failed"] == 1 and len(failure.value.details["bench_rows"]) == 2

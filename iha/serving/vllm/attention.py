@@ -152,6 +152,18 @@ def virtual_cache_views(kv_cache: torch.Tensor, num_pseudo_heads: int) -> tuple[
     return key_cache, value_cache
 
 
+def virtual_flash_cache(kv_cache: torch.Tensor, num_pseudo_heads: int) -> torch.Tensor:
+    """A layer's pages (logical [blocks, H_kv, block_size, 2 * P * d], NHD or HND in memory, each block one dense
+    page) as FlashAttention's [blocks, H_kv, P * block_size, 2 * d] of the virtual slots: each block's bytes in their
+    memory order, so a virtual block is a physical one whatever the layout."""
+    num_blocks, num_kv_heads, block_size, both_widths = kv_cache.shape
+    physical = kv_cache if kv_cache.is_contiguous() else kv_cache.transpose(1, 2)
+    if not physical.is_contiguous():
+        raise ValueError("IHA layers read whole KV-cache blocks; this cache layout splits them.")
+    head_dim = both_widths // (2 * num_pseudo_heads)
+    return physical.view(num_blocks, num_kv_heads, block_size * num_pseudo_heads, 2 * head_dim)
+
+
 def refuse_unsupported_layer_settings(
     attn_type: str,
     alibi_slopes: list[float] | None,

@@ -1,11 +1,14 @@
 """IHA attention on vLLM's FlashAttention backend (CUDA GPUs): the same virtual view of the pages as on the CPU.
 
-The layer's KV-cache spec is the CPU one (H_kv heads of head size P * d). This backend owns the interior of its
-blocks and reads each block's bytes head-major, as [H_kv, P * block_size, 2 * d]: virtual slot s * P + p holds the
-key (first d) and value (last d) of pseudo-token (n, p) of the token in slot s. That is FlashAttention's own layout
-for head size d and block size P * block_size, so the stock metadata builder and kernel run on it with the batch in
-virtual units (`attention.VirtualBatch`, built in the builder's persistent buffers: nothing is allocated in the
-forward, which a full CUDA graph may capture).
+The layer's KV-cache spec is the CPU one (H_kv heads of head size P * d). vLLM 0.32.0 hands each layer its pages as
+a logical [blocks, H_kv, block_size, 2 * P * d] tensor whose strides follow the KV-cache layout (token-major NHD by
+default, head-major HND), every block one dense page. This backend owns the interior of its blocks: it reads each
+block's bytes in their memory order as [H_kv, P * block_size, 2 * d], where virtual slot s * P + p holds the key
+(first d) and value (last d) of pseudo-token (n, p) of the token in slot s. Writing and reading both go through
+that one view, so which bytes of the block hold which pseudo-token never depends on the layout. It is
+FlashAttention's own layout for head size d and block size P * block_size, so the stock metadata builder and kernel
+run on it with the batch in virtual units (`attention.VirtualBatch`, built in the builder's persistent buffers:
+nothing is allocated in the forward, which a full CUDA graph may capture).
 
 Imported only on CUDA platforms (`attention.iha_attention_backend`). Written against vLLM 0.32.0's
 `flash_attn.FlashAttentionMetadataBuilder` and `FlashAttentionImpl`, and not run on a GPU yet: the GPU check's
@@ -15,6 +18,7 @@ vLLM step (docs/serving.md) is what records its equality with `generate()`.
 import dataclasses
 
 import torch
+from vllm.platforms import current_platform
 from vllm.v1.attention.backend import AttentionLayer, AttentionType, CommonAttentionMetadata, MultipleOf
 from vllm.v1.attention.backends.fa_utils import reshape_and_cache_flash
 from vllm.v1.attention.backends.flash_attn import (
@@ -30,12 +34,18 @@ from .attention import (
     VirtualBatch,
     num_pseudo_heads_of,
     refuse_unsupported_layer_settings,
+    virtual_flash_cache,
 )
 
 
 class IHAFlashAttentionMetadataBuilder(FlashAttentionMetadataBuilder):
     """FlashAttention's metadata builder on the virtual spec (head size d, P * block_size slots per block), fed the
     batch in virtual units."""
+
+    # vLLM reuses one group's metadata for another group of the same spec by swapping in that group's block table and
+    # slot mapping (`update_block_table`): the real slot mapping, where these layers read virtual slots. Every group
+    # builds its own.
+    supports_update_block_table: bool = False
 
     def __init__(self, kv_cache_spec: AttentionSpec, layer_names: list[str], vllm_config, device):
         num_pseudo = num_pseudo_heads_of(vllm_config)
@@ -47,6 +57,10 @@ class IHAFlashAttentionMetadataBuilder(FlashAttentionMetadataBuilder):
         )
         super().__init__(virtual_spec, layer_names, vllm_config, device)
         self.virtual_batch = VirtualBatch(vllm_config, device)
+        # `build` bounds the kernel's splits (so that a full CUDA graph keeps the buffers it captured) for batches of
+        # at most this many tokens, the largest batch a graph is captured for; it counts the virtual tokens here.
+        if self.max_cudagraph_size is not None:
+            self.max_cudagraph_size *= num_pseudo
 
     def build(
         self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata, fast_build: bool = False
@@ -54,18 +68,7 @@ class IHAFlashAttentionMetadataBuilder(FlashAttentionMetadataBuilder):
         return super().build(common_prefix_len, self.virtual_batch.of(common_attn_metadata), fast_build)
 
     def update_block_table(self, metadata, blk_table, slot_mapping):
-        raise NotImplementedError("IHA layers do not update block tables in place (speculative decoding).")
-
-
-def virtual_flash_cache(kv_cache: torch.Tensor, num_pseudo_heads: int) -> torch.Tensor:
-    """A layer's pages ([blocks, H_kv, block_size, 2 * P * d] in either vLLM layout, each block's bytes contiguous)
-    as FlashAttention's [blocks, H_kv, P * block_size, 2 * d] of the virtual slots."""
-    num_blocks, num_kv_heads, block_size, both_widths = kv_cache.shape
-    physical = kv_cache if kv_cache.is_contiguous() else kv_cache.transpose(1, 2)
-    if not physical.is_contiguous():
-        raise ValueError("IHA layers read whole KV-cache blocks; this cache layout splits them.")
-    head_dim = both_widths // (2 * num_pseudo_heads)
-    return physical.view(num_blocks, num_kv_heads, block_size * num_pseudo_heads, 2 * head_dim)
+        raise NotImplementedError("IHA layers build their metadata for every KV-cache group (virtual slots).")
 
 
 class IHAFlashAttentionImpl(FlashAttentionImpl):
@@ -89,10 +92,23 @@ class IHAFlashAttentionImpl(FlashAttentionImpl):
         refuse_unsupported_layer_settings(
             attn_type, alibi_slopes, sliding_window, logits_soft_cap, kv_sharing_target_layer_name
         )
+        # vLLM checks the GPU against a backend only where it chooses the backend itself; the IHA layers name theirs.
+        capability = current_platform.get_device_capability()
+        if capability is None or not FlashAttentionBackend.supports_compute_capability(capability):
+            found = "an unknown one" if capability is None else f"{capability.major}.{capability.minor}"
+            raise ValueError(
+                "IHA layers on CUDA run on vLLM's FlashAttention, which needs a GPU of compute capability 8.0 or newer "
+                f"(this one has {found}): serve it with transformers instead (`iha serve FOLDER --continuous_batching`)."
+            )
+        head_dim = head_size // num_pseudo_heads
+        if not FlashAttentionBackend.supports_head_size(head_dim):
+            raise ValueError(
+                f"head_dim {head_dim} is not a head size vLLM's FlashAttention takes on this GPU (multiples of 8 up to "
+                "256; 512 with FlashAttention 4): IHA layers attend with head size head_dim; serve it with "
+                "transformers instead (`iha serve FOLDER --continuous_batching`)."
+            )
         self.num_pseudo_heads = num_pseudo_heads
-        super().__init__(
-            num_heads, head_size // num_pseudo_heads, scale, num_kv_heads, None, None, kv_cache_dtype, None, attn_type
-        )
+        super().__init__(num_heads, head_dim, scale, num_kv_heads, None, None, kv_cache_dtype, None, attn_type)
 
     def forward(
         self,
@@ -106,6 +122,8 @@ class IHAFlashAttentionImpl(FlashAttentionImpl):
         output_scale: torch.Tensor | None = None,
         output_block_scale: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        if output_scale is not None or output_block_scale is not None:
+            raise NotImplementedError("IHA layers do not fuse output quantization into attention.")
         if attn_metadata is None:  # the profiling run
             return output.fill_(0)
         head_dim = self.head_size

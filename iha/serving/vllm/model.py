@@ -400,6 +400,9 @@ class IHAForCausalLM(nn.Module, SupportsPP):
             tensor_parallel_size=vllm_config.parallel_config.tensor_parallel_size,
             pipeline_parallel_size=vllm_config.parallel_config.pipeline_parallel_size,
             device_type=current_platform.device_type,
+            dtype=str(vllm_config.model_config.dtype).removeprefix("torch."),
+            decode_context_parallel_size=vllm_config.parallel_config.decode_context_parallel_size,
+            prefill_context_parallel_size=vllm_config.parallel_config.prefill_context_parallel_size,
         )
         if vllm_config.cache_config.cache_dtype != "auto":
             raise UnsupportedByVLLMError(

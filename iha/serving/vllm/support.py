@@ -16,6 +16,9 @@ STANDARD_SLIDING = "sliding_attention"
 # Head sizes vLLM's CPU paged-attention kernel takes (`CPUAttentionBackend.get_supported_head_sizes`, 0.32.0). An IHA
 # layer attends with head size d (its pseudo-keys are d wide), so d must be one of them.
 CPU_KERNEL_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
+# The dtypes vLLM's FlashAttention backend computes in (`FlashAttentionBackend.supported_dtypes`, 0.32.0): on CUDA
+# GPUs IHA layers run on it whatever the engine's dtype, so a float32 engine would stop in the kernel.
+FLASH_ATTENTION_DTYPES = ("float16", "bfloat16")
 
 # Config attribute (set with `hf_overrides={"iha_fold_mixing": False}`) that keeps the mixing explicit where folding
 # would be exact; the tests and the benchmark compare both paths.
@@ -62,8 +65,12 @@ def check_servable(
     tensor_parallel_size: int = 1,
     pipeline_parallel_size: int = 1,
     device_type: str = "cpu",
+    dtype: str | None = None,
+    decode_context_parallel_size: int = 1,
+    prefill_context_parallel_size: int = 1,
 ) -> None:
-    """Refuse, in one line, a folder or a setting whose IHA layers vLLM would not compute exactly."""
+    """Refuse, in one line, a folder or a setting whose IHA layers vLLM would not compute exactly (`dtype`: the
+    engine's, as torch names it without "torch.")."""
     model_type = getattr(config, "model_type", None)
     if model_type == "iha_gemma3":
         raise UnsupportedByVLLMError(
@@ -95,6 +102,11 @@ def check_servable(
             f"head_dim {head_dim} is not one vLLM's CPU attention kernel takes ({', '.join(map(str, CPU_KERNEL_HEAD_SIZES))}): "
             f"IHA layers attend with head size head_dim; {TRANSFORMERS_SERVING}."
         )
+    if iha_layers and device_type == "cuda" and dtype is not None and dtype not in FLASH_ATTENTION_DTYPES:
+        raise UnsupportedByVLLMError(
+            f"dtype {dtype} is not served on CUDA GPUs: IHA layers run on vLLM's FlashAttention backend, which "
+            f"computes in {' and '.join(FLASH_ATTENTION_DTYPES)} only; pass dtype='bfloat16' (or 'float16')."
+        )
     if iha_layers and tensor_parallel_size > 1 and getattr(config, "use_qk_norm", False):
         raise UnsupportedByVLLMError(
             "Tensor parallelism is not served for IHA models with per-head q/k norm (Qwen3): the norm comes before "
@@ -105,6 +117,11 @@ def check_servable(
         raise UnsupportedByVLLMError(
             f"Tensor parallelism needs the head mixing folded into the projections; `{FOLD_OVERRIDE}` is off. Leave "
             "it on, or use tensor_parallel_size=1."
+        )
+    if iha_layers and max(decode_context_parallel_size, prefill_context_parallel_size) > 1:
+        raise UnsupportedByVLLMError(
+            "Context parallelism is not served for IHA models: it deals a request's tokens out to ranks in whole "
+            "tokens, while an IHA layer's metadata counts the P pseudo-tokens of each; use tensor_parallel_size."
         )
     if pipeline_parallel_size > 1 and device_type == "cpu":
         raise UnsupportedByVLLMError(

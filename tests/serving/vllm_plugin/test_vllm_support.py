@@ -83,6 +83,20 @@ def test_head_sizes_the_cpu_kernel_lacks_are_refused_on_cpu_only():
     check_servable(config, device_type="cuda")
 
 
+def test_float32_is_refused_on_cuda_only():
+    """On CUDA the IHA layers run on FlashAttention, which has no float32 kernel; vLLM's CPU backend has one."""
+    message = refusal(vllm_config(), device_type="cuda", dtype="float32")
+    assert "dtype float32 is not served on CUDA GPUs" in message and "dtype='bfloat16'" in message
+    check_servable(vllm_config(), device_type="cuda", dtype="bfloat16")
+    check_servable(vllm_config(), device_type="cpu", dtype="float32")
+    check_servable(vllm_config(attention_types=["full_attention"] * 2), device_type="cuda", dtype="float32")
+
+
+def test_context_parallelism_is_refused():
+    assert "Context parallelism" in refusal(vllm_config(), device_type="cuda", decode_context_parallel_size=2)
+    assert "Context parallelism" in refusal(vllm_config(), device_type="cuda", prefill_context_parallel_size=2)
+
+
 def test_pipeline_parallelism_is_refused_on_cpu():
     assert "Pipeline parallelism" in refusal(vllm_config(), pipeline_parallel_size=2)
 

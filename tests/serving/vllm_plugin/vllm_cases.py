@@ -53,6 +53,11 @@ ENGINE_SETTINGS = dict(
     distributed_executor_backend="uni",
     seed=0,
 )
+# On a CUDA GPU the IHA layers run on vLLM's FlashAttention backend, which computes in bfloat16 and float16 only: the
+# engines there run in bfloat16 (and follow the float64 reference within bf16 rounding), each with a small share of
+# the GPU's memory and a 1 GiB KV cache (vLLM's default reserves 92% of the GPU for one engine, and the engines of a
+# test module start one after another in this process).
+CUDA_ENGINE_SETTINGS = dict(dtype="bfloat16", gpu_memory_utilization=0.2, kv_cache_memory_bytes=2**30)
 # Log-probabilities of vLLM's float32 engine against the float64 reference; of its bfloat16 engine (8 bits of
 # mantissa: 2^-8 relative error per rounding, over logits of a few units).
 LOGPROB_TOLERANCE = 1e-4
@@ -113,18 +118,34 @@ def reference_best_logprobs(model, prompt: list[int], generated: list[int]) -> l
     return torch.log_softmax(logits, dim=-1).max(dim=-1).values.tolist()
 
 
+def on_cuda_platform() -> bool:
+    """Whether vLLM runs on a CUDA GPU here (its CUDA build on a machine with one), rather than its CPU build."""
+    from vllm.platforms import current_platform
+
+    return current_platform.is_cuda()
+
+
+def engine_dtype() -> str:
+    """The dtype the engines run in unless a test says: float32 on vLLM's CPU backend, bfloat16 on a CUDA GPU."""
+    return CUDA_ENGINE_SETTINGS["dtype"] if on_cuda_platform() else ENGINE_SETTINGS["dtype"]
+
+
 @contextmanager
 def vllm_engine(folder: Path, **settings):
-    """`vllm.LLM(folder)` in this process with `ENGINE_SETTINGS` (overridden by `settings`); shut down after."""
+    """`vllm.LLM(folder)` in this process with `ENGINE_SETTINGS` (and `CUDA_ENGINE_SETTINGS` on a CUDA GPU),
+    overridden by `settings`; shut down after."""
     from vllm import LLM
 
-    llm = LLM(str(folder), **{**ENGINE_SETTINGS, **settings})
+    on_cuda = on_cuda_platform()
+    llm = LLM(str(folder), **{**ENGINE_SETTINGS, **(CUDA_ENGINE_SETTINGS if on_cuda else {}), **settings})
     try:
         yield llm
     finally:
         llm.llm_engine.engine_core.shutdown()
         del llm
         gc.collect()
+        if on_cuda:  # the next engine measures the GPU's free memory: give back what this one's tensors held
+            torch.cuda.empty_cache()
 
 
 def greedy(max_tokens: int, logprobs: int | None = None):
@@ -149,20 +170,23 @@ def run_batch(llm, prompts: list[list[int]], lengths: list[int], logprobs: int |
     return outputs
 
 
-def run_staggered(llm, prompts: list[list[int]], lengths: list[int], join_steps: list[int]) -> dict[int, list[int]]:
+def run_staggered(
+    llm, prompts: list[list[int]], lengths: list[int], join_steps: list[int], logprobs: int | None = None
+):
     """Requests that join a running engine at the given steps (and leave when their tokens are done): the engine
-    stepped by hand. Returns the new tokens of each request, by its index."""
+    stepped by hand. Returns the completion of each request (its `outputs[0]`: tokens, log-probabilities), by its
+    index."""
     engine = llm.llm_engine
-    generated: dict[int, list[int]] = {}
+    generated = {}
     pending = sorted(range(len(prompts)), key=lambda index: join_steps[index])
     step = 0
     while pending or engine.has_unfinished_requests():
         while pending and join_steps[pending[0]] <= step:
             index = pending.pop(0)
-            engine.add_request(str(index), tokens_prompt(prompts[index]), greedy(lengths[index]))
+            engine.add_request(str(index), tokens_prompt(prompts[index]), greedy(lengths[index], logprobs))
         for output in engine.step():
             if output.finished:
-                generated[int(output.request_id)] = list(output.outputs[0].token_ids)
+                generated[int(output.request_id)] = output.outputs[0]
         step += 1
     return generated
 
