@@ -294,7 +294,7 @@ def speed_by_round(row: dict, variant: str, clock: str) -> list[float]:
     the measurement's uncertainty."""
 
     def decode_times(name):
-        times = row["variants"][name]["times"][clock]
+        times = row["variants"][name].get("times", {}).get(clock, {"full": [], "first_token_run": []})
         return [full - first for full, first in zip(times["full"], times["first_token_run"])]
 
     return [base / iha for base, iha in zip(decode_times("base"), decode_times(variant))]
@@ -362,8 +362,9 @@ def markdown_report(meta: dict, rows: list[dict], kv_bytes: dict[str, int]) -> s
         lines.append(
             f"- {row['requests']} requests, folded: decode tok/s ratio {cpu['speed']:.2f} (wall {wall['speed']:.2f}) "
             f"against an inverse FLOP ratio of {1 / cpu['decode_flops']:.2f}: {cpu['speed_over_inverse_flops']:.2f} x "
-            f"(wall {wall['speed_over_inverse_flops']:.2f} x; {min(by_round):.2f} to {max(by_round):.2f} over the "
-            f"{len(by_round)} rounds) -> **{'met' if met else 'not met'}**"
+            f"(wall {wall['speed_over_inverse_flops']:.2f} x"
+            + (f"; {min(by_round):.2f} to {max(by_round):.2f} over the {len(by_round)} rounds" if by_round else "")
+            + f") -> **{'met' if met else 'not met'}**"
         )
     lines += [
         "",
