@@ -523,11 +523,17 @@ def fresh_machine_environment(folder: Path, **variables: str) -> dict:
     return {**environment, **variables}
 
 
+def health_says_ok(response) -> bool:
+    """`iha serve`'s /health: {"status": "ok"} (503 with another status while its engine is down)."""
+    return json.load(response).get("status") == "ok"
+
+
 def start_server(
-    command: list[str], cwd: Path, env: dict, log: Path, port: int, seconds: float, **popen
+    command: list[str], cwd: Path, env: dict, log: Path, port: int, seconds: float, healthy=health_says_ok, **popen
 ) -> subprocess.Popen:
-    """Start `command` (output to `log`) and wait until http://127.0.0.1:PORT/health says ok; AssertionError with the
-    log's end if it exits or does not answer within `seconds` (the process is stopped then)."""
+    """Start `command` (output to `log`) and wait until http://127.0.0.1:PORT/health is `healthy` (a response's
+    predicate); AssertionError with the log's end if it exits or does not answer within `seconds` (the process is
+    stopped then)."""
     with open(log, "w") as log_file:
         process = subprocess.Popen(
             command, cwd=cwd, env=env, stdout=log_file, stderr=subprocess.STDOUT, text=True, **popen
@@ -538,7 +544,7 @@ def start_server(
             raise AssertionError(f"{command} exited with {process.returncode}:\n{log.read_text()[-3000:]}")
         try:
             with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as response:
-                if json.load(response).get("status") == "ok":
+                if healthy(response):
                     return process
         except OSError:
             time.sleep(0.5)
@@ -546,17 +552,27 @@ def start_server(
     raise AssertionError(f"{command} did not answer /health within {seconds} s:\n{log.read_text()[-3000:]}")
 
 
-def stop_server(process: subprocess.Popen, seconds: float = 30, signum: int = signal.SIGTERM) -> bool:
+def stop_server(
+    process: subprocess.Popen, seconds: float = 30, signum: int = signal.SIGTERM, process_group: bool = False
+) -> bool:
     """`signum` (SIGTERM), then kill after `seconds`; whether it stopped on the signal (True also if it had already
-    exited)."""
+    exited). With `process_group`, both go to the process group of a server started in a session of its own
+    (`start_new_session=True`), so that its worker processes stop with it."""
     if process.poll() is not None:
         return True
-    process.send_signal(signum)
+
+    def send(signal_number: int) -> None:
+        if process_group:
+            os.killpg(process.pid, signal_number)
+        else:
+            process.send_signal(signal_number)
+
+    send(signum)
     try:
         process.wait(timeout=seconds)
         return True
     except subprocess.TimeoutExpired:
-        process.kill()
+        send(signal.SIGKILL)
         process.wait()
         return False
 

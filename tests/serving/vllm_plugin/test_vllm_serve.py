@@ -4,13 +4,7 @@ client, each answer's tokens compared with `generate()` on the same model, then 
 a `finally`). Bounded in count (3 + 2 requests of 8 tokens) and time."""
 
 import concurrent.futures
-import os
-import signal
-import subprocess
 import sys
-import time
-import urllib.request
-from pathlib import Path
 
 import pytest
 
@@ -18,7 +12,7 @@ import pytest
 pytest.importorskip("vllm")
 openai = pytest.importorskip("openai")
 
-from testing_utils import free_port  # noqa: E402
+from testing_utils import free_port, fresh_machine_environment, start_server, stop_server  # noqa: E402
 from vllm_cases import reference_greedy, reference_model, tiny_iha_folder, word_tokenizer  # noqa: E402
 
 
@@ -41,33 +35,9 @@ def served_folder(tmp_path_factory):
     return folder, tokenizer
 
 
-def wait_until_healthy(process: subprocess.Popen, port: int, log: Path, seconds: float) -> None:
-    deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise AssertionError(f"vllm serve exited with {process.returncode}:\n{log.read_text()[-4000:]}")
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as response:
-                if response.status == 200:
-                    return
-        except OSError:
-            time.sleep(1)
-    raise AssertionError(f"vllm serve did not answer /health within {seconds} s:\n{log.read_text()[-4000:]}")
-
-
-def stop(process: subprocess.Popen) -> bool:
-    """SIGTERM to the server's process group (it was started in a session of its own), killed after 60 s; whether
-    it stopped on SIGTERM."""
-    if process.poll() is not None:
-        return True
-    os.killpg(process.pid, signal.SIGTERM)
-    try:
-        process.wait(timeout=60)
-        return True
-    except subprocess.TimeoutExpired:
-        os.killpg(process.pid, signal.SIGKILL)
-        process.wait()
-        return False
+def answers_200(response) -> bool:
+    """vLLM's /health: 200 with an empty body once the engine is up."""
+    return response.status == 200
 
 
 @pytest.fixture(scope="module")
@@ -82,17 +52,16 @@ def server(served_folder, tmp_path_factory):
     command += ["--host", "127.0.0.1", "--port", str(port)]
     command += ["--dtype", "float32", "--enforce-eager", "--max-model-len", "256", "--max-num-seqs", "4"]
     command += ["--block-size", "32", "--served-model-name", "tiny-iha"]
-    environment = {**os.environ, "HOME": str(home), "HF_HOME": str(home / "hf"), "HF_HUB_OFFLINE": "1"}
     log = tmp_path_factory.mktemp("serve") / "server.log"
-    with open(log, "w") as log_file:
-        process = subprocess.Popen(
-            command, env=environment, stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True
-        )
+    # A session of its own, so that stopping it stops vLLM's engine process too.
+    process = start_server(
+        command, cwd=home, env=fresh_machine_environment(home), log=log, port=port, seconds=STARTUP_SECONDS,
+        healthy=answers_200, start_new_session=True,
+    )  # fmt: skip
     try:
-        wait_until_healthy(process, port, log, STARTUP_SECONDS)
         yield f"http://127.0.0.1:{port}/v1", log
     finally:
-        assert stop(process), "vllm serve did not stop within 60 s of SIGTERM"
+        assert stop_server(process, seconds=60, process_group=True), "vllm serve did not stop within 60 s of SIGTERM"
 
 
 @pytest.mark.slow
