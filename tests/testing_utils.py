@@ -666,3 +666,32 @@ class EventStream:
         if self.connection.sock is not None:
             self.connection.sock.shutdown(socket.SHUT_RDWR)
         self.connection.close()
+
+
+# An lm-eval multiple-choice task over a local JSONL file of {"question", "choices", "label"} rows; `doc_to_text` is
+# the prompt as lm-eval's Jinja template reads it.
+LM_EVAL_MULTIPLE_CHOICE_TASK = """\
+task: {name}
+dataset_path: json
+dataset_kwargs:
+  data_files:
+    test: {data_file}
+test_split: test
+output_type: multiple_choice
+doc_to_text: "{doc_to_text}"
+doc_to_choice: "{{{{choices}}}}"
+doc_to_target: "{{{{label}}}}"
+metric_list:
+  - metric: acc
+    aggregation: mean
+    higher_is_better: true
+"""
+
+
+def write_lm_eval_task(task_dir: Path, name: str, questions: list[dict], doc_to_text: str) -> None:
+    """`questions` as lm-eval task `name` in `task_dir` (pass `--include_path task_dir --tasks name`)."""
+    from iha.utils.atomic_files import write_jsonl_atomic
+
+    data_file = write_jsonl_atomic(questions, task_dir / "questions.jsonl")
+    task = LM_EVAL_MULTIPLE_CHOICE_TASK.format(name=name, data_file=data_file, doc_to_text=doc_to_text)
+    (task_dir / f"{name}.yaml").write_text(task)

@@ -15,33 +15,16 @@ import sys
 from pathlib import Path
 
 import pytest
-from testing_utils import tiny_llama_for_tokenizer
+from testing_utils import tiny_llama_for_tokenizer, write_lm_eval_task
 from transformers import AutoTokenizer
 
 from iha.conversion import llama_to_iha
 from iha.conversion.builtin import smollm2_dir
 from iha.data.gsm8k import gsm8k_final_answer
 from iha.data.messages import read_jsonl
-from iha.utils.atomic_files import write_jsonl_atomic
 
 
 TASK_NAME = "iha_local_gsm8k_mc"
-TASK_YAML = """\
-task: {name}
-dataset_path: json
-dataset_kwargs:
-  data_files:
-    test: {data_file}
-test_split: test
-output_type: multiple_choice
-doc_to_text: "Question: {{{{question}}}}\\nAnswer:"
-doc_to_choice: "{{{{choices}}}}"
-doc_to_target: "{{{{label}}}}"
-metric_list:
-  - metric: acc
-    aggregation: mean
-    higher_is_better: true
-"""
 
 
 def lm_eval_command() -> list[str]:
@@ -62,8 +45,7 @@ def write_task(task_dir: Path, shared_data: Path, num_questions: int = 6) -> Non
         label = index % 3  # the right answer is not always first
         choices[0], choices[label] = choices[label], choices[0]
         questions.append({"question": row["question"], "choices": choices, "label": label})
-    data_file = write_jsonl_atomic(questions, task_dir / "questions.jsonl")
-    (task_dir / f"{TASK_NAME}.yaml").write_text(TASK_YAML.format(name=TASK_NAME, data_file=data_file))
+    write_lm_eval_task(task_dir, TASK_NAME, questions, doc_to_text="Question: {{question}}\\nAnswer:")
 
 
 def run_lm_eval(model_dir: Path, task_dir: Path, output_dir: Path) -> tuple[dict, list[dict]]:

