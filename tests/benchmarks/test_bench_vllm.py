@@ -32,3 +32,12 @@ def test_the_rounds_pair_each_engine_with_the_same_round_of_the_base_model():
     assert ratios(row, "iha", "cpu")["speed_over_inverse_flops_by_round"] == [
         ratio * decode_flops for ratio in (0.5, 1.0, 2.0)
     ]
+
+
+def test_the_committed_attention_report_is_what_its_json_says():
+    from bench_vllm_attention import markdown_report as attention_report
+
+    run = json.loads((RESULTS / "vllm_attention.json").read_text())
+    assert attention_report(run["meta"], run["rows"]) == (RESULTS / "vllm_attention.md").read_text()
+    # The split is the plugin's way of calling the kernel: it computed what the whole requests did.
+    assert all(row["max_abs_split_minus_whole"] == 0.0 for row in run["rows"])

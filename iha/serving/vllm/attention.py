@@ -17,6 +17,8 @@ Backends: vLLM's CPU attention (`IHA_CPU_ATTN`, built on `CPU_ATTN`) and FlashAt
 `cpu_attn_*` custom ops, `flash_attn.FlashAttentionMetadataBuilder`): `support.TESTED_VLLM_RELEASES`.
 """
 
+from typing import NamedTuple
+
 import torch
 from vllm import _custom_ops as ops
 from vllm import envs
@@ -92,6 +94,46 @@ class VirtualBatch:
         )
 
 
+class KernelRequests(NamedTuple):
+    """The requests the CPU kernel is handed: query starts, sequence lengths and block table rows, one per request."""
+
+    query_start_loc: torch.Tensor
+    seq_lens: torch.Tensor
+    block_table: torch.Tensor
+    max_query_len: int
+
+
+def one_request_per_decoding_pseudo_query(
+    query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_table: torch.Tensor, num_pseudo_heads: int
+) -> KernelRequests:
+    """The virtual batch (query starts and sequence lengths already times P) with every decoding request's P
+    pseudo-queries handed to the kernel as P requests of one query each.
+
+    Pseudo-query p of a decoding request of virtual length L sees virtual positions 0 .. L - P + p under the flat
+    causal mask: it is a request of length L - (P - 1 - p) over the same pages (the same block table row), so the
+    split computes the same function. vLLM's CPU kernel runs one-query requests much faster than requests of a few
+    queries: handed over whole, a decoding step's attention took 1.9x the split's time at 32 requests and 1.4x at 8
+    (benchmarks/results/vllm_attention.md). Requests with more than one new token (prefill chunks) stay whole.
+    """
+    query_lens = query_start_loc[1:] - query_start_loc[:-1]
+    decoding = query_lens == num_pseudo_heads
+    requests_each = torch.where(decoding, num_pseudo_heads, 1)
+    request_of = torch.repeat_interleave(torch.arange(len(query_lens), device=query_lens.device), requests_each)
+    first_of_request = torch.cumsum(requests_each, 0) - requests_each
+    pseudo_index = torch.arange(len(request_of), device=query_lens.device) - first_of_request[request_of]
+    split = decoding[request_of]
+    kernel_query_lens = torch.where(split, 1, query_lens[request_of])
+    kernel_seq_lens = seq_lens[request_of] - torch.where(split, num_pseudo_heads - 1 - pseudo_index, 0)
+    kernel_query_start_loc = torch.zeros(len(request_of) + 1, dtype=query_start_loc.dtype, device=query_lens.device)
+    torch.cumsum(kernel_query_lens, 0, out=kernel_query_start_loc[1:])
+    return KernelRequests(
+        query_start_loc=kernel_query_start_loc,
+        seq_lens=kernel_seq_lens.to(seq_lens.dtype),
+        block_table=block_table[request_of],
+        max_query_len=int(kernel_query_lens.max()) if len(request_of) else 0,
+    )
+
+
 class IHACPUAttentionMetadataBuilder(AttentionMetadataBuilder[CPUAttentionMetadata]):
     """The CPU backend's metadata in virtual units: P queries and P keys per token, P * block_size slots per block."""
 
@@ -115,14 +157,17 @@ class IHACPUAttentionMetadataBuilder(AttentionMetadataBuilder[CPUAttentionMetada
         self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata, fast_build: bool = False
     ) -> CPUAttentionMetadata:
         virtual = self.virtual_batch.of(common_attn_metadata)
+        requests = one_request_per_decoding_pseudo_query(
+            virtual.query_start_loc, virtual.seq_lens, virtual.block_table_tensor, self.virtual_batch.num_pseudo_heads
+        )
         scheduler_metadata = ops.cpu_attn_get_scheduler_metadata(
-            num_reqs=virtual.num_reqs,
+            num_reqs=len(requests.seq_lens),
             num_heads=self.num_heads,
             num_kv_heads=self.num_kv_heads,
             head_dim=self.head_dim,
-            seq_lens=virtual.seq_lens,
+            seq_lens=requests.seq_lens,
             dtype=self.dtype,
-            query_start_loc=virtual.query_start_loc,
+            query_start_loc=requests.query_start_loc,
             causal=True,
             sliding_window_size=-1,
             isa=self.isa,
@@ -131,11 +176,11 @@ class IHACPUAttentionMetadataBuilder(AttentionMetadataBuilder[CPUAttentionMetada
         )
         return CPUAttentionMetadata(
             num_actual_tokens=virtual.num_actual_tokens,
-            max_query_len=virtual.max_query_len,
-            query_start_loc=virtual.query_start_loc,
+            max_query_len=requests.max_query_len,
+            query_start_loc=requests.query_start_loc,
             max_seq_len=virtual.max_seq_len,
-            seq_lens=virtual.seq_lens,
-            block_table=virtual.block_table_tensor,
+            seq_lens=requests.seq_lens,
+            block_table=requests.block_table,
             slot_mapping=virtual.slot_mapping[: virtual.num_actual_tokens],
             scheduler_metadata=scheduler_metadata,
             causal=True,

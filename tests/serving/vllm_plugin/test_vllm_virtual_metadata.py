@@ -3,9 +3,11 @@ units (`attention.VirtualBatch`) and FlashAttention's view of the pages as virtu
 The FlashAttention backend itself imports only on a CUDA GPU (the GPU check's vllm step runs it); these run on any
 vLLM build."""
 
+import sys
 from types import SimpleNamespace
 
 import pytest
+from testing_utils import REPO_ROOT
 
 
 pytest.importorskip("vllm")
@@ -13,7 +15,15 @@ pytest.importorskip("vllm")
 import torch  # noqa: E402
 from vllm.v1.attention.backend import CommonAttentionMetadata  # noqa: E402
 
-from iha.serving.vllm.attention import VirtualBatch, virtual_flash_cache  # noqa: E402
+from iha.serving.vllm.attention import (  # noqa: E402
+    VirtualBatch,
+    one_request_per_decoding_pseudo_query,
+    virtual_flash_cache,
+)
+
+
+sys.path.insert(0, str(REPO_ROOT / "benchmarks"))
+from bench_vllm_attention import PagedAttention, write_pages  # noqa: E402
 
 
 BLOCK_SIZE = 32
@@ -100,6 +110,74 @@ def test_the_buffers_stay_where_a_cuda_graph_recorded_them():
     second = batches.of(batch([2], [9], [[3, 0]]))
     assert [second.query_start_loc.data_ptr(), second.seq_lens.data_ptr(), second.slot_mapping.data_ptr()] == pointers
     assert second.slot_mapping.tolist() == [3 * 64 + 14, 3 * 64 + 15, 3 * 64 + 16, 3 * 64 + 17]
+
+
+def test_each_decoding_pseudo_query_is_a_request_of_its_own():
+    """At P = 3: request 0 decodes (its 6th token), request 1 prefills 3 tokens, request 2 decodes its 33rd token.
+    The decoding requests' pseudo-queries become requests of one query, seeing one more virtual position each."""
+    virtual = virtual_batch(3).of(batch([1, 3, 1], [6, 40, 33], [[1, 0], [4, 7], [5, 3]]))
+    requests = one_request_per_decoding_pseudo_query(
+        virtual.query_start_loc, virtual.seq_lens, virtual.block_table_tensor, 3
+    )
+    assert requests.query_start_loc.tolist() == [0, 1, 2, 3, 12, 13, 14, 15]
+    assert requests.seq_lens.tolist() == [16, 17, 18, 120, 97, 98, 99]
+    assert requests.block_table.tolist() == [[1, 0]] * 3 + [[4, 7]] + [[5, 3]] * 3
+    assert requests.max_query_len == 9
+    assert requests.query_start_loc.dtype == requests.seq_lens.dtype == torch.int32
+
+
+def test_a_batch_without_decoding_requests_stays_as_it_is():
+    virtual = virtual_batch(2).of(batch([2, 3], [9, 40], [[3, 0], [4, 7]]))
+    requests = one_request_per_decoding_pseudo_query(
+        virtual.query_start_loc, virtual.seq_lens, virtual.block_table_tensor, 2
+    )
+    assert torch.equal(requests.query_start_loc, virtual.query_start_loc)
+    assert torch.equal(requests.seq_lens, virtual.seq_lens)
+    assert torch.equal(requests.block_table, virtual.block_table_tensor)
+
+
+@pytest.mark.parametrize("num_pseudo_heads", [2, 3])
+def test_the_kernel_computes_the_same_attention_split_or_whole(num_pseudo_heads):
+    """vLLM's CPU kernel on random float32 keys and values: the decoding requests' pseudo-queries as requests of
+    their own give the outputs of the whole requests, and both are softmax attention over the flat causal virtual
+    past."""
+    if not hasattr(torch.ops._C, "cpu_attention_with_kv_cache"):
+        pytest.skip("vLLM's CPU attention kernel is in vLLM's CPU build only")
+    generator = torch.Generator().manual_seed(0)
+    num_heads, num_kv_heads, head_dim = 4, 2, 32
+    virtual_block = BLOCK_SIZE * num_pseudo_heads
+    real = batch([1, 3, 1], [6, 40, 33], [[1, 0], [4, 7], [5, 3]])
+    virtual = virtual_batch(num_pseudo_heads).of(real)
+    starts, lengths = virtual.query_start_loc.tolist(), virtual.seq_lens.tolist()
+    key_cache = torch.zeros(8, num_kv_heads, virtual_block, head_dim)
+    value_cache = torch.zeros_like(key_cache)
+    past = {}  # each request's keys and values at its virtual positions
+    for request, blocks in enumerate(real.block_table_tensor.tolist()):
+        keys, values = (torch.randn(lengths[request], num_kv_heads, head_dim, generator=generator) for _ in "kv")
+        slots = torch.tensor([blocks[v // virtual_block] * virtual_block + v % virtual_block for v in range(len(keys))])
+        write_pages(keys, values, slots, key_cache, value_cache)
+        past[request] = keys, values
+    query = torch.randn(virtual.num_actual_tokens, num_heads, head_dim, generator=generator)
+    whole = PagedAttention(
+        query, key_cache, value_cache, virtual.query_start_loc, virtual.seq_lens, real.block_table_tensor
+    )()
+    requests = one_request_per_decoding_pseudo_query(
+        virtual.query_start_loc, virtual.seq_lens, virtual.block_table_tensor, num_pseudo_heads
+    )
+    split = PagedAttention(
+        query, key_cache, value_cache, requests.query_start_loc, requests.seq_lens, requests.block_table
+    )()
+    assert len(requests.seq_lens) == len(virtual.seq_lens) + 2 * (num_pseudo_heads - 1)
+    # The reference: each virtual query against the virtual positions up to its own.
+    for request, (keys, values) in past.items():
+        num_queries = starts[request + 1] - starts[request]
+        for query_index in range(num_queries):
+            visible = lengths[request] - num_queries + query_index + 1
+            row = query[starts[request] + query_index].view(num_kv_heads, -1, head_dim)
+            scores = row @ keys[:visible].transpose(0, 1).transpose(1, 2) * head_dim**-0.5
+            expected = (torch.softmax(scores, dim=-1) @ values[:visible].transpose(0, 1)).reshape(num_heads, head_dim)
+            torch.testing.assert_close(whole[starts[request] + query_index], expected, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(split, whole, rtol=1e-6, atol=1e-6)
 
 
 def test_a_batch_with_another_mask_is_refused():
