@@ -55,6 +55,7 @@ from iha.utils.atomic_files import write_text_atomic  # noqa: E402
 
 
 TARGET = 0.8
+PROMPT_LENGTHS = [96, 160, 224, 288, 352, 416, 480, 544]
 # The quick run's shape: head_dim 32, a head size vLLM's CPU kernel takes.
 QUICK_VLLM_SHAPE = dict(
     vocab_size=256,
@@ -84,7 +85,7 @@ def parse_args(argv=None):
         "--prompt-lengths",
         type=int,
         nargs="+",
-        default=[96, 160, 224, 288, 352, 416, 480, 544],
+        default=PROMPT_LENGTHS,
         help="prompt lengths, repeated to the number of requests",
     )
     parser.add_argument("--decode-tokens", type=int, default=32)

@@ -32,6 +32,7 @@ import torch  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_common import RESULTS_DIR  # noqa: E402
+from bench_vllm import PROMPT_LENGTHS  # noqa: E402
 
 from iha.cli.arguments import ArgumentParser  # noqa: E402
 from iha.utils.atomic_files import write_text_atomic  # noqa: E402
@@ -41,7 +42,7 @@ def parse_args(argv=None):
     parser = ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="few requests and calls: a smoke run")
     parser.add_argument("--requests", type=int, nargs="+", default=[8, 32])
-    parser.add_argument("--prompt-lengths", type=int, nargs="+", default=[96, 160, 224, 288, 352, 416, 480, 544])
+    parser.add_argument("--prompt-lengths", type=int, nargs="+", default=PROMPT_LENGTHS)
     parser.add_argument("--decoded", type=int, default=16, help="tokens decoded so far, added to every prompt")
     parser.add_argument("--pseudo-heads", type=int, default=2)
     parser.add_argument("--heads", type=int, default=9)
@@ -80,47 +81,23 @@ def write_pages(keys: torch.Tensor, values: torch.Tensor, slots: torch.Tensor, k
 
 
 class PagedAttention:
-    """One causal (bottom-right) call of vLLM's CPU paged attention over given pages and requests, its schedule made
-    once, as the backend's metadata builder makes it once per step."""
+    """One call of the plugin's CPU kernel path (`iha.serving.vllm.attention`) over given pages and requests, its
+    schedule made once, as the backend's metadata builder makes it once per step."""
 
     def __init__(self, query, key_cache, value_cache, query_start_loc, seq_lens, block_table):
-        from vllm import _custom_ops as ops
+        from iha.serving.vllm.attention import KernelRequests, cpu_kernel_schedule
 
-        self.ops = ops
         num_heads, head_dim = query.shape[1], query.shape[2]
-        self.isa = kernel_isa(query.dtype, key_cache.shape[2], head_dim)
-        self.inputs = dict(
-            query=query,
-            key_cache=key_cache,
-            value_cache=value_cache,
-            output=torch.empty_like(query),
-            query_start_loc=query_start_loc,
-            seq_lens=seq_lens,
-            scale=head_dim**-0.5,
-            causal=True,
-            alibi_slopes=None,
-            sliding_window=-1,
-            block_table=block_table,
-            softcap=0.0,
-            s_aux=None,
-        )
-        self.inputs["scheduler_metadata"] = ops.cpu_attn_get_scheduler_metadata(
-            num_reqs=len(seq_lens),
-            num_heads=num_heads,
-            num_kv_heads=key_cache.shape[1],
-            head_dim=head_dim,
-            seq_lens=seq_lens,
-            dtype=query.dtype,
-            query_start_loc=query_start_loc,
-            causal=True,
-            sliding_window_size=-1,
-            isa=self.isa,
-            enable_kv_split=False,
-        )
+        isa = kernel_isa(query.dtype, key_cache.shape[2], head_dim)
+        self.requests = KernelRequests(query_start_loc, seq_lens, block_table, 0)
+        self.pages = query, key_cache, value_cache, torch.empty_like(query)
+        self.scale = head_dim**-0.5
+        self.schedule = cpu_kernel_schedule(self.requests, num_heads, key_cache.shape[1], head_dim, query.dtype, isa)
 
     def __call__(self) -> torch.Tensor:
-        self.ops.cpu_attention_with_kv_cache(**self.inputs)
-        return self.inputs["output"]
+        from iha.serving.vllm.attention import cpu_causal_paged_attention
+
+        return cpu_causal_paged_attention(*self.pages, self.requests, self.schedule, self.scale)
 
 
 def decoding_layer(args, contexts: list[int], num_pseudo_heads: int, generator):
@@ -182,21 +159,26 @@ def measure(args) -> list[dict]:
             for split, whole in zip(cases["iha_split"](), cases["iha_whole"]())
         )
         seconds = {name: [] for name in cases}
+        wall_seconds = {name: [] for name in cases}
         names = list(cases)
         for round_index in range(args.rounds):
             for name in names if round_index % 2 == 0 else names[::-1]:
                 cases[name]()  # warm-up
-                start = time.process_time()
+                start, start_wall = time.process_time(), time.perf_counter()
                 for _ in range(args.calls):
                     cases[name]()
                 seconds[name].append((time.process_time() - start) / args.calls)
+                wall_seconds[name].append((time.perf_counter() - start_wall) / args.calls)
         medians = {name: statistics.median(times) for name, times in seconds.items()}
+        wall_medians = {name: statistics.median(times) for name, times in wall_seconds.items()}
         rows.append(
             {
                 "requests": num_requests,
                 "contexts": contexts,
                 "seconds_per_step": seconds,
                 "median_seconds_per_step": medians,
+                "wall_seconds_per_step": wall_seconds,
+                "median_wall_seconds_per_step": wall_medians,
                 "max_abs_split_minus_whole": difference,
             }
         )
@@ -228,31 +210,35 @@ def markdown_report(meta: dict, rows: list[dict]) -> str:
         f"Contexts: the prompt lengths of benchmarks/bench_vllm.py plus {meta['decoded']} decoded tokens, repeated to "
         "the number of requests.  ",
         f"Times: one decoding step's attention, a kernel call on each of {meta['layers']} layers' pages; medians over "
-        f"{meta['rounds']} rounds (cases in turn) of the mean CPU time of {meta['calls']} steps. "
-        + meta["machine_note"],
+        f"{meta['rounds']} rounds (cases in turn) of the mean CPU time of {meta['calls']} steps (the wall clock's "
+        "split / whole beside it). " + meta["machine_note"],
         "",
         f"IHA's attention does P^2 = {num_pseudo**2}x the base layer's work over P = {num_pseudo}x its KV bytes. "
-        "*Whole* hands the kernel P queries per request (its causal-prefill path); *split* hands it each "
-        "pseudo-query as a request of one query with the virtual length it may see (its decode path), which is how "
-        "the plugin calls it (`iha.serving.vllm.attention.one_request_per_decoding_pseudo_query`).",
+        "*Whole* hands the kernel P queries per request; *split* hands it each pseudo-query as a request of one "
+        "query with the virtual length it may see, which is how the plugin calls it "
+        "(`iha.serving.vllm.attention.one_request_per_decoding_pseudo_query`), through the plugin's own schedule "
+        "and kernel call (vLLM's `VLLM_CPU_ATTN_SPLIT_KV` as set: "
+        f"{meta['split_kv']}).",
         "",
         "| requests | base us / step | IHA whole us (x base) | IHA split us (x base) | split / whole (rounds) | "
-        "max abs split - whole |",
-        "|---|---|---|---|---|---|",
+        "split / whole, wall clock | max abs split - whole |",
+        "|---|---|---|---|---|---|---|",
     ]
     for row in rows:
         medians = row["median_seconds_per_step"]
         base, whole, split = (medians[name] for name in ("base", "iha_whole", "iha_split"))
+        wall = row["median_wall_seconds_per_step"]
         low, high = spread(row, "iha_split", over="iha_whole")
         lines.append(
             f"| {row['requests']} | {base * 1e6:.0f} | {whole * 1e6:.0f} ({whole / base:.2f}) | "
             f"{split * 1e6:.0f} ({split / base:.2f}) | {split / whole:.2f} ({low:.2f} to {high:.2f}) | "
-            f"{row['max_abs_split_minus_whole']:.1e} |"
+            f"{wall['iha_split'] / wall['iha_whole']:.2f} | {row['max_abs_split_minus_whole']:.1e} |"
         )
     lines += [
         "",
         "The split computes the same attention (last column: the largest difference of any output element between "
-        "the two). On a CUDA GPU the plugin runs FlashAttention instead, which hands over whole requests; this "
+        "the two; zero where the kernel keeps every request's keys on one thread, within the dtype's rounding where "
+        "it splits them). On a CUDA GPU the plugin runs FlashAttention instead, which hands over whole requests; this "
         "benchmark does not measure it.",
         "",
     ]
@@ -263,6 +249,7 @@ def main(argv=None):
     args = parse_args(argv)
     torch.cpu._init_amx()  # the AMX kernel variant needs the process's permission to use AMX tiles
     import vllm
+    from vllm import envs
 
     dtype = getattr(torch, args.dtype)
     meta = {
@@ -275,6 +262,7 @@ def main(argv=None):
         "isa": kernel_isa(dtype, args.block_size, args.head_dim),
         "isa_iha": kernel_isa(dtype, args.block_size * args.pseudo_heads, args.head_dim),
         "machine_note": args.machine_note,
+        "split_kv": bool(envs.VLLM_CPU_ATTN_SPLIT_KV),
         **{key: getattr(args, key) for key in ("pseudo_heads", "heads", "kv_heads", "head_dim", "block_size")},
         **{key: getattr(args, key) for key in ("decoded", "layers", "rounds", "calls")},
     }

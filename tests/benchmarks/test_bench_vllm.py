@@ -39,5 +39,6 @@ def test_the_committed_attention_report_is_what_its_json_says():
 
     run = json.loads((RESULTS / "vllm_attention.json").read_text())
     assert attention_report(run["meta"], run["rows"]) == (RESULTS / "vllm_attention.md").read_text()
-    # The split is the plugin's way of calling the kernel: it computed what the whole requests did.
-    assert all(row["max_abs_split_minus_whole"] == 0.0 for row in run["rows"])
+    # The split is the plugin's way of calling the kernel: it computed what the whole requests did, to bf16 rounding
+    # (2^-8 relative) of outputs of size ~1.
+    assert all(row["max_abs_split_minus_whole"] <= 2**-6 for row in run["rows"])

@@ -6,7 +6,9 @@ The backends here read the same pages as P * block_size slots of width d: pseudo
 s sits at virtual slot s * P + p, which is the token-major interleave itself. One stock paged-attention call per
 layer, with query starts and sequence lengths times P and `causal=True`, then computes IHA's flat causal mask
 exactly (the kernels align causal masks to the bottom right, so a chunk's virtual queries see the request's whole
-virtual past): chunked prefill and decoding alike.
+virtual past): chunked prefill and decoding alike. On the CPU kernel a decoding request's P pseudo-queries go as
+P requests of one query each (`one_request_per_decoding_pseudo_query`): the same mask, on the kernel's faster
+one-query path.
 
 The virtual metadata (lengths, slot mapping and kernel schedule in virtual units) is built once per step by the
 backends' metadata builders, never inside the layer's forward: the forward only reshapes its inputs, which keeps it
@@ -106,22 +108,23 @@ class KernelRequests(NamedTuple):
 def one_request_per_decoding_pseudo_query(
     query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_table: torch.Tensor, num_pseudo_heads: int
 ) -> KernelRequests:
-    """The virtual batch (query starts and sequence lengths already times P) with every decoding request's P
-    pseudo-queries handed to the kernel as P requests of one query each.
+    """The virtual batch (query starts and sequence lengths already times P) with the P pseudo-queries of every
+    request with one new token (a decoding step, or a prefill chunk of one token) handed to the kernel as P requests
+    of one query each.
 
-    Pseudo-query p of a decoding request of virtual length L sees virtual positions 0 .. L - P + p under the flat
-    causal mask: it is a request of length L - (P - 1 - p) over the same pages (the same block table row), so the
-    split computes the same function. vLLM's CPU kernel runs one-query requests much faster than requests of a few
-    queries: handed over whole, a decoding step's attention took 1.9x the split's time at 32 requests and 1.4x at 8
-    (benchmarks/results/vllm_attention.md). Requests with more than one new token (prefill chunks) stay whole.
+    Pseudo-query p of such a request of virtual length L sees virtual positions 0 .. L - P + p under the flat causal
+    mask: it is a request of length L - (P - 1 - p) over the same pages (the same block table row), so the split
+    computes the same function. vLLM's CPU kernel runs one-query requests faster than requests of a few queries
+    (benchmarks/results/vllm_attention.md measures a decoding step both ways). Requests with more new tokens (prefill
+    chunks, speculative decoding's drafts) stay whole.
     """
     query_lens = query_start_loc[1:] - query_start_loc[:-1]
-    decoding = query_lens == num_pseudo_heads
-    requests_each = torch.where(decoding, num_pseudo_heads, 1)
+    one_new_token = query_lens == num_pseudo_heads
+    requests_each = torch.where(one_new_token, num_pseudo_heads, 1)
     request_of = torch.repeat_interleave(torch.arange(len(query_lens), device=query_lens.device), requests_each)
     first_of_request = torch.cumsum(requests_each, 0) - requests_each
     pseudo_index = torch.arange(len(request_of), device=query_lens.device) - first_of_request[request_of]
-    split = decoding[request_of]
+    split = one_new_token[request_of]
     kernel_query_lens = torch.where(split, 1, query_lens[request_of])
     kernel_seq_lens = seq_lens[request_of] - torch.where(split, num_pseudo_heads - 1 - pseudo_index, 0)
     kernel_query_start_loc = torch.zeros(len(request_of) + 1, dtype=query_start_loc.dtype, device=query_lens.device)
@@ -132,6 +135,70 @@ def one_request_per_decoding_pseudo_query(
         block_table=block_table[request_of],
         max_query_len=int(kernel_query_lens.max()) if len(request_of) else 0,
     )
+
+
+def cpu_kernel_schedule(
+    requests: KernelRequests,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    dtype: torch.dtype,
+    isa: str,
+    kv_cache_dtype: str = "auto",
+) -> torch.Tensor:
+    """The CPU kernel's work schedule for these requests under the causal mask, made once per step (vLLM's
+    `VLLM_CPU_ATTN_SPLIT_KV` decides, as for its own layers, whether a long one-query request's keys are split over
+    threads)."""
+    return ops.cpu_attn_get_scheduler_metadata(
+        num_reqs=len(requests.seq_lens),
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        seq_lens=requests.seq_lens,
+        dtype=dtype,
+        query_start_loc=requests.query_start_loc,
+        causal=True,
+        sliding_window_size=-1,
+        isa=isa,
+        enable_kv_split=envs.VLLM_CPU_ATTN_SPLIT_KV,
+        kv_cache_dtype=kv_cache_dtype,
+    )
+
+
+def cpu_causal_paged_attention(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    output: torch.Tensor,
+    requests: KernelRequests,
+    scheduler_metadata: torch.Tensor,
+    scale: float,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
+    kv_cache_dtype: str = "auto",
+) -> torch.Tensor:
+    """The CPU kernel over the virtual slots: queries [virtual tokens, heads, d] against pages [blocks, kv heads,
+    P * block_size, d], the causal mask aligned to the bottom right of every request; writes `output`."""
+    ops.cpu_attention_with_kv_cache(
+        query=query,
+        key_cache=key_cache,
+        value_cache=value_cache,
+        output=output,
+        query_start_loc=requests.query_start_loc,
+        seq_lens=requests.seq_lens,
+        scale=scale,
+        causal=True,
+        alibi_slopes=None,
+        sliding_window=-1,
+        block_table=requests.block_table,
+        softcap=0.0,
+        scheduler_metadata=scheduler_metadata,
+        s_aux=None,
+        k_scale=k_scale,
+        v_scale=v_scale,
+        kv_cache_dtype=kv_cache_dtype,
+    )
+    return output
 
 
 class IHACPUAttentionMetadataBuilder(AttentionMetadataBuilder[CPUAttentionMetadata]):
@@ -160,19 +227,8 @@ class IHACPUAttentionMetadataBuilder(AttentionMetadataBuilder[CPUAttentionMetada
         requests = one_request_per_decoding_pseudo_query(
             virtual.query_start_loc, virtual.seq_lens, virtual.block_table_tensor, self.virtual_batch.num_pseudo_heads
         )
-        scheduler_metadata = ops.cpu_attn_get_scheduler_metadata(
-            num_reqs=len(requests.seq_lens),
-            num_heads=self.num_heads,
-            num_kv_heads=self.num_kv_heads,
-            head_dim=self.head_dim,
-            seq_lens=requests.seq_lens,
-            dtype=self.dtype,
-            query_start_loc=requests.query_start_loc,
-            causal=True,
-            sliding_window_size=-1,
-            isa=self.isa,
-            enable_kv_split=envs.VLLM_CPU_ATTN_SPLIT_KV,
-            kv_cache_dtype=self.kv_cache_dtype,
+        scheduler_metadata = cpu_kernel_schedule(
+            requests, self.num_heads, self.num_kv_heads, self.head_dim, self.dtype, self.isa, self.kv_cache_dtype
         )
         return CPUAttentionMetadata(
             num_actual_tokens=virtual.num_actual_tokens,
@@ -295,21 +351,20 @@ class IHACPUAttentionImpl(AttentionImpl[CPUAttentionMetadata]):
             v_scale=layer._v_scale_float,
             kv_cache_dtype=self.kv_cache_dtype,
         )
-        ops.cpu_attention_with_kv_cache(
-            query=virtual_query,
-            key_cache=key_cache,
-            value_cache=value_cache,
-            output=virtual_output,
-            query_start_loc=attn_metadata.query_start_loc,
-            seq_lens=attn_metadata.seq_lens,
-            scale=self.scale,
-            causal=True,
-            alibi_slopes=None,
-            sliding_window=-1,
-            block_table=attn_metadata.block_table,
-            softcap=0.0,
-            scheduler_metadata=attn_metadata.scheduler_metadata,
-            s_aux=None,
+        requests = KernelRequests(
+            attn_metadata.query_start_loc,
+            attn_metadata.seq_lens,
+            attn_metadata.block_table,
+            attn_metadata.max_query_len,
+        )
+        cpu_causal_paged_attention(
+            virtual_query,
+            key_cache,
+            value_cache,
+            virtual_output,
+            requests,
+            attn_metadata.scheduler_metadata,
+            self.scale,
             k_scale=layer._k_scale_float,
             v_scale=layer._v_scale_float,
             kv_cache_dtype=self.kv_cache_dtype,
