@@ -89,7 +89,7 @@ class PagedAttention:
 
         num_heads, head_dim = query.shape[1], query.shape[2]
         isa = kernel_isa(query.dtype, key_cache.shape[2], head_dim)
-        self.requests = KernelRequests(query_start_loc, seq_lens, block_table, 0)
+        self.requests = KernelRequests(query_start_loc, seq_lens, block_table)
         self.pages = query, key_cache, value_cache, torch.empty_like(query)
         self.scale = head_dim**-0.5
         self.schedule = cpu_kernel_schedule(self.requests, num_heads, key_cache.shape[1], head_dim, query.dtype, isa)

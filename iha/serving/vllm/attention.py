@@ -102,7 +102,11 @@ class KernelRequests(NamedTuple):
     query_start_loc: torch.Tensor
     seq_lens: torch.Tensor
     block_table: torch.Tensor
-    max_query_len: int
+
+    @property
+    def max_query_len(self) -> int:
+        query_lens = self.query_start_loc[1:] - self.query_start_loc[:-1]
+        return int(query_lens.max()) if len(query_lens) else 0
 
 
 def one_request_per_decoding_pseudo_query(
@@ -133,7 +137,6 @@ def one_request_per_decoding_pseudo_query(
         query_start_loc=kernel_query_start_loc,
         seq_lens=kernel_seq_lens.to(seq_lens.dtype),
         block_table=block_table[request_of],
-        max_query_len=int(kernel_query_lens.max()) if len(request_of) else 0,
     )
 
 
@@ -351,12 +354,7 @@ class IHACPUAttentionImpl(AttentionImpl[CPUAttentionMetadata]):
             v_scale=layer._v_scale_float,
             kv_cache_dtype=self.kv_cache_dtype,
         )
-        requests = KernelRequests(
-            attn_metadata.query_start_loc,
-            attn_metadata.seq_lens,
-            attn_metadata.block_table,
-            attn_metadata.max_query_len,
-        )
+        requests = KernelRequests(attn_metadata.query_start_loc, attn_metadata.seq_lens, attn_metadata.block_table)
         cpu_causal_paged_attention(
             virtual_query,
             key_cache,
