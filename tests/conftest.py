@@ -33,7 +33,7 @@ if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):
         os.environ["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // workers))
     torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
-from testing_utils import SHARED_DATA, Precision, start_process, tiny_llama_for_tokenizer  # noqa: E402
+from testing_utils import TEST_DATA, Precision, start_process, tiny_llama_for_tokenizer  # noqa: E402
 
 from iha.cli.arguments import option_spellings  # noqa: E402
 
@@ -86,10 +86,9 @@ def tiny_results():
 
 
 @pytest.fixture
-def shared_data() -> Path:
-    if not SHARED_DATA.is_dir():
-        pytest.skip(f"benchmark data not found at {SHARED_DATA}")
-    return SHARED_DATA
+def test_data() -> Path:
+    """The repository's GSM8K and MATH-500 rows (tests/fixtures/data)."""
+    return TEST_DATA
 
 
 @pytest.fixture

@@ -43,9 +43,9 @@ TESTS_DIR = Path(__file__).resolve().parent
 REPO_ROOT = TESTS_DIR.parent
 
 
-# The benchmark data beside the checkout (../shared/data), or where IHA_SHARED_DATA points (the GPU check carries a
-# copy of the rows the tests read to a machine that has the checkout alone).
-SHARED_DATA = Path(os.environ.get("IHA_SHARED_DATA") or REPO_ROOT.parent / "shared" / "data")
+# A few hundred rows of GSM8K and MATH-500 inside the repository (tests/fixtures/data/README.md says which): the tests
+# read nothing outside it.
+TEST_DATA = TESTS_DIR / "fixtures" / "data"
 
 
 TINY = dict(
@@ -416,7 +416,7 @@ def finish(process: subprocess.Popen) -> tuple[str, str]:
     return process.communicate(timeout=LIMIT_S)
 
 
-GSM8K_TRAIN = SHARED_DATA / "gsm8k" / "train.jsonl"
+GSM8K_TRAIN = TEST_DATA / "gsm8k" / "train.jsonl"
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 # `iha-sft` flags of a short test run: a loss every step, no trackers, checkpoints or progress bars.
 QUIET_RUN_FLAGS = ["--logging_steps", "1", "--report_to", "none", "--save_strategy", "no", "--disable_tqdm", "true"]

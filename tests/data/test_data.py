@@ -238,11 +238,11 @@ def test_unknown_schema_and_missing_file_errors(tmp_path):
 # ---------------------------------------------------------------------------------------------------------------------
 
 
-def test_gsm8k_train_converts_to_openthoughts_format(shared_data, tmp_path):
-    source = shared_data / "gsm8k" / "train.jsonl"
+def test_gsm8k_train_converts_to_openthoughts_format(test_data, tmp_path):
+    source = test_data / "gsm8k" / "train.jsonl"
     originals = read_jsonl(source)
     converted = gsm8k_file_to_openthoughts(source)
-    assert len(converted) == len(originals) == 7473
+    assert len(converted) == len(originals) == 315
     layout = re.compile(
         re.escape(BEGIN_OF_THOUGHT)
         + r"\n\n(?P<thought>.+)\n\n"
@@ -398,13 +398,13 @@ def test_write_chat_template(tmp_path):
         write_chat_template(SMOLLM2_TRAINING_CHAT_TEMPLATE, tmp_path / "t.txt")
 
 
-def test_command_line_writes_openthoughts_and_messages_files(shared_data, tmp_path):
+def test_command_line_writes_openthoughts_and_messages_files(test_data, tmp_path):
     openthoughts = tmp_path / "gsm8k_openthoughts.jsonl"
     assert (
-        main(["gsm8k-to-openthoughts", str(shared_data / "gsm8k" / "train.jsonl"), str(openthoughts), "--limit", "5"])
+        main(["gsm8k-to-openthoughts", str(test_data / "gsm8k" / "train.jsonl"), str(openthoughts), "--limit", "5"])
         == 0
     )
-    assert read_jsonl(openthoughts) == gsm8k_file_to_openthoughts(shared_data / "gsm8k" / "train.jsonl", limit=5)
+    assert read_jsonl(openthoughts) == gsm8k_file_to_openthoughts(test_data / "gsm8k" / "train.jsonl", limit=5)
     messages = tmp_path / "messages" / "train.jsonl"
     assert main(["to-messages", str(openthoughts), str(messages), "--max_rows", "3"]) == 0
     written = read_jsonl(messages)

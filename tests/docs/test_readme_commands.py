@@ -39,7 +39,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from testing_utils import REPO_ROOT, SHARED_DATA, free_port, fresh_machine_environment, start_server, stop_server
+from testing_utils import REPO_ROOT, TEST_DATA, free_port, fresh_machine_environment, start_server, stop_server
 
 
 README = REPO_ROOT / "README.md"
@@ -51,9 +51,9 @@ CONSOLE_SCRIPTS = {"iha", "iha-convert", "iha-sft", "iha-eval", "trl", "lm_eval"
 LOCAL_COPIES = {
     "HuggingFaceTB/SmolLM2-135M-Instruct": lambda program: "tiny-smollm2",
     "openai/gsm8k": lambda program: str(
-        SHARED_DATA / "gsm8k" / ("test.jsonl" if program == "iha-eval" else "train.jsonl")
+        TEST_DATA / "gsm8k" / ("test.jsonl" if program == "iha-eval" else "train.jsonl")
     ),
-    "HuggingFaceH4/MATH-500": lambda program: str(SHARED_DATA / "math500" / "test.jsonl"),
+    "HuggingFaceH4/MATH-500": lambda program: str(TEST_DATA / "math500" / "test.jsonl"),
 }
 # README placeholder -> what stands for it (whole arguments only: `./my-llama-iha` is an output name, not one).
 PLACEHOLDERS = {
@@ -381,7 +381,7 @@ def test_everything_the_commands_wrote_is_ignored_by_git(scratch):
 SNIPPET_COPIES = {
     "HuggingFaceTB/SmolLM2-135M-Instruct": "tiny-smollm2",
     "open-thoughts/OpenThoughts-114k": "gsm8k_openthoughts.jsonl",  # a local file in the same (OpenThoughts) format
-    "openai/gsm8k": str(SHARED_DATA / "gsm8k" / "train.jsonl"),
+    "openai/gsm8k": str(TEST_DATA / "gsm8k" / "train.jsonl"),
     "CONVERTED_DIR": "smollm2-iha",
 }
 # Tiny settings applied over the snippet's own, per training config class (module, class name): one step, short rows.
@@ -445,7 +445,7 @@ def snippet_scratch(tmp_path_factory) -> Path:
     convert_checkpoint(folder / "tiny-smollm2", folder / "smollm2-iha", show_progress=False)
     shutil.copytree(folder / "smollm2-iha", folder / "out")
     write_jsonl(
-        gsm8k_file_to_openthoughts(SHARED_DATA / "gsm8k" / "train.jsonl", limit=8), folder / "gsm8k_openthoughts.jsonl"
+        gsm8k_file_to_openthoughts(TEST_DATA / "gsm8k" / "train.jsonl", limit=8), folder / "gsm8k_openthoughts.jsonl"
     )
     write_jsonl(PREFERENCE_ROWS, folder / "pairs.jsonl")
     return folder

@@ -36,8 +36,8 @@ def lm_eval_command() -> list[str]:
     pytest.skip("the lm_eval command is not installed (pip install iha-transformers[eval])")
 
 
-def write_task(task_dir: Path, shared_data: Path, num_questions: int = 6) -> None:
-    rows = read_jsonl(shared_data / "gsm8k" / "test.jsonl", limit=num_questions)
+def write_task(task_dir: Path, test_data: Path, num_questions: int = 6) -> None:
+    rows = read_jsonl(test_data / "gsm8k" / "test.jsonl", limit=num_questions)
     questions = []
     for index, row in enumerate(rows):
         answer = int(gsm8k_final_answer(row["answer"]))
@@ -71,7 +71,7 @@ def run_lm_eval(model_dir: Path, task_dir: Path, output_dir: Path) -> tuple[dict
 
 
 @pytest.mark.slow
-def test_lm_eval_runs_on_a_converted_iha_folder(tmp_path, shared_data):
+def test_lm_eval_runs_on_a_converted_iha_folder(tmp_path, test_data):
     tokenizer = AutoTokenizer.from_pretrained(smollm2_dir())
     llama = tiny_llama_for_tokenizer(tokenizer, max_position_embeddings=512, pad_token_id=None)
     converted = llama_to_iha(llama, num_pseudo_heads=2).eval()  # exact by default
@@ -82,7 +82,7 @@ def test_lm_eval_runs_on_a_converted_iha_folder(tmp_path, shared_data):
     assert saved_config["auto_map"]["AutoModelForCausalLM"] == "modeling_iha.IHAForCausalLM"
     task_dir = tmp_path / "tasks"
     task_dir.mkdir()
-    write_task(task_dir, shared_data)
+    write_task(task_dir, test_data)
 
     iha_results, iha_samples = run_lm_eval(tmp_path / "iha", task_dir, tmp_path / "out_iha")
     llama_results, llama_samples = run_lm_eval(tmp_path / "llama", task_dir, tmp_path / "out_llama")

@@ -24,12 +24,12 @@ from iha.evaluation import (
 # --- data -----------------------------------------------------------------------------------------------------------
 
 
-def test_load_local_gsm8k_and_math500(shared_data):
-    gsm8k = load_problems(str(shared_data / "gsm8k" / "test.jsonl"), limit=3)
+def test_load_local_gsm8k_and_math500(test_data):
+    gsm8k = load_problems(str(test_data / "gsm8k" / "test.jsonl"), limit=3)
     assert len(gsm8k) == 3
     assert gsm8k[0].gold == "18" and gsm8k[0].question.startswith("Janet")
-    math500 = load_problems(str(shared_data / "math500" / "test.jsonl"), limit=2)
-    first_row = json.loads((shared_data / "math500" / "test.jsonl").read_text().splitlines()[0])
+    math500 = load_problems(str(test_data / "math500" / "test.jsonl"), limit=2)
+    first_row = json.loads((test_data / "math500" / "test.jsonl").read_text().splitlines()[0])
     assert math500[0].gold == first_row["answer"] and math500[0].question == first_row["problem"]
     assert math500[0].id == first_row["unique_id"]
 
@@ -57,12 +57,12 @@ def test_load_rejects_bad_sources(tmp_path):
         ("HuggingFaceH4/MATH-500", ("HuggingFaceH4/MATH-500", None, "test")),
     ],
 )
-def test_hub_sources_load_with_their_config(monkeypatch, shared_data, source, expected):
+def test_hub_sources_load_with_their_config(monkeypatch, test_data, source, expected):
     import datasets
 
-    rows = [json.loads(line) for line in (shared_data / "gsm8k" / "test.jsonl").read_text().splitlines()[:2]]
+    rows = [json.loads(line) for line in (test_data / "gsm8k" / "test.jsonl").read_text().splitlines()[:2]]
     if "MATH" in source:
-        rows = [json.loads(line) for line in (shared_data / "math500" / "test.jsonl").read_text().splitlines()[:2]]
+        rows = [json.loads(line) for line in (test_data / "math500" / "test.jsonl").read_text().splitlines()[:2]]
     calls = []
     monkeypatch.setattr(datasets, "load_dataset", lambda *args, **kwargs: calls.append((*args, kwargs)) or rows)
     problems = load_problems(source)
@@ -154,9 +154,9 @@ def test_tokenizer_without_chat_template_is_a_clear_error(tokenizer):
         build_prompt(bare, "What is 2 + 3?")
 
 
-def test_converted_model_evaluates_like_its_source(shared_data, tokenizer, llama_and_iha):
+def test_converted_model_evaluates_like_its_source(test_data, tokenizer, llama_and_iha):
     llama, converted = llama_and_iha
-    problems = load_problems(str(shared_data / "gsm8k" / "test.jsonl"), limit=3)
+    problems = load_problems(str(test_data / "gsm8k" / "test.jsonl"), limit=3)
     sampling = SamplingConfig(temperature=0.0, num_samples=1, max_new_tokens=8)
     base = evaluate_math(llama, tokenizer, problems, sampling, batch_size=2, model_name="llama", benchmark="gsm8k")
     ours = evaluate_math(converted, tokenizer, problems, sampling, batch_size=2, model_name="iha", benchmark="gsm8k")
@@ -170,12 +170,12 @@ def test_converted_model_evaluates_like_its_source(shared_data, tokenizer, llama
 
 
 def test_progress_counts_decoding_steps_and_problems_not_batches(
-    shared_data, tokenizer, llama_and_iha, capsys, monkeypatch
+    test_data, tokenizer, llama_and_iha, capsys, monkeypatch
 ):
     import iha.evaluation.math_eval as math_eval
 
     _, converted = llama_and_iha
-    problems = load_problems(str(shared_data / "gsm8k" / "test.jsonl"), limit=3)
+    problems = load_problems(str(test_data / "gsm8k" / "test.jsonl"), limit=3)
     prompts = [build_prompt(tokenizer, problem.question) for problem in problems]
     sampling = SamplingConfig(temperature=0.0, num_samples=1, max_new_tokens=5)
     steps = []
@@ -204,9 +204,9 @@ def test_progress_counts_decoding_steps_and_problems_not_batches(
     assert "3/3 problems" in capsys.readouterr().err  # the real bar names problems, not batches
 
 
-def test_sampling_is_seeded(shared_data, tokenizer, llama_and_iha):
+def test_sampling_is_seeded(test_data, tokenizer, llama_and_iha):
     _, converted = llama_and_iha
-    problems = load_problems(str(shared_data / "gsm8k" / "test.jsonl"), limit=2)
+    problems = load_problems(str(test_data / "gsm8k" / "test.jsonl"), limit=2)
     sampling = SamplingConfig(temperature=1.0, top_p=1.0, num_samples=3, max_new_tokens=6, seed=11)
     first = evaluate_math(converted, tokenizer, problems, sampling, batch_size=2)
     second = evaluate_math(converted, tokenizer, problems, sampling, batch_size=2)
@@ -216,7 +216,7 @@ def test_sampling_is_seeded(shared_data, tokenizer, llama_and_iha):
     assert first.num_samples == 3 and "maj@3" in first.metrics
 
 
-def test_cli_writes_a_side_by_side_report(shared_data, tokenizer, llama_and_iha, tmp_path):
+def test_cli_writes_a_side_by_side_report(test_data, tokenizer, llama_and_iha, tmp_path):
     llama, converted = llama_and_iha
     llama.save_pretrained(tmp_path / "llama")
     tokenizer.save_pretrained(tmp_path / "llama")
@@ -226,7 +226,7 @@ def test_cli_writes_a_side_by_side_report(shared_data, tokenizer, llama_and_iha,
     common = ["--dtype", "float32", "--device", "cpu", "--batch-size", "2"]
     eval_main(
         ["math", "--model", f"base={tmp_path / 'llama'}", "--model", f"iha={tmp_path / 'iha'}", *common]
-        + ["--dataset", f"gsm8k={shared_data / 'gsm8k' / 'test.jsonl'}", "--limit", "2", "--max-new-tokens", "4"]
+        + ["--dataset", f"gsm8k={test_data / 'gsm8k' / 'test.jsonl'}", "--limit", "2", "--max-new-tokens", "4"]
         + ["--output-dir", str(output)]
     )
     base = json.loads((output / "base_gsm8k.json").read_text())

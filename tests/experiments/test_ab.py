@@ -30,11 +30,9 @@ def tiny_source(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def data_files(tmp_path_factory):
-    from testing_utils import SHARED_DATA
+    from testing_utils import TEST_DATA
 
-    if not SHARED_DATA.is_dir():
-        pytest.skip(f"benchmark data not found at {SHARED_DATA}")
-    return SHARED_DATA / "gsm8k" / "train.jsonl", SHARED_DATA / "gsm8k" / "test.jsonl"
+    return TEST_DATA / "gsm8k" / "train.jsonl", TEST_DATA / "gsm8k" / "test.jsonl"
 
 
 def tiny_argv(tiny_source, data_files, output_dir, *extra) -> list[str]:

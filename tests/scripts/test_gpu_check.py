@@ -31,7 +31,7 @@ STEPS += ["tests_training", "bench_perf", "vllm", "bench_sft", "synthetic", "pap
 
 
 @pytest.mark.slow
-def test_quick_cpu_run_passes_every_step_and_writes_the_summaries(shared_data, tmp_path):
+def test_quick_cpu_run_passes_every_step_and_writes_the_summaries(tmp_path):
     out, work = tmp_path / "out", tmp_path / "work"
     command = [sys.executable, str(REPO_ROOT / "scripts" / "gpu_check.py"), "--device", "cpu", "--quick"]
     # Nothing carried: the wheels are the environment's own, SmolLM2 is cut here from the installed wheel.
