@@ -74,37 +74,69 @@ def kernel_isa(dtype: torch.dtype, block_size: int, head_dim: int) -> str:
 def write_pages(keys: torch.Tensor, values: torch.Tensor, slots: torch.Tensor, key_cache, value_cache) -> None:
     """Keys and values [tokens, kv heads, d] into pages [blocks, kv heads, block size, d] at `slots`, in the layout
     the kernel variant reads."""
-    from vllm import _custom_ops as ops
+    from vllm.v1.attention.backends.cpu_attn import ops
 
     isa = kernel_isa(keys.dtype, key_cache.shape[2], keys.shape[2])
     ops.cpu_attn_reshape_and_cache(keys, values, key_cache, value_cache, slots, isa)
 
 
 class PagedAttention:
-    """One call of the plugin's CPU kernel path (`iha.serving.vllm.attention`) over given pages and requests, its
-    schedule made once, as the backend's metadata builder makes it once per step."""
+    """One call of vLLM's CPU kernel over given pages and requests, as the plugin's backend makes it (vLLM's own
+    `CPUAttentionMetadataBuilder.build` and `CPUAttentionBackendImpl.forward`, which `iha.serving.vllm.attention.cpu`
+    subclasses): the schedule made once, as the builder makes it once per step."""
 
     def __init__(self, query, key_cache, value_cache, query_start_loc, seq_lens, block_table):
-        from iha.serving.vllm.attention import KernelRequests, cpu_kernel_schedule
+        from vllm import envs
+        from vllm.v1.attention.backends.cpu_attn import ops
 
         num_heads, head_dim = query.shape[1], query.shape[2]
-        isa = kernel_isa(query.dtype, key_cache.shape[2], head_dim)
-        self.requests = KernelRequests(query_start_loc, seq_lens, block_table)
+        self.isa = kernel_isa(query.dtype, key_cache.shape[2], head_dim)
+        self.requests = query_start_loc, seq_lens, block_table
         self.pages = query, key_cache, value_cache, torch.empty_like(query)
         self.scale = head_dim**-0.5
-        self.schedule = cpu_kernel_schedule(self.requests, num_heads, key_cache.shape[1], head_dim, query.dtype, isa)
+        self.schedule = ops.cpu_attn_get_scheduler_metadata(
+            num_reqs=len(seq_lens),
+            num_heads=num_heads,
+            num_kv_heads=key_cache.shape[1],
+            head_dim=head_dim,
+            seq_lens=seq_lens,
+            dtype=query.dtype,
+            query_start_loc=query_start_loc,
+            causal=True,
+            sliding_window_size=-1,
+            isa=self.isa,
+            enable_kv_split=envs.VLLM_CPU_ATTN_SPLIT_KV,
+        )
 
     def __call__(self) -> torch.Tensor:
-        from iha.serving.vllm.attention import cpu_causal_paged_attention
+        from vllm.v1.attention.backends.cpu_attn import ops
 
-        return cpu_causal_paged_attention(*self.pages, self.requests, self.schedule, self.scale)
+        query, key_cache, value_cache, output = self.pages
+        query_start_loc, seq_lens, block_table = self.requests
+        ops.cpu_attention_with_kv_cache(
+            query=query,
+            key_cache=key_cache,
+            value_cache=value_cache,
+            output=output,
+            query_start_loc=query_start_loc,
+            seq_lens=seq_lens,
+            scale=self.scale,
+            causal=True,
+            alibi_slopes=None,
+            sliding_window=-1,
+            block_table=block_table,
+            softcap=0,
+            scheduler_metadata=self.schedule,
+            s_aux=None,
+        )
+        return output
 
 
 def decoding_layer(args, contexts: list[int], num_pseudo_heads: int, generator):
     """A layer's pages and one decoding step's queries: every request's `context` tokens cached, P pseudo-tokens per
     token in blocks of P * block_size virtual slots. The kernel calls on them, whole and split (P = 1, the base
     layer: whole only)."""
-    from iha.serving.vllm.attention import one_request_per_decoding_pseudo_query
+    from iha.serving.vllm.attention.cpu import one_request_per_decoding_pseudo_query
 
     dtype = getattr(torch, args.dtype)
     block_size = args.block_size * num_pseudo_heads
@@ -216,7 +248,7 @@ def markdown_report(meta: dict, rows: list[dict]) -> str:
         f"IHA's attention does P^2 = {num_pseudo**2}x the base layer's work over P = {num_pseudo}x its KV bytes. "
         "*Whole* hands the kernel P queries per request; *split* hands it each pseudo-query as a request of one "
         "query with the virtual length it may see, which is how the plugin calls it "
-        "(`iha.serving.vllm.attention.one_request_per_decoding_pseudo_query`), through the plugin's own schedule "
+        "(`iha.serving.vllm.attention.cpu.one_request_per_decoding_pseudo_query`), through vLLM's own schedule "
         "and kernel call (vLLM's `VLLM_CPU_ATTN_SPLIT_KV` as set: "
         f"{meta['split_kv']}).",
         "",

@@ -1,5 +1,6 @@
-"""What the vLLM plugin serves, checked on the folder's config before a model is built: every refusal is one line
-that names what is missing and where the model serves instead.
+"""What the vLLM plugin serves, checked on the folder's config and the engine's settings before the engine starts
+(`config_check.py` calls it where vLLM builds its config, in the process that parses `vllm serve`'s arguments or
+runs `LLM(...)`): every refusal is one line that names what is missing and where the model serves instead.
 
 Imports neither vLLM nor torch, so the rules are tested in any environment (`tests/serving/vllm_plugin/test_vllm_support.py`).
 """
@@ -19,6 +20,8 @@ CPU_KERNEL_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
 # The dtypes vLLM's FlashAttention backend computes in (`FlashAttentionBackend.supported_dtypes`, 0.32.0): on CUDA
 # GPUs IHA layers run on it whatever the engine's dtype, so a float32 engine would stop in the kernel.
 FLASH_ATTENTION_DTYPES = ("float16", "bfloat16")
+# The attention backend IHA layers run on, by vLLM's device type.
+SERVED_BACKENDS = {"cpu": "CPU_ATTN", "cuda": "FLASH_ATTN"}
 
 # Config attribute (set with `hf_overrides={"iha_fold_mixing": False}`) that keeps the mixing explicit where folding
 # would be exact; the tests and the benchmark compare both paths.
@@ -27,8 +30,13 @@ FOLD_OVERRIDE = "iha_fold_mixing"
 TRANSFORMERS_SERVING = "serve it with transformers instead: `iha serve FOLDER --continuous_batching` or `generate()`"
 
 
-class UnsupportedByVLLMError(ValueError):
-    """An IHA folder (or a setting) the vLLM plugin cannot serve exactly."""
+class UnsupportedByVLLMError(Exception):
+    """An IHA folder (or a setting) the vLLM plugin cannot serve exactly.
+
+    Not a ValueError: vLLM builds its config inside pydantic, which turns a ValueError raised there into a
+    ValidationError of several lines ending in a link; any other exception reaches the user as raised, so the
+    refusal is the last line printed.
+    """
 
 
 def describe_layers(indices: list[int]) -> str:
@@ -68,9 +76,12 @@ def check_servable(
     dtype: str | None = None,
     decode_context_parallel_size: int = 1,
     prefill_context_parallel_size: int = 1,
+    attention_backend: str | None = None,
+    kv_cache_dtype: str = "auto",
+    lora: bool = False,
 ) -> None:
     """Refuse, in one line, a folder or a setting whose IHA layers vLLM would not compute exactly (`dtype`: the
-    engine's, as torch names it without "torch.")."""
+    engine's, as torch names it without "torch."; `attention_backend`: the one asked for, if any)."""
     model_type = getattr(config, "model_type", None)
     if model_type == "iha_gemma3":
         raise UnsupportedByVLLMError(
@@ -95,6 +106,27 @@ def check_servable(
             f"iha_mask_mode={config.iha_mask_mode!r} is not served by vLLM: a stock paged kernel runs the flat causal "
             "pattern over the interleaved sequence only (the token causal mask needs a masked kernel, and the CPU "
             f"kernel returns no log-sum-exp to merge passes by); {TRANSFORMERS_SERVING}."
+        )
+    if iha_layers and device_type not in SERVED_BACKENDS:
+        raise UnsupportedByVLLMError(
+            f"IHA layers run on vLLM's CPU_ATTN (CPU) and FLASH_ATTN (CUDA GPU) attention backends; this platform is "
+            f"{device_type!r}; {TRANSFORMERS_SERVING}."
+        )
+    if iha_layers and attention_backend not in (None, SERVED_BACKENDS[device_type]):
+        raise UnsupportedByVLLMError(
+            f"IHA layers run on vLLM's CPU_ATTN (CPU) and FLASH_ATTN (CUDA GPU) attention backends, not "
+            f"{attention_backend}: leave the attention backend unset or set it to {SERVED_BACKENDS[device_type]}."
+        )
+    if iha_layers and kv_cache_dtype != "auto":
+        raise UnsupportedByVLLMError(
+            f"kv_cache_dtype={kv_cache_dtype!r} is not served for IHA models (untested with the virtual view of the "
+            "pages): leave it 'auto'."
+        )
+    if iha_layers and lora:
+        raise UnsupportedByVLLMError(
+            "LoRA adapters are not served for IHA models: their q/k/v updates would have to be mixed into the P "
+            "pseudo-heads like the projections they adapt; merge the adapter into the weights first "
+            "(`iha sft --merge_adapter` saves a merged folder)."
         )
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     if iha_layers and device_type == "cpu" and head_dim not in CPU_KERNEL_HEAD_SIZES:

@@ -1,5 +1,5 @@
 """The pieces both IHA backends (CPU and FlashAttention) share, on hand-built batches and pages: the batch in virtual
-units (`attention.VirtualBatch`) and FlashAttention's view of the pages as virtual slots (`virtual_flash_cache`).
+units (`attention.virtual.VirtualBatch`) and FlashAttention's view of the pages as virtual slots (`virtual_flash_cache`).
 The FlashAttention backend itself imports only on a CUDA GPU (the GPU check's vllm step runs it); these run on any
 vLLM build."""
 
@@ -15,11 +15,8 @@ pytest.importorskip("vllm")
 import torch  # noqa: E402
 from vllm.v1.attention.backend import CommonAttentionMetadata  # noqa: E402
 
-from iha.serving.vllm.attention import (  # noqa: E402
-    VirtualBatch,
-    one_request_per_decoding_pseudo_query,
-    virtual_flash_cache,
-)
+from iha.serving.vllm.attention.cpu import one_request_per_decoding_pseudo_query  # noqa: E402
+from iha.serving.vllm.attention.virtual import VirtualBatch, virtual_flash_cache  # noqa: E402
 
 
 sys.path.insert(0, str(REPO_ROOT / "benchmarks"))

@@ -7,15 +7,13 @@ block's bytes in their memory order as [H_kv, P * block_size, 2 * d], where virt
 (first d) and value (last d) of pseudo-token (n, p) of the token in slot s. Writing and reading both go through
 that one view, so which bytes of the block hold which pseudo-token never depends on the layout. It is
 FlashAttention's own layout for head size d and block size P * block_size, so the stock metadata builder and kernel
-run on it with the batch in virtual units (`attention.VirtualBatch`, built in the builder's persistent buffers:
+run on it with the batch in virtual units (`virtual.VirtualBatch`, built in the builder's persistent buffers:
 nothing is allocated in the forward, which a full CUDA graph may capture).
 
 Imported only on CUDA platforms (`attention.iha_attention_backend`). Written against vLLM 0.32.0's
 `flash_attn.FlashAttentionMetadataBuilder` and `FlashAttentionImpl`, and not run on a GPU yet: the GPU check's
 vLLM step (docs/serving.md) is what records its equality with `generate()`.
 """
-
-import dataclasses
 
 import torch
 from vllm.platforms import current_platform
@@ -29,12 +27,13 @@ from vllm.v1.attention.backends.flash_attn import (
 )
 from vllm.v1.kv_cache_interface import AttentionSpec
 
-from .attention import (
-    IHA_FLASH_BACKEND_NAME,
+from . import IHA_FLASH_BACKEND_NAME
+from .virtual import (
     VirtualBatch,
     num_pseudo_heads_of,
     refuse_unsupported_layer_settings,
     virtual_flash_cache,
+    virtual_kv_spec,
 )
 
 
@@ -49,13 +48,7 @@ class IHAFlashAttentionMetadataBuilder(FlashAttentionMetadataBuilder):
 
     def __init__(self, kv_cache_spec: AttentionSpec, layer_names: list[str], vllm_config, device):
         num_pseudo = num_pseudo_heads_of(vllm_config)
-        virtual_spec = dataclasses.replace(
-            kv_cache_spec,
-            head_size=kv_cache_spec.head_size // num_pseudo,
-            head_size_v=kv_cache_spec.head_size_v // num_pseudo,
-            block_size=kv_cache_spec.block_size * num_pseudo,
-        )
-        super().__init__(virtual_spec, layer_names, vllm_config, device)
+        super().__init__(virtual_kv_spec(kv_cache_spec, num_pseudo), layer_names, vllm_config, device)
         self.virtual_batch = VirtualBatch(vllm_config, device)
         # `build` bounds the kernel's splits (so that a full CUDA graph keeps the buffers it captured) for batches of
         # at most this many tokens, the largest batch a graph is captured for; it counts the virtual tokens here.
