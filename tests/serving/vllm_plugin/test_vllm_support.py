@@ -101,7 +101,14 @@ def test_pipeline_parallelism_is_refused_on_cpu():
     assert "Pipeline parallelism" in refusal(vllm_config(), pipeline_parallel_size=2)
 
 
-def test_only_the_tested_vllm_release():
-    check_vllm_release(TESTED_VLLM_RELEASES[0])
-    with pytest.raises(UnsupportedByVLLMError, match=r"this is vLLM 0\.33\.0.*pip install 'vllm==0\.32\.0'"):
-        check_vllm_release("0.33.0")
+def test_only_the_tested_vllm_releases():
+    for release in TESTED_VLLM_RELEASES:
+        check_vllm_release(release)
+    for untested in ("0.31.0", "0.33.0", "0.35.0"):
+        with pytest.raises(UnsupportedByVLLMError, match=rf"this is vLLM {untested}.*pip install 'vllm==0\.34\.0' "):
+            check_vllm_release(untested)
+
+
+def test_a_platform_without_cpu_or_cuda_is_refused():
+    """vLLM's CUDA build on a machine without a GPU finds no platform (device type "")."""
+    assert "vLLM found neither platform here" in refusal(vllm_config(), device_type="")
