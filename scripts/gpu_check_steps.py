@@ -16,7 +16,11 @@ from gpu_check_results import DetailedFailure, StepFailed, read_json, read_junit
 
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
-MODEL_TEST_FILES = ["tests/models/iha/test_modeling.py", "tests/models/iha/test_fast_paths.py", "tests/models/iha/test_packed.py"]
+MODEL_TEST_FILES = [
+    "tests/models/iha/test_modeling.py",
+    "tests/models/iha/test_fast_paths.py",
+    "tests/models/iha/test_packed.py",
+]
 TRAINING_TEST_FILES = ["tests/training/test_sft.py", "tests/benchmarks/test_bench_perf.py"]
 # The compiled tests inductor runs on the GPU. All 9 layouts and input kinds of the training step would compile 9
 # forward and backward graphs; these cover the blocked local path (hybrid), the dense mask with document ids (packed),
