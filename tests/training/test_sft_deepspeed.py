@@ -16,8 +16,9 @@ master copy of each partition for the optimizer: the mixing's own group is fp32 
 bf16 cannot hold.
 
 DeepSpeed compiles a small C++ operation (its CPU shared-memory communication) with the system's compiler the
-first time a process group starts, into ~/.cache/torch_extensions: about 2.5 minutes on this busy 2-core machine,
-once; later runs load it.
+first time a process group starts, into ~/.cache/torch_extensions, once; later runs load it. Measured on this busy
+2-core machine (load average near 28): the module's runs took 476 s in a fresh clone with an empty extensions folder,
+166 s with the operation compiled.
 """
 
 import json
