@@ -16,7 +16,12 @@ from gpu_check_results import DetailedFailure, StepFailed, read_json, read_junit
 
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
-MODEL_TEST_FILES = ["tests/models/test_modeling.py", "tests/models/test_fast_paths.py", "tests/models/test_packed.py"]
+MODEL_TEST_FILES = [
+    "tests/models/test_modeling.py",
+    "tests/models/test_fast_paths.py",
+    "tests/models/test_packed.py",
+    "tests/models/test_window_unit.py",
+]
 TRAINING_TEST_FILES = ["tests/training/test_sft.py", "tests/benchmarks/test_bench_perf.py"]
 # The compiled tests inductor runs on the GPU. All 9 layouts and input kinds of the training step would compile 9
 # forward and backward graphs; these cover the blocked local path (hybrid), the dense mask with document ids (packed),
@@ -33,6 +38,8 @@ QUICK_MODEL_TESTS = [
     "tests/models/test_fast_paths.py::test_blocked_local_attention_gradients_match_reference[flat_causal]",
     "tests/models/test_packed.py::test_per_document_attention_matches_dense_mask_and_reference[flat_causal-virtual-P2-gqa-unequal]",
     "tests/models/test_packed.py::test_flex_attention_gradients_match_the_reference[sliding]",
+    # FlashAttention's own window in virtual units (iha_window_unit="virtual"): skipped where flash-attn is absent.
+    "tests/models/test_window_unit.py::test_flash_attention_with_the_virtual_window_matches_reference",
 ]
 QUICK_COMPILE_TESTS = [
     "tests/models/test_compile.py::test_compiled_training_step_matches_eager_in_one_graph[hybrid-padded]"
