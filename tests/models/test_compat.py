@@ -19,18 +19,18 @@ def test_releases_below_the_minimum_are_refused_with_the_fix(version):
     message = str(error.value)
     assert f"transformers {version} is installed" in message
     assert "transformers >= 5.4.0" in message
-    assert 'pip install "transformers>=5.4.0,<5.25"' in message
+    assert 'pip install "transformers>=5.4.0,<5.26"' in message
 
 
-@pytest.mark.parametrize("version", ["5.4.0", "5.13.1", "5.24.0", "5.24.3", "5.25.0.dev0"])
+@pytest.mark.parametrize("version", ["5.4.0", "5.13.1", "5.24.0", "5.25.0", "5.25.3", "5.26.0.dev0"])
 def test_supported_and_newer_releases_pass_the_minimum(version):
     compat_iha.check_minimum_release(version)
 
 
 def test_only_releases_after_the_newest_tested_line_are_untested():
-    assert not compat_iha.is_untested_release("5.23.0")
-    assert not compat_iha.is_untested_release("5.24.2")
-    assert compat_iha.is_untested_release("5.25.0")
+    assert not compat_iha.is_untested_release("5.24.0")
+    assert not compat_iha.is_untested_release("5.25.2")
+    assert compat_iha.is_untested_release("5.26.0")
     assert compat_iha.is_untested_release("6.0.0")
 
 
@@ -75,7 +75,7 @@ def test_self_check_catches_a_model_that_ignores_the_cache(monkeypatch):
         compat_iha.check_untested_release(iha.IHAConfig, iha.IHAForCausalLM, version="5.99.0")
     message = str(error.value)
     assert "transformers 5.99.0" in message and "self-check" in message
-    assert 'pip install "transformers>=5.4.0,<5.25"' in message
+    assert 'pip install "transformers>=5.4.0,<5.26"' in message
     monkeypatch.setenv(compat_iha.SKIP_SELF_CHECK_VARIABLE, "1")
     compat_iha.check_untested_release(iha.IHAConfig, iha.IHAForCausalLM, version="5.99.0")
 
@@ -88,16 +88,27 @@ def test_saved_folders_carry_the_compatibility_module(tmp_path):
         assert (tmp_path / name).is_file(), name
 
 
-def test_install_requirement_is_the_supported_range():
-    # `pip install` must keep any supported transformers a user has: setup.py states the same range as the guard.
-    import re
+def test_the_supported_range_is_written_once_and_read_by_setup_and_the_docs(monkeypatch):
+    # `pip install` must keep any supported transformers a user has: setup.py reads the range the guard uses, as text.
+    import runpy
     from pathlib import Path
 
-    setup_text = (Path(__file__).resolve().parents[2] / "setup.py").read_text()
-    requirement = re.search(r'SUPPORTED_TRANSFORMERS = "([^"]+)"', setup_text).group(1)
-    assert requirement == "transformers>=5.4.0,<5.25"
-    assert f'pip install "{requirement}"' == compat_iha.INSTALL_COMMAND
-    assert compat_iha.MINIMUM_TRANSFORMERS == (5, 4, 0) and compat_iha.NEWEST_TESTED_TRANSFORMERS == (5, 24)
+    import setuptools
+
+    root = Path(__file__).resolve().parents[2]
+    assert compat_iha.SUPPORTED_TRANSFORMERS == "transformers>=5.4.0,<5.26"
+    assert compat_iha.MINIMUM_TRANSFORMERS == (5, 4, 0) and compat_iha.NEWEST_TESTED_TRANSFORMERS == (5, 25)
+    assert compat_iha.INSTALL_COMMAND == 'pip install "transformers>=5.4.0,<5.26"'
+    assert compat_iha.supported_requirement("5.16.0") == "transformers>=5.16.0,<5.26"
+    setup_arguments = {}
+    monkeypatch.setattr(setuptools, "setup", lambda **arguments: setup_arguments.update(arguments))
+    runpy.run_path(str(root / "setup.py"))
+    assert setup_arguments["version"] == iha.__version__
+    assert compat_iha.SUPPORTED_TRANSFORMERS in setup_arguments["install_requires"]
+    for page in ("README.md", "docs/transformers-releases.md"):
+        text = (root / page).read_text(encoding="utf-8")
+        assert f"tested up to {compat_iha.release_text(compat_iha.NEWEST_TESTED_TRANSFORMERS)}.x" in text, page
+        assert compat_iha.INSTALL_COMMAND.removeprefix("pip install ") in text, page
 
 
 def test_self_check_runs_inside_no_init_and_meta_device_contexts_and_keeps_the_random_state():

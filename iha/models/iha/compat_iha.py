@@ -40,10 +40,11 @@ import re
 import transformers
 
 
-MINIMUM_TRANSFORMERS = (5, 4, 0)
-# Newest release line the version matrix (`scripts/transformers_matrix.py`) ran; patch releases of it count.
-NEWEST_TESTED_TRANSFORMERS = (5, 24)
-INSTALL_COMMAND = 'pip install "transformers>=5.4.0,<5.25"'
+# The supported transformers releases, written once: `setup.py` reads this line as text (its `install_requires`),
+# `scripts/transformers_matrix.py` tests its two ends, and everything below derives from it. The upper bound is the
+# next release line after the newest one the version matrix ran (patch releases of that line count as tested).
+SUPPORTED_TRANSFORMERS = "transformers>=5.4.0,<5.26"
+INSTALL_COMMAND = f'pip install "{SUPPORTED_TRANSFORMERS}"'
 SKIP_SELF_CHECK_VARIABLE = "IHA_SKIP_TRANSFORMERS_SELF_CHECK"
 
 
@@ -55,10 +56,32 @@ def release_tuple(version: str) -> tuple[int, ...]:
     return tuple(int(number or 0) for number in numbers.groups())
 
 
+def _supported_bounds(requirement: str) -> tuple[tuple[int, ...], tuple[int, int]]:
+    bounds = re.fullmatch(r"transformers>=([\d.]+),<(\d+)\.(\d+)", requirement)
+    if bounds is None:
+        raise ValueError(f"SUPPORTED_TRANSFORMERS must read 'transformers>=X.Y.Z,<X.Y', got {requirement!r}.")
+    major, next_minor = int(bounds.group(2)), int(bounds.group(3))
+    return release_tuple(bounds.group(1)), (major, next_minor - 1)
+
+
+# The oldest supported release, and the newest release line the version matrix ran.
+MINIMUM_TRANSFORMERS, NEWEST_TESTED_TRANSFORMERS = _supported_bounds(SUPPORTED_TRANSFORMERS)
+
+
+def supported_requirement(minimum: str | None = None) -> str:
+    """The pip requirement of the supported range; `minimum` raises its lower bound (for a feature that needs a
+    newer release)."""
+    if minimum is None:
+        return SUPPORTED_TRANSFORMERS
+    return f"transformers>={minimum},{SUPPORTED_TRANSFORMERS.partition(',')[2]}"
+
+
+def release_text(release: tuple[int, ...]) -> str:
+    return ".".join(map(str, release))
+
+
 def supported_range_text() -> str:
-    minimum = ".".join(map(str, MINIMUM_TRANSFORMERS))
-    newest = ".".join(map(str, NEWEST_TESTED_TRANSFORMERS))
-    return f"transformers >= {minimum} (tested up to {newest}.x)"
+    return f"transformers >= {release_text(MINIMUM_TRANSFORMERS)} (tested up to {release_text(NEWEST_TESTED_TRANSFORMERS)}.x)"
 
 
 class UnsupportedTransformersError(ImportError):
