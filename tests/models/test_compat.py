@@ -56,28 +56,100 @@ def test_model_decodes_the_same_with_the_cache_passed_as_cache_or_past_key_value
             torch.testing.assert_close(step, full, rtol=1e-5, atol=1e-5)
 
 
-def test_self_check_passes_on_this_release_and_warns_for_an_untested_one(caplog):
-    assert compat_iha.cache_path_self_check(iha.IHAConfig, iha.IHAForCausalLM) is None
-    with caplog.at_level(logging.WARNING):
-        compat_iha.check_untested_release(iha.IHAConfig, iha.IHAForCausalLM, version="5.99.0")
-    assert "newer than the releases IHA was tested with" in caplog.text
+@pytest.fixture
+def untested_release(monkeypatch):
+    """The installed transformers judged as "5.99.0", a release newer than every tested one, with no check run yet."""
+    monkeypatch.setattr(compat_iha, "INSTALLED_TRANSFORMERS", "5.99.0")
+    monkeypatch.setattr(compat_iha, "SELF_CHECK_RESULTS", {})
+    monkeypatch.delenv(compat_iha.SKIP_SELF_CHECK_VARIABLE, raising=False)
+    return "5.99.0"
 
 
-def test_self_check_catches_a_model_that_ignores_the_cache(monkeypatch):
-    # What transformers 5.24 did to a model that only knew `past_key_values`: the cache arrives under another name,
-    # the model never sees it, and generation continues from nothing but the last token, without an error.
-    def lose_the_cache(past_key_values, kwargs):
-        kwargs.pop("cache", None)
-        return None
+def generate_kwargs():
+    input_ids, attention_mask = left_padded_batch()
+    return dict(input_ids=input_ids, attention_mask=attention_mask, max_new_tokens=4, do_sample=False, pad_token_id=0)
 
-    monkeypatch.setattr(iha.models.iha.modeling_iha, "take_cache_argument", lose_the_cache)
-    with pytest.raises(compat_iha.UnsupportedTransformersError) as error:
-        compat_iha.check_untested_release(iha.IHAConfig, iha.IHAForCausalLM, version="5.99.0")
-    message = str(error.value)
-    assert "transformers 5.99.0" in message and "self-check" in message
-    assert 'pip install "transformers>=5.4.0,<5.26"' in message
+
+def test_on_an_untested_release_the_first_cached_forward_checks_once_and_warns(untested_release, caplog):
+    model = tiny_iha_model(num_key_value_heads=2)
+    with torch.no_grad():
+        input_ids, attention_mask = left_padded_batch()
+        model(input_ids, attention_mask=attention_mask, use_cache=False)
+        assert compat_iha.SELF_CHECK_RESULTS == {}  # a forward without a cache checks nothing
+        with caplog.at_level(logging.WARNING):
+            first = model.generate(**generate_kwargs())
+            second = model.generate(**generate_kwargs())
+    assert compat_iha.SELF_CHECK_RESULTS == {untested_release: None}
+    assert caplog.text.count("newer than the releases IHA was tested with") == 1
+    assert torch.equal(first, second)
+
+
+def rename_the_cache_in_generate(monkeypatch):
+    """What a new release's `generate` could do to model code written before it (5.24 did it once: `past_key_values`
+    became `cache`): pass the cache under a name the model does not know. The model then finds no cache, starts an
+    empty one at every step and decodes each token from nothing but itself, without an error."""
+    from transformers.generation import GenerationMixin
+
+    prepare_inputs = GenerationMixin.prepare_inputs_for_generation
+
+    def prepare_inputs_under_a_new_name(self, *args, **kwargs):
+        model_inputs = prepare_inputs(self, *args, **kwargs)
+        for name in ("past_key_values", "cache"):
+            if name in model_inputs:
+                model_inputs["kv_cache"] = model_inputs.pop(name)
+        return model_inputs
+
+    monkeypatch.setattr(GenerationMixin, "prepare_inputs_for_generation", prepare_inputs_under_a_new_name)
+
+
+def test_an_untested_release_with_a_broken_cache_path_is_refused_at_the_first_cached_forward(
+    untested_release, monkeypatch
+):
+    model = tiny_iha_model(num_key_value_heads=2)
+    rename_the_cache_in_generate(monkeypatch)
+    for _ in range(2):  # the failure is remembered: every cached forward refuses, without checking again
+        with pytest.raises(compat_iha.UnsupportedTransformersError) as error, torch.no_grad():
+            model.generate(**generate_kwargs())
+        message = str(error.value)
+        assert "\n" not in message
+        assert "transformers 5.99.0 is newer than the releases IHA was tested with" in message
+        assert "greedy generation with DynamicCache differs from generation without a cache" in message
+        assert message.endswith("Set IHA_SKIP_TRANSFORMERS_SELF_CHECK=1 to run anyway.")
+        assert 'Fix: pip install "transformers>=5.4.0,<5.26"' in message
+    assert list(compat_iha.SELF_CHECK_RESULTS) == [untested_release]
     monkeypatch.setenv(compat_iha.SKIP_SELF_CHECK_VARIABLE, "1")
-    compat_iha.check_untested_release(iha.IHAConfig, iha.IHAForCausalLM, version="5.99.0")
+    with torch.no_grad():
+        model.generate(**generate_kwargs())
+
+
+def test_on_a_tested_release_a_broken_cache_path_is_not_checked_for(monkeypatch):
+    # The check costs nothing where the matrix ran: no tiny model is built on a tested release.
+    monkeypatch.setattr(compat_iha, "SELF_CHECK_RESULTS", {})
+    monkeypatch.setattr(compat_iha, "cache_path_self_check", lambda *classes: pytest.fail("checked a tested release"))
+    with torch.no_grad():
+        tiny_iha_model(num_key_value_heads=2).generate(**generate_kwargs())
+    assert compat_iha.SELF_CHECK_RESULTS == {}
+
+
+def test_importing_the_model_files_on_an_untested_release_builds_no_model():
+    # A fresh interpreter that takes transformers for 5.99.0 and fails if any model is built or run: importing the
+    # files that travel with the weights must do neither.
+    import subprocess
+    import sys
+
+    program = (
+        "import transformers\n"
+        "transformers.__version__ = '5.99.0'\n"
+        "from transformers import PreTrainedModel\n"
+        "def refuse(*args, **kwargs):\n"
+        "    raise AssertionError('a model was built at import')\n"
+        "PreTrainedModel.__init__ = refuse\n"
+        "from iha.models.iha import compat_iha, modeling_iha, modeling_iha_gemma3\n"
+        "assert compat_iha.is_untested_release() and compat_iha.SELF_CHECK_RESULTS == {}\n"
+        "print('imported')\n"
+    )
+    completed = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True, timeout=600)
+    assert completed.returncode == 0 and completed.stdout.strip() == "imported", completed.stderr[-2000:]
 
 
 def test_saved_folders_carry_the_compatibility_module(tmp_path):

@@ -17,8 +17,9 @@ A model folder carries this file next to `configuration_iha.py` and `modeling_ih
 their own transformers. The model files never test a version themselves: they call the names below.
 
 - The supported range and its guard: a release below `MINIMUM_TRANSFORMERS` is refused at import with one message
-  that names the fix; a release above `NEWEST_TESTED_TRANSFORMERS` is allowed only after a self-check of the cache path
-  on a tiny model (`check_untested_release`, called at the end of `modeling_iha.py`).
+  that names the fix; on a release above `NEWEST_TESTED_TRANSFORMERS` the first forward with a cache runs a self-check
+  of the cache path on a tiny model first (`check_untested_release`, called by `IHAModel.forward`), once per process.
+  Nothing runs at import.
 - The cache argument: transformers 5.24 renamed `past_key_values` to `cache` in model inputs, model outputs, mask
   helpers and `create_masks_for_generate`. A model that only knows the old name receives the cache in `**kwargs`,
   ignores it and decodes garbage without any error, so the name is resolved here for every call.
@@ -88,15 +89,20 @@ class UnsupportedTransformersError(ImportError):
     """The installed transformers cannot run IHA models correctly."""
 
 
-def check_minimum_release(version: str = transformers.__version__):
+# The release the guards judge (a test sets another to act as an untested release).
+INSTALLED_TRANSFORMERS = transformers.__version__
+
+
+def check_minimum_release(version: str | None = None):
+    version = version or INSTALLED_TRANSFORMERS
     if release_tuple(version) < MINIMUM_TRANSFORMERS:
         raise UnsupportedTransformersError(
             f"IHA models need {supported_range_text()}, but transformers {version} is installed. Fix: {INSTALL_COMMAND}"
         )
 
 
-def is_untested_release(version: str = transformers.__version__) -> bool:
-    return release_tuple(version)[:2] > NEWEST_TESTED_TRANSFORMERS
+def is_untested_release(version: str | None = None) -> bool:
+    return release_tuple(version or INSTALLED_TRANSFORMERS)[:2] > NEWEST_TESTED_TRANSFORMERS
 
 
 check_minimum_release()
@@ -172,30 +178,41 @@ def paged_cache_update(cache, key_states: torch.Tensor, value_states: torch.Tens
     return keys.transpose(0, 1).unsqueeze(0), values.transpose(0, 1).unsqueeze(0)
 
 
-def check_untested_release(config_class, causal_lm_class, version: str = transformers.__version__):
-    """On a transformers newer than the newest tested release, prove the cache path before any model runs.
+# What the self-check found, per release: None (passed) or the failure. Filled on the first cached forward.
+SELF_CHECK_RESULTS: dict[str, str | None] = {}
+
+
+def check_untested_release(config_class, causal_lm_class, version: str | None = None):
+    """On a transformers newer than the newest tested release, prove the cache path before a cached forward runs.
 
     Silent wrong output is what an API change in a new release does to a model that keeps running (5.24 renamed the
-    cache argument: models that missed it decode garbage with no error). So on an untested release this builds a tiny
-    IHA model and checks, in a few seconds at most: (1) at identity mixing it gives the logits and the cached greedy
-    tokens of a Llama model with the same weights, on a left-padded batch; (2) with random mixing and a sliding IHA
-    layer, greedy tokens with DynamicCache and StaticCache equal those without a cache. If either fails, importing
-    the model fails with the fix; if both pass, a warning says the release is untested.
-    IHA_SKIP_TRANSFORMERS_SELF_CHECK=1 skips the check.
+    cache argument: models that missed it decode garbage with no error). So on an untested release the first forward
+    with a cache (`IHAModel.forward` calls this; nothing runs at import, and a tested release costs one comparison)
+    builds a tiny IHA model and checks, in a few seconds at most: (1) at identity mixing it gives the logits and the
+    cached greedy tokens of a Llama model with the same weights, on a left-padded batch; (2) with random mixing and a
+    sliding IHA layer, greedy tokens with DynamicCache and StaticCache equal those without a cache. The result is kept
+    for the process: a failure refuses every cached forward with one line naming the release and the fix; a pass logs
+    one warning that the release is untested. IHA_SKIP_TRANSFORMERS_SELF_CHECK=1 skips the check.
     """
+    version = version or INSTALLED_TRANSFORMERS
     if not is_untested_release(version) or os.environ.get(SKIP_SELF_CHECK_VARIABLE) == "1":
         return
-    failure = cache_path_self_check(config_class, causal_lm_class)
+    if version not in SELF_CHECK_RESULTS:
+        # The check's own tiny models run cached forwards too: they find the release marked as passing meanwhile.
+        SELF_CHECK_RESULTS[version] = None
+        SELF_CHECK_RESULTS[version] = cache_path_self_check(config_class, causal_lm_class)
+        if SELF_CHECK_RESULTS[version] is None:
+            transformers.logging.get_logger(__name__).warning(
+                f"transformers {version} is newer than the releases IHA was tested with ({supported_range_text()}); "
+                "its check of cached generation passed."
+            )
+    failure = SELF_CHECK_RESULTS[version]
     if failure is not None:
         raise UnsupportedTransformersError(
             f"transformers {version} is newer than the releases IHA was tested with ({supported_range_text()}), and "
-            f"IHA's self-check on it failed: {failure}. Output would be wrong. Fix: {INSTALL_COMMAND} (or update the "
-            f"model's code files to a newer iha release). Set {SKIP_SELF_CHECK_VARIABLE}=1 to load anyway."
+            f"IHA's check of cached generation on it failed: {failure}. Output would be wrong. Fix: {INSTALL_COMMAND} "
+            f"(or update the model's code files to a newer iha release). Set {SKIP_SELF_CHECK_VARIABLE}=1 to run anyway."
         )
-    transformers.logging.get_logger(__name__).warning(
-        f"transformers {version} is newer than the releases IHA was tested with ({supported_range_text()}); its "
-        "cache self-check passed."
-    )
 
 
 def cache_path_self_check(config_class, causal_lm_class) -> str | None:

@@ -584,6 +584,10 @@ class IHAModel(IHAPreTrainedModel):
 
         if use_cache and past_key_values is None:
             past_key_values = DynamicCache(config=self.config)
+        if past_key_values is not None and not torch.compiler.is_compiling():
+            # On a transformers newer than the tested ones, the first cached forward proves the cache path first (the
+            # first eager one: a graph being traced skips it; `generate` runs its prefill eagerly).
+            check_untested_release(IHAConfig, IHAForCausalLM)
 
         if position_ids is None:
             past_seen_tokens = past_key_values.get_seq_length() if past_key_values is not None else 0
@@ -718,10 +722,6 @@ class IHAForCausalLM(IHAPreTrainedModel, GenerationMixin):
             hidden_states=outputs.hidden_states,
             attentions=outputs.attentions,
         )
-
-
-# On a transformers newer than the newest tested release, prove the cache path on a tiny model before any model runs.
-check_untested_release(IHAConfig, IHAForCausalLM)
 
 
 __all__ = ["IHAForCausalLM", "IHAModel", "IHAPreTrainedModel", "IHAHeadMixing"]
