@@ -17,6 +17,11 @@ An IHA layer projects q/k/v as usual, mixes the heads into P pseudo-heads per he
 interleaves the pseudo-tokens token-major into a sequence of N * P virtual tokens, runs ordinary attention over it
 and folds the H * P pseudo-outputs back to H heads with a learned collapse before `o_proj`.
 
+Like transformers' `modular_*.py` files, this file states only what IHA changes: the attention, its caches, the RoPE
+inputs of each layer (passed to the layers as their `position_embeddings`) and the model forward that builds IHA's
+masks. The decoder layer, the causal LM's forward and the weight init are the installed transformers' Llama classes,
+so they are whatever the user's release makes them (`compat_iha.py` bridges what differs between releases).
+
 The masks live in `masking_iha.py`, the choice of kernel in `attention_iha.py`, and the two fast paths on SDPA in
 their own files (`blocked_local_iha.py`, `packed_documents_iha.py`); `iha.models.iha.naive_iha` is the plain reference every
 path is tested against. This file is copied next to the weights by `save_pretrained`, so it imports only torch,
@@ -32,11 +37,13 @@ import torch
 from torch import nn
 from transformers import initialization as init
 from transformers.cache_utils import Cache, DynamicCache
+from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import BaseModelOutputWithPast
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.models.llama.modeling_llama import (
     LlamaDecoderLayer,
     LlamaForCausalLM,
+    LlamaMLP,
     LlamaPreTrainedModel,
     LlamaRMSNorm,
     LlamaRotaryEmbedding,
@@ -422,13 +429,19 @@ def rotary_inputs(
 
 
 class IHADecoderLayer(LlamaDecoderLayer):
-    """Llama's block (its forward, norms and MLP) around IHA's attention; the model passes each layer its
-    `LayerRotation` as `position_embeddings`."""
+    """Llama's block (its forward) around IHA's attention; the model passes each layer its `LayerRotation` as
+    `position_embeddings`."""
 
     def __init__(self, config: IHAConfig, layer_idx: int):
-        super().__init__(config, layer_idx)
+        # Llama's modules with IHA's attention, built here: `LlamaDecoderLayer.__init__` would first build (and
+        # randomly initialise) a Llama attention to throw away.
+        GradientCheckpointingLayer.__init__(self)
+        self.hidden_size = config.hidden_size
         self.attention_type = config.attention_types[layer_idx]
         self.self_attn = IHAAttention(config=config, layer_idx=layer_idx)
+        self.mlp = LlamaMLP(config)
+        self.input_layernorm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.post_attention_layernorm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
 
 class IHAPreTrainedModel(LlamaPreTrainedModel):

@@ -24,8 +24,10 @@ This file is copied next to the weights by `save_pretrained`, so it imports only
 
 import torch
 from torch import nn
+from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.models.gemma3.modeling_gemma3 import (
     Gemma3DecoderLayer,
+    Gemma3MLP,
     Gemma3PreTrainedModel,
     Gemma3RMSNorm,
     Gemma3RotaryEmbedding,
@@ -63,12 +65,22 @@ class IHAGemma3Attention(IHAAttention):
 
 
 class IHAGemma3DecoderLayer(Gemma3DecoderLayer):
-    """Gemma 3's block (its forward, four norms and MLP) around IHA's attention."""
+    """Gemma 3's block (its forward: norms after attention and around the MLP) around IHA's attention."""
 
     def __init__(self, config: IHAGemma3Config, layer_idx: int):
-        super().__init__(config, layer_idx)
+        # Gemma 3's modules with IHA's attention, built here: `Gemma3DecoderLayer.__init__` would first build (and
+        # randomly initialise) a Gemma 3 attention to throw away.
+        GradientCheckpointingLayer.__init__(self)
+        self.config = config
+        self.hidden_size = config.hidden_size
+        self.layer_idx = layer_idx
         self.attention_type = config.attention_types[layer_idx]
         self.self_attn = IHAGemma3Attention(config=config, layer_idx=layer_idx)
+        self.mlp = Gemma3MLP(config)
+        self.input_layernorm = Gemma3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.post_attention_layernorm = Gemma3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.pre_feedforward_layernorm = Gemma3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.post_feedforward_layernorm = Gemma3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
 
 class IHAGemma3PreTrainedModel(IHAPreTrainedModel, Gemma3PreTrainedModel):
