@@ -167,7 +167,7 @@ def test_the_supported_range_is_written_once_and_read_by_setup_and_the_docs(monk
 
     import setuptools
 
-    root = Path(__file__).resolve().parents[2]
+    root = Path(__file__).resolve().parents[3]
     assert compat_iha.SUPPORTED_TRANSFORMERS == "transformers>=5.4.0,<5.26"
     assert compat_iha.MINIMUM_TRANSFORMERS == (5, 4, 0) and compat_iha.NEWEST_TESTED_TRANSFORMERS == (5, 25)
     assert compat_iha.INSTALL_COMMAND == 'pip install "transformers>=5.4.0,<5.26"'
@@ -207,7 +207,7 @@ def test_the_matrix_covers_the_stated_range():
     import importlib.util
     from pathlib import Path
 
-    path = Path(__file__).resolve().parents[2] / "scripts" / "transformers_matrix.py"
+    path = Path(__file__).resolve().parents[3] / "scripts" / "transformers_matrix.py"
     spec = importlib.util.spec_from_file_location("transformers_matrix", path)
     matrix = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(matrix)
