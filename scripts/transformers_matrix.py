@@ -29,6 +29,7 @@ environment; runs offline afterwards.
 """
 
 import argparse
+import ast
 import json
 import os
 import shutil
@@ -44,13 +45,39 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO_ROOT))
 
 from iha.cli.arguments import ArgumentParser  # noqa: E402
-from iha.models.iha.compat_iha import MINIMUM_TRANSFORMERS, NEWEST_TESTED_TRANSFORMERS, supported_range_text  # noqa: E402
+from iha.models.iha.compat_iha import (  # noqa: E402
+    MINIMUM_TRANSFORMERS,
+    NEWEST_TESTED_TRANSFORMERS,
+    release_text,
+    supported_range_text,
+)
 from iha.utils.atomic_files import write_json_atomic, write_text_atomic  # noqa: E402
 
 
-# The oldest supported release, the last one before `Cache.get_query_offset` (the compatibility fallback), the
-# development release, and the newest on the package index when this list was last updated.
-RELEASES = ["5.4.0", "5.13.1", "5.23.0", "5.24.0"]
+def setup_constants(*names: str) -> dict:
+    """Module-level literals of setup.py (read, not run: running it would call `setup()`)."""
+    tree = ast.parse((REPO_ROOT / "setup.py").read_text(encoding="utf-8"))
+    found = {}
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name):
+            if node.targets[0].id in names:
+                found[node.targets[0].id] = ast.literal_eval(node.value)
+    missing = set(names) - set(found)
+    if missing:
+        raise SystemExit(f"setup.py defines no literal {sorted(missing)}")
+    return found
+
+
+# The ends of the supported range (`SUPPORTED_TRANSFORMERS` in compat_iha.py: the oldest release and the first of the
+# newest tested line), the last release before `Cache.get_query_offset` (the compatibility fallback), and the
+# development release (setup.py).
+DEVELOPMENT_RELEASE = setup_constants("DEVELOPMENT_TRANSFORMERS")["DEVELOPMENT_TRANSFORMERS"].partition("==")[2]
+RELEASES = [
+    release_text(MINIMUM_TRANSFORMERS),
+    "5.13.1",
+    DEVELOPMENT_RELEASE,
+    f"{release_text(NEWEST_TESTED_TRANSFORMERS)}.0",
+]
 # Releases below the supported range, where loading must be refused clearly.
 REFUSED_RELEASES = ["5.3.0"]
 CHECK_SCRIPT = Path(__file__).resolve().with_name("transformers_matrix_check.py")
@@ -389,8 +416,8 @@ def main(argv=None) -> int:
     failed = [result["transformers"] for result in results if not result["passed"]]
     summary = {
         "supported": supported_range_text(),
-        "minimum": ".".join(map(str, MINIMUM_TRANSFORMERS)),
-        "newest_tested": ".".join(map(str, NEWEST_TESTED_TRANSFORMERS)),
+        "minimum": release_text(MINIMUM_TRANSFORMERS),
+        "newest_tested": release_text(NEWEST_TESTED_TRANSFORMERS),
         "results": results,
         "failed": failed,
         "seconds": round(time.perf_counter() - started, 1),

@@ -18,7 +18,6 @@ afterwards.
 """
 
 import argparse
-import ast
 import hashlib
 import json
 import os
@@ -34,7 +33,7 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO_ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from transformers_matrix import public_version, torch_environment  # noqa: E402
+from transformers_matrix import public_version, setup_constants, torch_environment  # noqa: E402
 
 from iha.cli.arguments import ArgumentParser  # noqa: E402
 
@@ -69,20 +68,6 @@ def parse_args(argv=None):
 
 def log(message: str):
     print(f"[trl-oldest] {message}", flush=True)
-
-
-def setup_constants(*names: str) -> dict:
-    """Module-level literals of setup.py (read, not run: running it would call `setup()`)."""
-    tree = ast.parse((REPO_ROOT / "setup.py").read_text(encoding="utf-8"))
-    found = {}
-    for node in tree.body:
-        if isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name):
-            if node.targets[0].id in names:
-                found[node.targets[0].id] = ast.literal_eval(node.value)
-    missing = set(names) - set(found)
-    if missing:
-        raise SystemExit(f"setup.py defines no literal {sorted(missing)}")
-    return found
 
 
 def oldest_releases() -> list[str]:

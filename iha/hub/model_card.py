@@ -171,7 +171,7 @@ print(generator(messages, max_new_tokens=64)[0]["generated_text"][-1]["content"]
 ```
 
 Supported: {supported_range_text()}. On an older release, loading stops with the command that fixes it; on a newer,
-untested one, the code files first check their cache path on a tiny model and refuse to run if it fails."""
+untested one, the first cached forward checks the cache path on a tiny model and refuses to run if it fails."""
 
 
 def card_license(card: "ModelCardContent | None") -> str | None:

@@ -32,6 +32,8 @@ from transformers.generation.continuous_batching.continuous_api import Continuou
 from transformers.utils import logging as transformers_logging
 from transformers.utils.import_utils import is_serve_available
 
+from ..models.iha.compat_iha import supported_requirement
+
 
 DEFAULT_HOST = "localhost"
 DEFAULT_PORT = 8000
@@ -110,7 +112,7 @@ def continuous_batching_config(args, sampling: bool):
     if not all(hasattr(ContinuousBatchingManager, name) for name in ("register_result_handler", "cancel_request")):
         raise ServeError(
             f"the continuous batching of transformers {transformers.__version__} lacks what iha serve drives "
-            "(result handlers, cancellation); upgrade (pip install 'transformers>=5.23,<5.25') or serve without "
+            f"(result handlers, cancellation); upgrade (pip install '{supported_requirement('5.23')}') or serve without "
             "--continuous_batching"
         )
     if sampling and "per_request_processors" not in {
@@ -119,7 +121,7 @@ def continuous_batching_config(args, sampling: bool):
         raise ServeError(
             f"sampling under continuous batching needs per-request sampling settings, which the continuous batching "
             f"of transformers {transformers.__version__} does not have; upgrade (pip install "
-            "'transformers>=5.23,<5.25'), or serve greedily (without --cb_sampling)"
+            f"'{supported_requirement('5.23')}'), or serve greedily (without --cb_sampling)"
         )
     return ContinuousBatchingConfig(**continuous_batching_settings(args))
 

@@ -74,7 +74,7 @@ def test_smollm2_default_conversion_is_exact_and_hub_ready(smollm2):
     )
     assert "| top-1 agreement | 100.00% |" in card.sections["Verification"]
     assert "trust_remote_code=True" in card.sections["How to load"]
-    assert "Supported: transformers >= 5.4.0 (tested up to 5.24.x)" in card.sections["How to load"]
+    assert "Supported: transformers >= 5.4.0 (tested up to 5.25.x)" in card.sections["How to load"]
     assert json.loads((output / convert.REPORT_NAME).read_text())["verification"]["passed"] is True
 
 

@@ -17,8 +17,9 @@ A model folder carries this file next to `configuration_iha.py` and `modeling_ih
 their own transformers. The model files never test a version themselves: they call the names below.
 
 - The supported range and its guard: a release below `MINIMUM_TRANSFORMERS` is refused at import with one message
-  that names the fix; a release above `NEWEST_TESTED_TRANSFORMERS` is allowed only after a self-check of the cache path
-  on a tiny model (`check_untested_release`, called at the end of `modeling_iha.py`).
+  that names the fix; on a release above `NEWEST_TESTED_TRANSFORMERS` the first forward with a cache runs a self-check
+  of the cache path on a tiny model first (`check_untested_release`, called by `IHAModel.forward`), once per process.
+  Nothing runs at import.
 - The cache argument: transformers 5.24 renamed `past_key_values` to `cache` in model inputs, model outputs, mask
   helpers and `create_masks_for_generate`. A model that only knows the old name receives the cache in `**kwargs`,
   ignores it and decodes garbage without any error, so the name is resolved here for every call.
@@ -40,10 +41,11 @@ import re
 import transformers
 
 
-MINIMUM_TRANSFORMERS = (5, 4, 0)
-# Newest release line the version matrix (`scripts/transformers_matrix.py`) ran; patch releases of it count.
-NEWEST_TESTED_TRANSFORMERS = (5, 24)
-INSTALL_COMMAND = 'pip install "transformers>=5.4.0,<5.25"'
+# The supported transformers releases, written once: `setup.py` reads this line as text (its `install_requires`),
+# `scripts/transformers_matrix.py` tests its two ends, and everything below derives from it. The upper bound is the
+# next release line after the newest one the version matrix ran (patch releases of that line count as tested).
+SUPPORTED_TRANSFORMERS = "transformers>=5.4.0,<5.26"
+INSTALL_COMMAND = f'pip install "{SUPPORTED_TRANSFORMERS}"'
 SKIP_SELF_CHECK_VARIABLE = "IHA_SKIP_TRANSFORMERS_SELF_CHECK"
 
 
@@ -55,25 +57,52 @@ def release_tuple(version: str) -> tuple[int, ...]:
     return tuple(int(number or 0) for number in numbers.groups())
 
 
+def _supported_bounds(requirement: str) -> tuple[tuple[int, ...], tuple[int, int]]:
+    bounds = re.fullmatch(r"transformers>=([\d.]+),<(\d+)\.(\d+)", requirement)
+    if bounds is None:
+        raise ValueError(f"SUPPORTED_TRANSFORMERS must read 'transformers>=X.Y.Z,<X.Y', got {requirement!r}.")
+    major, next_minor = int(bounds.group(2)), int(bounds.group(3))
+    return release_tuple(bounds.group(1)), (major, next_minor - 1)
+
+
+# The oldest supported release, and the newest release line the version matrix ran.
+MINIMUM_TRANSFORMERS, NEWEST_TESTED_TRANSFORMERS = _supported_bounds(SUPPORTED_TRANSFORMERS)
+
+
+def supported_requirement(minimum: str | None = None) -> str:
+    """The pip requirement of the supported range; `minimum` raises its lower bound (for a feature that needs a
+    newer release)."""
+    if minimum is None:
+        return SUPPORTED_TRANSFORMERS
+    return f"transformers>={minimum},{SUPPORTED_TRANSFORMERS.partition(',')[2]}"
+
+
+def release_text(release: tuple[int, ...]) -> str:
+    return ".".join(map(str, release))
+
+
 def supported_range_text() -> str:
-    minimum = ".".join(map(str, MINIMUM_TRANSFORMERS))
-    newest = ".".join(map(str, NEWEST_TESTED_TRANSFORMERS))
-    return f"transformers >= {minimum} (tested up to {newest}.x)"
+    return f"transformers >= {release_text(MINIMUM_TRANSFORMERS)} (tested up to {release_text(NEWEST_TESTED_TRANSFORMERS)}.x)"
 
 
 class UnsupportedTransformersError(ImportError):
     """The installed transformers cannot run IHA models correctly."""
 
 
-def check_minimum_release(version: str = transformers.__version__):
+# The release the guards judge (a test sets another to act as an untested release).
+INSTALLED_TRANSFORMERS = transformers.__version__
+
+
+def check_minimum_release(version: str | None = None):
+    version = version or INSTALLED_TRANSFORMERS
     if release_tuple(version) < MINIMUM_TRANSFORMERS:
         raise UnsupportedTransformersError(
             f"IHA models need {supported_range_text()}, but transformers {version} is installed. Fix: {INSTALL_COMMAND}"
         )
 
 
-def is_untested_release(version: str = transformers.__version__) -> bool:
-    return release_tuple(version)[:2] > NEWEST_TESTED_TRANSFORMERS
+def is_untested_release(version: str | None = None) -> bool:
+    return release_tuple(version or INSTALLED_TRANSFORMERS)[:2] > NEWEST_TESTED_TRANSFORMERS
 
 
 check_minimum_release()
@@ -149,30 +178,41 @@ def paged_cache_update(cache, key_states: torch.Tensor, value_states: torch.Tens
     return keys.transpose(0, 1).unsqueeze(0), values.transpose(0, 1).unsqueeze(0)
 
 
-def check_untested_release(config_class, causal_lm_class, version: str = transformers.__version__):
-    """On a transformers newer than the newest tested release, prove the cache path before any model runs.
+# What the self-check found, per release: None (passed) or the failure. Filled on the first cached forward.
+SELF_CHECK_RESULTS: dict[str, str | None] = {}
+
+
+def check_untested_release(config_class, causal_lm_class, version: str | None = None):
+    """On a transformers newer than the newest tested release, prove the cache path before a cached forward runs.
 
     Silent wrong output is what an API change in a new release does to a model that keeps running (5.24 renamed the
-    cache argument: models that missed it decode garbage with no error). So on an untested release this builds a tiny
-    IHA model and checks, in a few seconds at most: (1) at identity mixing it gives the logits and the cached greedy
-    tokens of a Llama model with the same weights, on a left-padded batch; (2) with random mixing and a sliding IHA
-    layer, greedy tokens with DynamicCache and StaticCache equal those without a cache. If either fails, importing
-    the model fails with the fix; if both pass, a warning says the release is untested.
-    IHA_SKIP_TRANSFORMERS_SELF_CHECK=1 skips the check.
+    cache argument: models that missed it decode garbage with no error). So on an untested release the first forward
+    with a cache (`IHAModel.forward` calls this; nothing runs at import, and a tested release costs one comparison)
+    builds a tiny IHA model and checks, in a few seconds at most: (1) at identity mixing it gives the logits and the
+    cached greedy tokens of a Llama model with the same weights, on a left-padded batch; (2) with random mixing and a
+    sliding IHA layer, greedy tokens with DynamicCache and StaticCache equal those without a cache. The result is kept
+    for the process: a failure refuses every cached forward with one line naming the release and the fix; a pass logs
+    one warning that the release is untested. IHA_SKIP_TRANSFORMERS_SELF_CHECK=1 skips the check.
     """
+    version = version or INSTALLED_TRANSFORMERS
     if not is_untested_release(version) or os.environ.get(SKIP_SELF_CHECK_VARIABLE) == "1":
         return
-    failure = cache_path_self_check(config_class, causal_lm_class)
+    if version not in SELF_CHECK_RESULTS:
+        # The check's own tiny models run cached forwards too: they find the release marked as passing meanwhile.
+        SELF_CHECK_RESULTS[version] = None
+        SELF_CHECK_RESULTS[version] = cache_path_self_check(config_class, causal_lm_class)
+        if SELF_CHECK_RESULTS[version] is None:
+            transformers.logging.get_logger(__name__).warning(
+                f"transformers {version} is newer than the releases IHA was tested with ({supported_range_text()}); "
+                "its check of cached generation passed."
+            )
+    failure = SELF_CHECK_RESULTS[version]
     if failure is not None:
         raise UnsupportedTransformersError(
             f"transformers {version} is newer than the releases IHA was tested with ({supported_range_text()}), and "
-            f"IHA's self-check on it failed: {failure}. Output would be wrong. Fix: {INSTALL_COMMAND} (or update the "
-            f"model's code files to a newer iha release). Set {SKIP_SELF_CHECK_VARIABLE}=1 to load anyway."
+            f"IHA's check of cached generation on it failed: {failure}. Output would be wrong. Fix: {INSTALL_COMMAND} "
+            f"(or update the model's code files to a newer iha release). Set {SKIP_SELF_CHECK_VARIABLE}=1 to run anyway."
         )
-    transformers.logging.get_logger(__name__).warning(
-        f"transformers {version} is newer than the releases IHA was tested with ({supported_range_text()}); its "
-        "cache self-check passed."
-    )
 
 
 def cache_path_self_check(config_class, causal_lm_class) -> str | None:

@@ -62,6 +62,22 @@ class IHAGemma3Config(IHAAttentionFields, Gemma3TextConfig):
     model_type = "iha_gemma3"
     # No tensor parallel plan: sharding q/k/v by heads would cut the cross-head mixing apart (see `IHAConfig`).
     base_model_tp_plan = None
+    # `IHAConfig`'s switches of the other Llama-family blocks, which IHA's attention reads, as Gemma 3 has them: no
+    # Qwen3 q/k norm (its attention sets Gemma's own), one `attention_bias` for all four projections, RoPE in every
+    # layer. Declared, not fields: a Gemma 3 config.json never carries them.
+    use_qk_norm = False
+
+    @property
+    def qkv_bias(self) -> bool:
+        return self.attention_bias
+
+    @property
+    def o_proj_bias(self) -> bool:
+        return self.attention_bias
+
+    @property
+    def no_rope_layers(self) -> list[int]:
+        return [1] * self.num_hidden_layers
 
     def __post_init__(self, **kwargs):
         for field_name, supported in UNSUPPORTED_GEMMA3_FIELDS:

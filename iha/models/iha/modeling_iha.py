@@ -17,6 +17,11 @@ An IHA layer projects q/k/v as usual, mixes the heads into P pseudo-heads per he
 interleaves the pseudo-tokens token-major into a sequence of N * P virtual tokens, runs ordinary attention over it
 and folds the H * P pseudo-outputs back to H heads with a learned collapse before `o_proj`.
 
+Like transformers' `modular_*.py` files, this file states only what IHA changes: the attention, its caches, the RoPE
+inputs of each layer (passed to the layers as their `position_embeddings`) and the model forward that builds IHA's
+masks. The decoder layer, the causal LM's forward and the weight init are the installed transformers' Llama classes,
+so they are whatever the user's release makes them (`compat_iha.py` bridges what differs between releases).
+
 The masks live in `masking_iha.py`, the choice of kernel in `attention_iha.py`, and the two fast paths on SDPA in
 their own files (`blocked_local_iha.py`, `packed_documents_iha.py`); `iha.models.iha.naive_iha` is the plain reference every
 path is tested against. This file is copied next to the weights by `save_pretrained`, so it imports only torch,
@@ -32,19 +37,21 @@ import torch
 from torch import nn
 from transformers import initialization as init
 from transformers.cache_utils import Cache, DynamicCache
-from transformers.generation import GenerationMixin
 from transformers.modeling_layers import GradientCheckpointingLayer
-from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
-from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, PreTrainedModel
+from transformers.modeling_outputs import BaseModelOutputWithPast
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.models.llama.modeling_llama import (
+    LlamaDecoderLayer,
+    LlamaForCausalLM,
     LlamaMLP,
+    LlamaPreTrainedModel,
     LlamaRMSNorm,
     LlamaRotaryEmbedding,
     apply_rotary_pos_emb,
     eager_attention_forward,
 )
 from transformers.processing_utils import Unpack
-from transformers.utils import TransformersKwargs, can_return_tuple, logging
+from transformers.utils import TransformersKwargs, logging
 from transformers.utils.generic import merge_with_config_defaults
 from transformers.utils.output_capturing import capture_outputs
 
@@ -57,7 +64,6 @@ from .compat_iha import (
     CACHE_ARGUMENT_NAMES,
     cache_keyword,
     check_untested_release,
-    output_cache,
     paged_cache_update,
     take_cache_argument,
 )
@@ -76,18 +82,6 @@ from .serving_iha import (
 
 
 logger = logging.get_logger(__name__)
-
-
-class IHARMSNorm(LlamaRMSNorm):
-    pass
-
-
-class IHAMLP(LlamaMLP):
-    pass
-
-
-class IHARotaryEmbedding(LlamaRotaryEmbedding):
-    pass
 
 
 def mix_and_interleave(states: torch.Tensor, alpha: torch.Tensor) -> torch.Tensor:
@@ -273,7 +267,7 @@ class IHAAttention(nn.Module):
         self.layer_idx = layer_idx
         self.attention_type = config.attention_types[layer_idx]
         self.is_iha = is_iha_layer(self.attention_type)
-        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        self.head_dim = config.head_dim
         self.num_heads = config.num_attention_heads
         self.num_key_value_heads = config.num_key_value_heads
         self.num_key_value_groups = config.num_attention_heads // config.num_key_value_heads
@@ -285,27 +279,22 @@ class IHAAttention(nn.Module):
         # What the kernel is told (FlashAttention reads it): the window in tokens, or in virtual tokens on IHA layers
         # with the virtual window; None where only the mask can carry it (IHA layers with the token window).
         self.kernel_sliding_window = kernel_sliding_window(config, self.attention_type)
-        # SmolLM3's NoPE layers: no rotation of queries and keys at all. Configs without the field (Gemma 3's) rotate
-        # in every layer.
-        no_rope_layers = getattr(config, "no_rope_layers", None)
-        self.use_rope = no_rope_layers is None or bool(no_rope_layers[layer_idx])
-        # Gemma 3's config has one `attention_bias` for all four projections.
-        qkv_bias = getattr(config, "qkv_bias", config.attention_bias)
-        o_proj_bias = getattr(config, "o_proj_bias", config.attention_bias)
+        # SmolLM3's NoPE layers (0: no rotation of queries and keys at all).
+        self.use_rope = bool(config.no_rope_layers[layer_idx])
 
-        self.q_proj = nn.Linear(config.hidden_size, self.num_heads * self.head_dim, bias=qkv_bias)
-        self.k_proj = nn.Linear(config.hidden_size, self.num_key_value_heads * self.head_dim, bias=qkv_bias)
-        self.v_proj = nn.Linear(config.hidden_size, self.num_key_value_heads * self.head_dim, bias=qkv_bias)
-        self.o_proj = nn.Linear(self.num_heads * self.head_dim, config.hidden_size, bias=o_proj_bias)
+        self.q_proj = nn.Linear(config.hidden_size, self.num_heads * self.head_dim, bias=config.qkv_bias)
+        self.k_proj = nn.Linear(config.hidden_size, self.num_key_value_heads * self.head_dim, bias=config.qkv_bias)
+        self.v_proj = nn.Linear(config.hidden_size, self.num_key_value_heads * self.head_dim, bias=config.qkv_bias)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, config.hidden_size, bias=config.o_proj_bias)
         # Qwen3's per-head norm of queries and keys over head_dim (Gemma 3's attention sets its own kind).
         self.q_norm = self.k_norm = None
-        if getattr(config, "use_qk_norm", False):
-            self.q_norm = IHARMSNorm(self.head_dim, eps=config.rms_norm_eps)
-            self.k_norm = IHARMSNorm(self.head_dim, eps=config.rms_norm_eps)
-        # Where the cache stands, fixed per layer: before the mixing (`iha_cache_mode="token"`, Llama's layout and
-        # memory; every step mixes the whole cache again), or after it ("pseudo": P times the memory, nothing mixed
-        # again). Continuous batching's paged cache is always before the mixing (`serving_iha`).
-        self.caches_mixed_states = self.is_iha and config.iha_cache_mode == "pseudo"
+        if config.use_qk_norm:
+            self.q_norm = LlamaRMSNorm(self.head_dim, eps=config.rms_norm_eps)
+            self.k_norm = LlamaRMSNorm(self.head_dim, eps=config.rms_norm_eps)
+        # Where the cache stands, chosen once per layer: before the mixing ("token": `iha_cache_mode="token"` and
+        # standard layers, Llama's layout and memory; every step mixes the whole cache again), or after it ("mixed":
+        # "pseudo" mode, P times the memory, nothing mixed again). `update_cache` writes there.
+        self.cache_stage = "mixed" if self.is_iha and config.iha_cache_mode == "pseudo" else "token"
         self.head_mixing = None
         if self.is_iha:
             self.head_mixing = IHAHeadMixing(
@@ -319,11 +308,13 @@ class IHAAttention(nn.Module):
     def forward(
         self,
         hidden_states: torch.Tensor,
-        rotation: "LayerRotation",
+        position_embeddings: "LayerRotation",
         attention_mask: torch.Tensor | None,
         past_key_values: Cache | None = None,
         **kwargs: Unpack[TransformersKwargs],
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        # The decoder layer (Llama's or Gemma 3's) passes the cache under its release's name.
+        past_key_values = take_cache_argument(past_key_values, kwargs)
         input_shape = hidden_states.shape[:-1]
         hidden_shape = (*input_shape, -1, self.head_dim)
 
@@ -337,24 +328,21 @@ class IHAAttention(nn.Module):
 
         if self.use_rope:
             # At token level (n, or n * P in virtual mode): a rotation commutes with the mixing across heads.
-            cos, sin = rotation.token
+            cos, sin = position_embeddings.token
             query_states, key_states = apply_rotary_pos_emb(query_states, key_states, cos, sin)
-
-        # A token-level cache (Llama's layout) holds the un-mixed keys and values: continuous batching's pages always.
-        paged = is_paged_cache(past_key_values)
-        if paged:
-            key_states, value_states = paged_cache_update(
-                past_key_values, key_states, value_states, self.layer_idx, kwargs
-            )
-        elif past_key_values is not None and not self.caches_mixed_states:
-            key_states, value_states = past_key_values.update(key_states, value_states, self.layer_idx)
+        key_states, value_states = self.update_cache(past_key_values, key_states, value_states, "token", kwargs)
 
         attn_implementation = self.config._attn_implementation
-        attn_implementation = paged_attention_implementation(attn_implementation) if paged else attn_implementation
+        if is_paged_cache(past_key_values):
+            attn_implementation = paged_attention_implementation(attn_implementation)
         if self.is_iha:
-            query_states, key_states, value_states, kwargs = self.pseudo_tokens(
-                query_states, key_states, value_states, rotation, past_key_values, attn_implementation, kwargs
+            # The heads mixed into the interleaved N * P pseudo-tokens (rotated by p in virtual position mode).
+            query_states, key_states, value_states = self.head_mixing.mix_and_rotate(
+                query_states, key_states, value_states, position_embeddings.pseudo if self.use_rope else None
             )
+            key_states, value_states = self.update_cache(past_key_values, key_states, value_states, "mixed", kwargs)
+            if attn_implementation.startswith("flash"):
+                kwargs = virtual_flash_kwargs(kwargs, kwargs.get("position_ids"), self.num_pseudo_heads)
 
         attention_interface = self.attention_interface(attention_mask, attn_implementation, query_states.device)
         attn_output, attn_weights = attention_interface(
@@ -375,21 +363,19 @@ class IHAAttention(nn.Module):
         attn_output = self.o_proj(attn_output)
         return attn_output, attn_weights
 
-    def pseudo_tokens(
-        self, query_states, key_states, value_states, rotation, past_key_values, attn_implementation, kwargs
-    ):
-        """The heads mixed into the interleaved N * P pseudo-tokens (rotated by p in virtual mode), the mixed keys and
-        values cached where this layer caches them, and FlashAttention's arguments in virtual units."""
-        query_states, key_states, value_states = self.head_mixing.mix_and_rotate(
-            query_states, key_states, value_states, rotation.pseudo if self.use_rope else None
-        )
-        if past_key_values is not None and self.caches_mixed_states and not is_paged_cache(past_key_values):
-            key_states, value_states = update_pseudo_cache(
-                past_key_values, key_states, value_states, self.layer_idx, self.num_pseudo_heads
-            )
-        if attn_implementation.startswith("flash"):
-            kwargs = virtual_flash_kwargs(kwargs, kwargs.get("position_ids"), self.num_pseudo_heads)
-        return query_states, key_states, value_states, kwargs
+    def update_cache(self, cache, key_states, value_states, stage: str, kwargs: dict):
+        """Write the keys and values of `stage` ("token": before the mixing, "mixed": after it) into `cache` where this
+        layer's cache stands (`cache_stage`), and return every key and value to attend. Continuous batching's pages
+        always stand before the mixing."""
+        if is_paged_cache(cache):
+            if stage != "token":
+                return key_states, value_states
+            return paged_cache_update(cache, key_states, value_states, self.layer_idx, kwargs)
+        if cache is None or stage != self.cache_stage:
+            return key_states, value_states
+        if stage == "mixed":
+            return update_pseudo_cache(cache, key_states, value_states, self.layer_idx, self.num_pseudo_heads)
+        return cache.update(key_states, value_states, self.layer_idx)
 
     def attention_interface(self, attention_mask, attn_implementation: str, device: torch.device) -> Callable:
         """The kernel of this call: one of IHA's own paths (`attention_iha.choose_attention_path`), or the backend's."""
@@ -443,64 +429,30 @@ def rotary_inputs(
     return RotaryInputs(standard=token_rotation, iha=LayerRotation(iha_rotation, pseudo_rotation))
 
 
-class IHADecoderLayer(GradientCheckpointingLayer):
+class IHADecoderLayer(LlamaDecoderLayer):
+    """Llama's block (its forward) around IHA's attention; the model passes each layer its `LayerRotation` as
+    `position_embeddings`."""
+
     def __init__(self, config: IHAConfig, layer_idx: int):
-        super().__init__()
+        # Llama's modules with IHA's attention, built here: `LlamaDecoderLayer.__init__` would first build (and
+        # randomly initialise) a Llama attention to throw away.
+        GradientCheckpointingLayer.__init__(self)
         self.hidden_size = config.hidden_size
         self.attention_type = config.attention_types[layer_idx]
         self.self_attn = IHAAttention(config=config, layer_idx=layer_idx)
-        self.mlp = IHAMLP(config)
-        self.input_layernorm = IHARMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-        self.post_attention_layernorm = IHARMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-
-    def forward(
-        self,
-        hidden_states: torch.Tensor,
-        attention_mask: torch.Tensor | None = None,
-        position_ids: torch.LongTensor | None = None,
-        past_key_values: Cache | None = None,
-        use_cache: bool | None = False,
-        rotation: LayerRotation | None = None,
-        **kwargs: Unpack[TransformersKwargs],
-    ) -> torch.Tensor:
-        # The model passes the cache under this release's name, the one `GradientCheckpointingLayer` clears when it
-        # recomputes the layer (a cache updated again on the backward replay would hold every token twice).
-        past_key_values = take_cache_argument(past_key_values, kwargs)
-        residual = hidden_states
-        hidden_states = self.input_layernorm(hidden_states)
-        hidden_states, _ = self.self_attn(
-            hidden_states=hidden_states,
-            attention_mask=attention_mask,
-            position_ids=position_ids,
-            past_key_values=past_key_values,
-            use_cache=use_cache,
-            rotation=rotation,
-            **kwargs,
-        )
-        hidden_states = residual + hidden_states
-
-        residual = hidden_states
-        hidden_states = self.post_attention_layernorm(hidden_states)
-        hidden_states = self.mlp(hidden_states)
-        hidden_states = residual + hidden_states
-        return hidden_states
+        self.mlp = LlamaMLP(config)
+        self.input_layernorm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.post_attention_layernorm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
 
-class IHAPreTrainedModel(PreTrainedModel):
+class IHAPreTrainedModel(LlamaPreTrainedModel):
     config_class = IHAConfig
     config: IHAConfig
-    base_model_prefix = "model"
-    supports_gradient_checkpointing = True
     _no_split_modules = ["IHADecoderLayer"]
     # Under any 16-bit load dtype the mixing is loaded in fp32 (see `mixing_dtype`); the non-strict list acts for fp16
     # only.
     _keep_in_fp32_modules_strict = ["head_mixing"]
     _skip_keys_device_placement = list(CACHE_ARGUMENT_NAMES)
-    _supports_flash_attn = True
-    _supports_sdpa = True
-    _supports_flex_attn = True
-    _can_compile_fullgraph = True  # one graph on every layout and input kind: tests/models/iha/test_compile.py
-    _supports_attention_backend = True
     _can_record_outputs = {
         "hidden_states": IHADecoderLayer,
         "attentions": IHAAttention,
@@ -513,30 +465,20 @@ class IHAPreTrainedModel(PreTrainedModel):
         if isinstance(module, IHAHeadMixing):
             module.reset_to_identity()
 
+    def _check_and_adjust_attn_implementation(self, attn_implementation, *args, **kwargs):
+        # Where transformers settles the attention implementation (at `__init__` and in `set_attn_implementation`):
+        # one IHA layers cannot be right under is refused there, before any forward.
+        attn_implementation = super()._check_and_adjust_attn_implementation(attn_implementation, *args, **kwargs)
+        self._check_attention_implementation(attn_implementation)
+        return attn_implementation
 
-class IHAModel(IHAPreTrainedModel):
-    def __init__(self, config: IHAConfig):
-        super().__init__(config)
-        self.padding_idx = config.pad_token_id
-        self.vocab_size = config.vocab_size
-
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, self.padding_idx)
-        self.layers = nn.ModuleList(
-            [IHADecoderLayer(config, layer_idx) for layer_idx in range(config.num_hidden_layers)]
-        )
-        self.norm = IHARMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-        self.rotary_emb = IHARotaryEmbedding(config=config)
-        self.gradient_checkpointing = False
-        self.post_init()
-        self._check_attention_implementation()
-
-    def _check_attention_implementation(self):
-        has_iha_layers = any(is_iha_layer(t) for t in self.config.attention_types)
-        if has_iha_layers:
-            # An engine that builds the model under its own attention name (vLLM, SGLang) stops here, at load time.
-            name = self.config._attn_implementation
-            check_attention_engine(name, paged=name in PAGED_ATTENTION_IMPLEMENTATIONS, kwargs={})
-        if not (has_iha_layers and (self.config._attn_implementation or "").startswith("flash")):
+    def _check_attention_implementation(self, name: str | None = None):
+        name = name or self.config._attn_implementation
+        if not any(is_iha_layer(t) for t in self.config.attention_types):
+            return
+        # An engine that builds the model under its own attention name (vLLM, SGLang) stops here, at load time.
+        check_attention_engine(name, paged=name in PAGED_ATTENTION_IMPLEMENTATIONS, kwargs={})
+        if not (name or "").startswith("flash"):
             return
         if self.config.iha_mask_mode != "flat_causal":
             raise ValueError(
@@ -549,6 +491,22 @@ class IHAModel(IHAPreTrainedModel):
                 "tokens (iha_window_unit='token'). Use attn_implementation='sdpa' or 'flex_attention', or the "
                 "paper's window in virtual units (iha_window_unit='virtual', which changes what the layers compute)."
             )
+
+
+class IHAModel(IHAPreTrainedModel):
+    def __init__(self, config: IHAConfig):
+        super().__init__(config)
+        self.padding_idx = config.pad_token_id
+        self.vocab_size = config.vocab_size
+
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, self.padding_idx)
+        self.layers = nn.ModuleList(
+            [IHADecoderLayer(config, layer_idx) for layer_idx in range(config.num_hidden_layers)]
+        )
+        self.norm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.rotary_emb = LlamaRotaryEmbedding(config=config)
+        self.gradient_checkpointing = False
+        self.post_init()
 
     def layer_rotations(self, hidden_states: torch.Tensor, position_ids: torch.Tensor) -> dict[str, RotaryInputs]:
         """The RoPE inputs (`rotary_inputs`) of each layer type: one RoPE for every layer here (Gemma 3 has one per
@@ -585,6 +543,10 @@ class IHAModel(IHAPreTrainedModel):
 
         if use_cache and past_key_values is None:
             past_key_values = DynamicCache(config=self.config)
+        if past_key_values is not None and not torch.compiler.is_compiling():
+            # On a transformers newer than the tested ones, the first cached forward proves the cache path first (the
+            # first eager one: a graph being traced skips it; `generate` runs its prefill eagerly).
+            check_untested_release(IHAConfig, IHAForCausalLM)
 
         if position_ids is None:
             past_seen_tokens = past_key_values.get_seq_length() if past_key_values is not None else 0
@@ -618,7 +580,7 @@ class IHAModel(IHAPreTrainedModel):
             hidden_states = decoder_layer(
                 hidden_states,
                 attention_mask=mask_mapping[decoder_layer.attention_type],
-                rotation=rotations.for_layer(decoder_layer.attention_type),
+                position_embeddings=rotations.for_layer(decoder_layer.attention_type),
                 position_ids=position_ids,
                 use_cache=use_cache,
                 **cache_keyword(past_key_values),
@@ -629,11 +591,12 @@ class IHAModel(IHAPreTrainedModel):
         return BaseModelOutputWithPast(last_hidden_state=hidden_states, **cache_keyword(past_key_values))
 
 
-class IHAForCausalLM(IHAPreTrainedModel, GenerationMixin):
-    _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
+class IHAForCausalLM(IHAPreTrainedModel, LlamaForCausalLM):
+    """Llama's causal LM (its forward: logits, loss) on `IHAModel`, with what generation needs to know of IHA."""
 
     def __init__(self, config: IHAConfig):
-        super().__init__(config)
+        # Not `LlamaForCausalLM.__init__`, which would build a Llama model to throw away.
+        IHAPreTrainedModel.__init__(self, config)
         self.model = IHAModel(config)
         self.vocab_size = config.vocab_size
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
@@ -669,62 +632,6 @@ class IHAForCausalLM(IHAPreTrainedModel, GenerationMixin):
             for dim, attention_type in zip(head_dims, self.config.attention_types)
         ]
         return num_heads, head_dims
-
-    @can_return_tuple
-    def forward(
-        self,
-        input_ids: torch.LongTensor | None = None,
-        attention_mask: torch.Tensor | None = None,
-        position_ids: torch.LongTensor | None = None,
-        past_key_values: Cache | None = None,
-        inputs_embeds: torch.Tensor | None = None,
-        labels: torch.LongTensor | None = None,
-        use_cache: bool | None = None,
-        logits_to_keep: int | torch.Tensor = 0,
-        **kwargs: Unpack[TransformersKwargs],
-    ) -> CausalLMOutputWithPast:
-        r"""
-        Example:
-
-        ```python
-        >>> import iha  # registers the model with the Auto classes
-        >>> from transformers import AutoModelForCausalLM, AutoTokenizer
-
-        >>> model = AutoModelForCausalLM.from_pretrained("path/to/converted-iha-model")
-        >>> tokenizer = AutoTokenizer.from_pretrained("path/to/converted-iha-model")
-        >>> inputs = tokenizer("The capital of France is", return_tensors="pt")
-        >>> output_ids = model.generate(**inputs, max_new_tokens=8)
-        ```"""
-        past_key_values = take_cache_argument(past_key_values, kwargs)
-        outputs: BaseModelOutputWithPast = self.model(
-            input_ids=input_ids,
-            attention_mask=attention_mask,
-            position_ids=position_ids,
-            past_key_values=past_key_values,
-            inputs_embeds=inputs_embeds,
-            use_cache=use_cache,
-            **kwargs,
-        )
-
-        hidden_states = outputs.last_hidden_state
-        slice_indices = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
-        logits = self.lm_head(hidden_states[:, slice_indices, :])
-
-        loss = None
-        if labels is not None:
-            loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size, **kwargs)
-
-        return CausalLMOutputWithPast(
-            loss=loss,
-            logits=logits,
-            **cache_keyword(output_cache(outputs)),
-            hidden_states=outputs.hidden_states,
-            attentions=outputs.attentions,
-        )
-
-
-# On a transformers newer than the newest tested release, prove the cache path on a tiny model before any model runs.
-check_untested_release(IHAConfig, IHAForCausalLM)
 
 
 __all__ = ["IHAForCausalLM", "IHAModel", "IHAPreTrainedModel", "IHAHeadMixing"]

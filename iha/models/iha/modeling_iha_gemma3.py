@@ -24,25 +24,21 @@ This file is copied next to the weights by `save_pretrained`, so it imports only
 
 import torch
 from torch import nn
-from transformers import initialization as init
-from transformers.cache_utils import Cache
 from transformers.modeling_layers import GradientCheckpointingLayer
-from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
-from transformers.modeling_utils import PreTrainedModel
 from transformers.models.gemma3.modeling_gemma3 import (
+    Gemma3DecoderLayer,
     Gemma3MLP,
+    Gemma3PreTrainedModel,
     Gemma3RMSNorm,
     Gemma3RotaryEmbedding,
     Gemma3TextScaledWordEmbedding,
 )
-from transformers.processing_utils import Unpack
-from transformers.utils import TransformersKwargs
 
 # transformers 5.4 - 5.9 copy into their remote-code cache only the files the loaded module imports itself, not the
 # files those import: this module, which `auto_map` names, imports every sibling that `modeling_iha` needs, directly.
 from .attention_iha import choose_attention_path  # noqa: F401
 from .blocked_local_iha import BlockedLocalMask  # noqa: F401
-from .compat_iha import take_cache_argument
+from .compat_iha import take_cache_argument  # noqa: F401
 from .configuration_iha import IHAConfig  # noqa: F401
 from .configuration_iha_gemma3 import IHAGemma3Config
 from .masking_iha import create_iha_masks  # noqa: F401
@@ -51,28 +47,11 @@ from .modeling_iha import (
     IHAForCausalLM,
     IHAModel,
     IHAPreTrainedModel,
-    LayerRotation,
     RotaryInputs,
     rotary_inputs,
 )
 from .packed_documents_iha import PackedDocumentsMask  # noqa: F401
 from .serving_iha import check_attention_engine  # noqa: F401
-
-
-class IHAGemma3RMSNorm(Gemma3RMSNorm):
-    pass
-
-
-class IHAGemma3MLP(Gemma3MLP):
-    pass
-
-
-class IHAGemma3RotaryEmbedding(Gemma3RotaryEmbedding):
-    pass
-
-
-class IHAGemma3ScaledWordEmbedding(Gemma3TextScaledWordEmbedding):
-    pass
 
 
 class IHAGemma3Attention(IHAAttention):
@@ -81,87 +60,41 @@ class IHAGemma3Attention(IHAAttention):
     def __init__(self, config: IHAGemma3Config, layer_idx: int):
         super().__init__(config, layer_idx)
         self.scaling = config.query_pre_attn_scalar**-0.5
-        self.q_norm = IHAGemma3RMSNorm(self.head_dim, eps=config.rms_norm_eps)
-        self.k_norm = IHAGemma3RMSNorm(self.head_dim, eps=config.rms_norm_eps)
+        self.q_norm = Gemma3RMSNorm(self.head_dim, eps=config.rms_norm_eps)
+        self.k_norm = Gemma3RMSNorm(self.head_dim, eps=config.rms_norm_eps)
 
 
-class IHAGemma3DecoderLayer(GradientCheckpointingLayer):
+class IHAGemma3DecoderLayer(Gemma3DecoderLayer):
+    """Gemma 3's block (its forward: norms after attention and around the MLP) around IHA's attention."""
+
     def __init__(self, config: IHAGemma3Config, layer_idx: int):
-        super().__init__()
+        # Gemma 3's modules with IHA's attention, built here: `Gemma3DecoderLayer.__init__` would first build (and
+        # randomly initialise) a Gemma 3 attention to throw away.
+        GradientCheckpointingLayer.__init__(self)
+        self.config = config
         self.hidden_size = config.hidden_size
+        self.layer_idx = layer_idx
         self.attention_type = config.attention_types[layer_idx]
         self.self_attn = IHAGemma3Attention(config=config, layer_idx=layer_idx)
-        self.mlp = IHAGemma3MLP(config)
-        self.input_layernorm = IHAGemma3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-        self.post_attention_layernorm = IHAGemma3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-        self.pre_feedforward_layernorm = IHAGemma3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-        self.post_feedforward_layernorm = IHAGemma3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-
-    def forward(
-        self,
-        hidden_states: torch.Tensor,
-        attention_mask: torch.Tensor | None = None,
-        position_ids: torch.LongTensor | None = None,
-        past_key_values: Cache | None = None,
-        use_cache: bool | None = False,
-        rotation: LayerRotation | None = None,
-        **kwargs: Unpack[TransformersKwargs],
-    ) -> torch.Tensor:
-        # The cache comes under this release's name, the one `GradientCheckpointingLayer` clears on recomputation.
-        past_key_values = take_cache_argument(past_key_values, kwargs)
-        residual = hidden_states
-        hidden_states = self.input_layernorm(hidden_states)
-        hidden_states, _ = self.self_attn(
-            hidden_states=hidden_states,
-            attention_mask=attention_mask,
-            position_ids=position_ids,
-            past_key_values=past_key_values,
-            use_cache=use_cache,
-            rotation=rotation,
-            **kwargs,
-        )
-        hidden_states = self.post_attention_layernorm(hidden_states)
-        hidden_states = residual + hidden_states
-
-        residual = hidden_states
-        hidden_states = self.pre_feedforward_layernorm(hidden_states)
-        hidden_states = self.mlp(hidden_states)
-        hidden_states = self.post_feedforward_layernorm(hidden_states)
-        hidden_states = residual + hidden_states
-        return hidden_states
+        self.mlp = Gemma3MLP(config)
+        self.input_layernorm = Gemma3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.post_attention_layernorm = Gemma3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.pre_feedforward_layernorm = Gemma3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.post_feedforward_layernorm = Gemma3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
 
-class IHAGemma3PreTrainedModel(IHAPreTrainedModel):
+class IHAGemma3PreTrainedModel(IHAPreTrainedModel, Gemma3PreTrainedModel):
+    """IHA's flags and mixing init, then Gemma 3's init: (1 + w) norms at zero, the embedding scale and the RoPE
+    frequencies of each layer type (buffers not saved with the weights)."""
+
     config_class = IHAGemma3Config
     config: IHAGemma3Config
+    input_modalities = ("text",)
     _no_split_modules = ["IHAGemma3DecoderLayer"]
     _can_record_outputs = {
         "hidden_states": IHAGemma3DecoderLayer,
         "attentions": IHAGemma3Attention,
     }
-
-    def _init_weights(self, module):
-        super()._init_weights(module)
-        # Gemma's norms multiply by (1 + weight): a weight of zero is the identity.
-        if isinstance(module, IHAGemma3RMSNorm):
-            init.zeros_(module.weight)
-        # Buffers that are not saved with the weights, computed again whenever the model is built or loaded.
-        elif isinstance(module, IHAGemma3ScaledWordEmbedding):
-            init.constant_(module.embed_scale, module.scalar_embed_scale)
-        elif isinstance(module, IHAGemma3RotaryEmbedding):
-            for layer_type in module.layer_types:
-                inv_freq = compute_inv_freq(module, layer_type)
-                init.copy_(getattr(module, f"{layer_type}_inv_freq"), inv_freq)
-                init.copy_(getattr(module, f"{layer_type}_original_inv_freq"), inv_freq)
-
-
-def compute_inv_freq(rotary_emb: IHAGemma3RotaryEmbedding, layer_type: str) -> torch.Tensor:
-    """The inverse RoPE frequencies of one layer type, from its `rope_parameters` entry."""
-
-    rope_type = rotary_emb.rope_type[layer_type]
-    compute = rotary_emb.compute_default_rope_parameters if rope_type == "default" else ROPE_INIT_FUNCTIONS[rope_type]
-    inv_freq, _ = compute(rotary_emb.config, layer_type=layer_type)
-    return inv_freq
 
 
 class IHAGemma3TextModel(IHAGemma3PreTrainedModel, IHAModel):
@@ -169,21 +102,20 @@ class IHAGemma3TextModel(IHAGemma3PreTrainedModel, IHAModel):
 
     def __init__(self, config: IHAGemma3Config):
         # `IHAModel.__init__` builds Llama's block; this builds Gemma 3's (the forward is `IHAModel`'s).
-        PreTrainedModel.__init__(self, config)
+        IHAGemma3PreTrainedModel.__init__(self, config)
         self.padding_idx = config.pad_token_id
         self.vocab_size = config.vocab_size
 
-        self.embed_tokens = IHAGemma3ScaledWordEmbedding(
+        self.embed_tokens = Gemma3TextScaledWordEmbedding(
             config.vocab_size, config.hidden_size, self.padding_idx, embed_scale=config.hidden_size**0.5
         )
         self.layers = nn.ModuleList(
             [IHAGemma3DecoderLayer(config, layer_idx) for layer_idx in range(config.num_hidden_layers)]
         )
-        self.norm = IHAGemma3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-        self.rotary_emb = IHAGemma3RotaryEmbedding(config)
+        self.norm = Gemma3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.rotary_emb = Gemma3RotaryEmbedding(config)
         self.gradient_checkpointing = False
         self.post_init()
-        self._check_attention_implementation()
 
     def layer_rotations(self, hidden_states: torch.Tensor, position_ids: torch.Tensor) -> dict[str, RotaryInputs]:
         """The RoPE inputs (`rotary_inputs`) of each layer type, each with its own base (`rope_parameters`)."""
@@ -201,11 +133,11 @@ class IHAGemma3TextModel(IHAGemma3PreTrainedModel, IHAModel):
 
 
 class IHAGemma3ForCausalLM(IHAGemma3PreTrainedModel, IHAForCausalLM):
-    """`IHAForCausalLM` (forward, generation, masks for `generate`, caches) on the Gemma 3 text model."""
+    """`IHAForCausalLM` (Llama's forward, generation, masks for `generate`, caches) on the Gemma 3 text model."""
 
     def __init__(self, config: IHAGemma3Config):
         # `IHAForCausalLM.__init__` builds the Llama-block `IHAModel`; this builds Gemma 3's.
-        PreTrainedModel.__init__(self, config)
+        IHAGemma3PreTrainedModel.__init__(self, config)
         self.model = IHAGemma3TextModel(config)
         self.vocab_size = config.vocab_size
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)

@@ -44,7 +44,7 @@ from transformers.generation.configuration_utils import ContinuousBatchingConfig
 from transformers.generation.continuous_batching import PagedAttentionCache
 from transformers.models.llama.modeling_llama import eager_attention_forward
 
-from .compat_iha import PAGED_SLIDING_WINDOW_RELEASE, paged_sliding_window_is_right
+from .compat_iha import PAGED_SLIDING_WINDOW_RELEASE, paged_sliding_window_is_right, supported_requirement
 from .configuration_iha import IHA_SLIDING, is_iha_layer, is_sliding_layer
 from .masking_iha import cache_window_tokens, window_unit
 
@@ -134,7 +134,7 @@ def check_paged_sliding_window(version: str | None = None) -> None:
         raise ValueError(
             f"Continuous batching of sliding-window layers reads back the wrong cached tokens on transformers "
             f"{version} (fixed in {fixed}; a stock Mistral decodes wrongly there too). Upgrade: pip install "
-            f"'transformers>={fixed},<5.25', or generate with `generate()`."
+            f"'{supported_requirement(fixed)}', or generate with `generate()`."
         )
 
 

@@ -19,18 +19,18 @@ def test_releases_below_the_minimum_are_refused_with_the_fix(version):
     message = str(error.value)
     assert f"transformers {version} is installed" in message
     assert "transformers >= 5.4.0" in message
-    assert 'pip install "transformers>=5.4.0,<5.25"' in message
+    assert 'pip install "transformers>=5.4.0,<5.26"' in message
 
 
-@pytest.mark.parametrize("version", ["5.4.0", "5.13.1", "5.24.0", "5.24.3", "5.25.0.dev0"])
+@pytest.mark.parametrize("version", ["5.4.0", "5.13.1", "5.24.0", "5.25.0", "5.25.3", "5.26.0.dev0"])
 def test_supported_and_newer_releases_pass_the_minimum(version):
     compat_iha.check_minimum_release(version)
 
 
 def test_only_releases_after_the_newest_tested_line_are_untested():
-    assert not compat_iha.is_untested_release("5.23.0")
-    assert not compat_iha.is_untested_release("5.24.2")
-    assert compat_iha.is_untested_release("5.25.0")
+    assert not compat_iha.is_untested_release("5.24.0")
+    assert not compat_iha.is_untested_release("5.25.2")
+    assert compat_iha.is_untested_release("5.26.0")
     assert compat_iha.is_untested_release("6.0.0")
 
 
@@ -56,28 +56,100 @@ def test_model_decodes_the_same_with_the_cache_passed_as_cache_or_past_key_value
             torch.testing.assert_close(step, full, rtol=1e-5, atol=1e-5)
 
 
-def test_self_check_passes_on_this_release_and_warns_for_an_untested_one(caplog):
-    assert compat_iha.cache_path_self_check(iha.IHAConfig, iha.IHAForCausalLM) is None
-    with caplog.at_level(logging.WARNING):
-        compat_iha.check_untested_release(iha.IHAConfig, iha.IHAForCausalLM, version="5.99.0")
-    assert "newer than the releases IHA was tested with" in caplog.text
+@pytest.fixture
+def untested_release(monkeypatch):
+    """The installed transformers judged as "5.99.0", a release newer than every tested one, with no check run yet."""
+    monkeypatch.setattr(compat_iha, "INSTALLED_TRANSFORMERS", "5.99.0")
+    monkeypatch.setattr(compat_iha, "SELF_CHECK_RESULTS", {})
+    monkeypatch.delenv(compat_iha.SKIP_SELF_CHECK_VARIABLE, raising=False)
+    return "5.99.0"
 
 
-def test_self_check_catches_a_model_that_ignores_the_cache(monkeypatch):
-    # What transformers 5.24 did to a model that only knew `past_key_values`: the cache arrives under another name,
-    # the model never sees it, and generation continues from nothing but the last token, without an error.
-    def lose_the_cache(past_key_values, kwargs):
-        kwargs.pop("cache", None)
-        return None
+def generate_kwargs():
+    input_ids, attention_mask = left_padded_batch()
+    return dict(input_ids=input_ids, attention_mask=attention_mask, max_new_tokens=4, do_sample=False, pad_token_id=0)
 
-    monkeypatch.setattr(iha.models.iha.modeling_iha, "take_cache_argument", lose_the_cache)
-    with pytest.raises(compat_iha.UnsupportedTransformersError) as error:
-        compat_iha.check_untested_release(iha.IHAConfig, iha.IHAForCausalLM, version="5.99.0")
-    message = str(error.value)
-    assert "transformers 5.99.0" in message and "self-check" in message
-    assert 'pip install "transformers>=5.4.0,<5.25"' in message
+
+def test_on_an_untested_release_the_first_cached_forward_checks_once_and_warns(untested_release, caplog):
+    model = tiny_iha_model(num_key_value_heads=2)
+    with torch.no_grad():
+        input_ids, attention_mask = left_padded_batch()
+        model(input_ids, attention_mask=attention_mask, use_cache=False)
+        assert compat_iha.SELF_CHECK_RESULTS == {}  # a forward without a cache checks nothing
+        with caplog.at_level(logging.WARNING):
+            first = model.generate(**generate_kwargs())
+            second = model.generate(**generate_kwargs())
+    assert compat_iha.SELF_CHECK_RESULTS == {untested_release: None}
+    assert caplog.text.count("newer than the releases IHA was tested with") == 1
+    assert torch.equal(first, second)
+
+
+def rename_the_cache_in_generate(monkeypatch):
+    """What a new release's `generate` could do to model code written before it (5.24 did it once: `past_key_values`
+    became `cache`): pass the cache under a name the model does not know. The model then finds no cache, starts an
+    empty one at every step and decodes each token from nothing but itself, without an error."""
+    from transformers.generation import GenerationMixin
+
+    prepare_inputs = GenerationMixin.prepare_inputs_for_generation
+
+    def prepare_inputs_under_a_new_name(self, *args, **kwargs):
+        model_inputs = prepare_inputs(self, *args, **kwargs)
+        for name in ("past_key_values", "cache"):
+            if name in model_inputs:
+                model_inputs["kv_cache"] = model_inputs.pop(name)
+        return model_inputs
+
+    monkeypatch.setattr(GenerationMixin, "prepare_inputs_for_generation", prepare_inputs_under_a_new_name)
+
+
+def test_an_untested_release_with_a_broken_cache_path_is_refused_at_the_first_cached_forward(
+    untested_release, monkeypatch
+):
+    model = tiny_iha_model(num_key_value_heads=2)
+    rename_the_cache_in_generate(monkeypatch)
+    for _ in range(2):  # the failure is remembered: every cached forward refuses, without checking again
+        with pytest.raises(compat_iha.UnsupportedTransformersError) as error, torch.no_grad():
+            model.generate(**generate_kwargs())
+        message = str(error.value)
+        assert "\n" not in message
+        assert "transformers 5.99.0 is newer than the releases IHA was tested with" in message
+        assert "greedy generation with DynamicCache differs from generation without a cache" in message
+        assert message.endswith("Set IHA_SKIP_TRANSFORMERS_SELF_CHECK=1 to run anyway.")
+        assert 'Fix: pip install "transformers>=5.4.0,<5.26"' in message
+    assert list(compat_iha.SELF_CHECK_RESULTS) == [untested_release]
     monkeypatch.setenv(compat_iha.SKIP_SELF_CHECK_VARIABLE, "1")
-    compat_iha.check_untested_release(iha.IHAConfig, iha.IHAForCausalLM, version="5.99.0")
+    with torch.no_grad():
+        model.generate(**generate_kwargs())
+
+
+def test_on_a_tested_release_a_broken_cache_path_is_not_checked_for(monkeypatch):
+    # The check costs nothing where the matrix ran: no tiny model is built on a tested release.
+    monkeypatch.setattr(compat_iha, "SELF_CHECK_RESULTS", {})
+    monkeypatch.setattr(compat_iha, "cache_path_self_check", lambda *classes: pytest.fail("checked a tested release"))
+    with torch.no_grad():
+        tiny_iha_model(num_key_value_heads=2).generate(**generate_kwargs())
+    assert compat_iha.SELF_CHECK_RESULTS == {}
+
+
+def test_importing_the_model_files_on_an_untested_release_builds_no_model():
+    # A fresh interpreter that takes transformers for 5.99.0 and fails if any model is built or run: importing the
+    # files that travel with the weights must do neither.
+    import subprocess
+    import sys
+
+    program = (
+        "import transformers\n"
+        "transformers.__version__ = '5.99.0'\n"
+        "from transformers import PreTrainedModel\n"
+        "def refuse(*args, **kwargs):\n"
+        "    raise AssertionError('a model was built at import')\n"
+        "PreTrainedModel.__init__ = refuse\n"
+        "from iha.models.iha import compat_iha, modeling_iha, modeling_iha_gemma3\n"
+        "assert compat_iha.is_untested_release() and compat_iha.SELF_CHECK_RESULTS == {}\n"
+        "print('imported')\n"
+    )
+    completed = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True, timeout=600)
+    assert completed.returncode == 0 and completed.stdout.strip() == "imported", completed.stderr[-2000:]
 
 
 def test_saved_folders_carry_the_compatibility_module(tmp_path):
@@ -88,16 +160,27 @@ def test_saved_folders_carry_the_compatibility_module(tmp_path):
         assert (tmp_path / name).is_file(), name
 
 
-def test_install_requirement_is_the_supported_range():
-    # `pip install` must keep any supported transformers a user has: setup.py states the same range as the guard.
-    import re
+def test_the_supported_range_is_written_once_and_read_by_setup_and_the_docs(monkeypatch):
+    # `pip install` must keep any supported transformers a user has: setup.py reads the range the guard uses, as text.
+    import runpy
     from pathlib import Path
 
-    setup_text = (Path(__file__).resolve().parents[3] / "setup.py").read_text()
-    requirement = re.search(r'SUPPORTED_TRANSFORMERS = "([^"]+)"', setup_text).group(1)
-    assert requirement == "transformers>=5.4.0,<5.25"
-    assert f'pip install "{requirement}"' == compat_iha.INSTALL_COMMAND
-    assert compat_iha.MINIMUM_TRANSFORMERS == (5, 4, 0) and compat_iha.NEWEST_TESTED_TRANSFORMERS == (5, 24)
+    import setuptools
+
+    root = Path(__file__).resolve().parents[3]
+    assert compat_iha.SUPPORTED_TRANSFORMERS == "transformers>=5.4.0,<5.26"
+    assert compat_iha.MINIMUM_TRANSFORMERS == (5, 4, 0) and compat_iha.NEWEST_TESTED_TRANSFORMERS == (5, 25)
+    assert compat_iha.INSTALL_COMMAND == 'pip install "transformers>=5.4.0,<5.26"'
+    assert compat_iha.supported_requirement("5.16.0") == "transformers>=5.16.0,<5.26"
+    setup_arguments = {}
+    monkeypatch.setattr(setuptools, "setup", lambda **arguments: setup_arguments.update(arguments))
+    runpy.run_path(str(root / "setup.py"))
+    assert setup_arguments["version"] == iha.__version__
+    assert compat_iha.SUPPORTED_TRANSFORMERS in setup_arguments["install_requires"]
+    for page in ("README.md", "docs/transformers-releases.md"):
+        text = (root / page).read_text(encoding="utf-8")
+        assert f"tested up to {compat_iha.release_text(compat_iha.NEWEST_TESTED_TRANSFORMERS)}.x" in text, page
+        assert compat_iha.INSTALL_COMMAND.removeprefix("pip install ") in text, page
 
 
 def test_self_check_runs_inside_no_init_and_meta_device_contexts_and_keeps_the_random_state():

@@ -371,6 +371,21 @@ def _check_flash(config):
     iha.IHAModel._check_attention_implementation(holder)
 
 
+def test_flash_attention_is_refused_where_transformers_sets_the_attention_implementation(monkeypatch):
+    from transformers import PreTrainedModel
+
+    model = tiny_iha_model(iha_mask_mode="token_causal")
+    # Without the flash-attn package transformers itself refuses FlashAttention first: act as if it were installed.
+    monkeypatch.setattr(PreTrainedModel, "_check_and_adjust_attn_implementation", lambda self, name, *a, **k: name)
+    with pytest.raises(ValueError, match="token_causal"):
+        model.set_attn_implementation("flash_attention_2")
+    assert model.config._attn_implementation == "sdpa"
+    config = tiny_iha_config(iha_mask_mode="token_causal")
+    config._attn_implementation_internal = "flash_attention_2"
+    with pytest.raises(ValueError, match="token_causal"):
+        iha.IHAForCausalLM(config)
+
+
 def test_randomize_helper_really_moves_parameters():
     model = tiny_iha_model(randomize=False)
     before = model.model.layers[0].self_attn.head_mixing.alpha_q.clone()
