@@ -298,7 +298,12 @@ def main(argv=None):
         **{key: getattr(args, key) for key in ("pseudo_heads", "heads", "kv_heads", "head_dim", "block_size")},
         **{key: getattr(args, key) for key in ("decoded", "layers", "rounds", "calls")},
     }
+    load_at_start = os.getloadavg()[0]
     rows = measure(args)
+    meta["machine_note"] = (
+        f"Load average (1 min) {load_at_start:.1f} at the start and {os.getloadavg()[0]:.1f} at the end of the run on "
+        f"{os.cpu_count()} cores. {args.machine_note}"
+    ).strip()
     args.output_dir.mkdir(parents=True, exist_ok=True)
     write_text_atomic(json.dumps({"meta": meta, "rows": rows}, indent=1) + "\n", args.output_dir / f"{args.name}.json")
     write_text_atomic(markdown_report(meta, rows), args.output_dir / f"{args.name}.md")
