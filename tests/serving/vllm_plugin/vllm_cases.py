@@ -191,6 +191,35 @@ def run_staggered(
     return generated
 
 
+def chosen_logprobs(completion) -> list[float]:
+    return [step[token].logprob for step, token in zip(completion.logprobs, completion.token_ids)]
+
+
+def assert_follows_the_reference(model, prompts, completions, expected, dtype: str) -> None:
+    """vLLM's completions (with their log-probabilities) of `prompts` against `expected`, the greedy tokens of the
+    float32 reference. In float32: the same tokens, log-probabilities within 1e-4 of the float64 reference. In
+    bfloat16 a near tie may part the tokens: each of vLLM's is the reference's best after the same prefix, or within
+    bf16 rounding of it, and its log-probability is the reference's within bf16 rounding."""
+    for index, (prompt, completion, wanted) in enumerate(zip(prompts, completions, expected)):
+        tokens = list(completion.token_ids)
+        got = chosen_logprobs(completion)
+        reference = reference_logprobs(model, prompt, tokens)
+        if dtype == "float32":
+            assert tokens == wanted, f"request {index}: tokens {tokens} instead of the reference's {wanted}"
+            worst = max(abs(value - want) for value, want in zip(got, reference))
+            assert worst <= LOGPROB_TOLERANCE, f"request {index}: log-probabilities {worst:.2e} from the reference"
+            continue
+        assert len(tokens) == len(wanted) == len(got), f"request {index}: {len(tokens)} tokens, not {len(wanted)}"
+        best = reference_best_logprobs(model, prompt, tokens)
+        for step, (value, want, top) in enumerate(zip(got, reference, best)):
+            assert top - want <= BF16_LOGPROB_TOLERANCE, f"request {index}, step {step}: not the reference's token"
+            assert abs(value - want) <= BF16_LOGPROB_TOLERANCE, f"request {index}, step {step}: {value} vs {want}"
+
+
+def completions(outputs) -> list:
+    return [output.outputs[0] for output in outputs]
+
+
 # Prompts of 4 to 70 tokens for the runs with ranks in processes of their own (slower to start, so fewer runs).
 PROMPTS_FOR_PARALLELISM = [[1, 5, 7, 9], list(range(3, 40)), [11] * 3 + list(range(20, 87))]
 
