@@ -15,6 +15,7 @@ VLLM = "vllm>=0.32.0,<0.35,!=0.33.*"
 # gguf reads the built-in SmolLM2-135M-Instruct (`iha.conversion.builtin`), the default model of `iha demo` and `iha ab`, and
 # `iha-eval --gguf_file`: it is in `[train]` and `[eval]`, so that the README's install runs the demo as it is.
 GGUF = "gguf>=0.10"
+RUFF = "ruff==0.17.6"
 # The training stack, as ranges too: installing the package keeps a user's trl / peft / accelerate / datasets. The
 # lower end of each range is the release `scripts/trl_oldest.py` runs the training tests on (CI: `make trl-oldest`),
 # the upper end excludes the next release line after the newest tested one. trl 1.7 is the first whose trainers
@@ -74,7 +75,9 @@ extras["dev"] = sorted(
         *DEVELOPMENT_TRAINING_STACK,
         "pytest>=8",
         "pytest-xdist>=3.8",  # `make test`: every core, at most 4 workers; 3.8 has --no-loadscope-reorder
-        "ruff>=0.6",
+        # One ruff for `make lint`, CI and the pre-commit hooks (.pre-commit-config.yaml names the same release): a
+        # newer ruff formats some code differently.
+        RUFF,
         "nbclient>=0.10",
         "nbformat>=5.9",
         "ipykernel>=6",

@@ -16,7 +16,11 @@ from gpu_check_results import DetailedFailure, StepFailed, read_json, read_junit
 
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
-MODEL_TEST_FILES = ["tests/models/test_modeling.py", "tests/models/test_fast_paths.py", "tests/models/test_packed.py"]
+MODEL_TEST_FILES = [
+    "tests/models/iha/test_modeling.py",
+    "tests/models/iha/test_fast_paths.py",
+    "tests/models/iha/test_packed.py",
+]
 TRAINING_TEST_FILES = ["tests/training/test_sft.py", "tests/benchmarks/test_bench_perf.py"]
 # The compiled tests inductor runs on the GPU. All 9 layouts and input kinds of the training step would compile 9
 # forward and backward graphs; these cover the blocked local path (hybrid), the dense mask with document ids (packed),
@@ -28,14 +32,14 @@ COMPILE_SELECTION = (
 )
 # --quick: one test of each kind (the reference, caches, packed rows, blocked local attention, flex), within seconds.
 QUICK_MODEL_TESTS = [
-    "tests/models/test_modeling.py::test_model_matches_reference[token_causal-virtual-global-2-gqa-sdpa]",
-    "tests/models/test_modeling.py::test_cached_generation_matches_uncached[flat_causal-virtual-per_head-3-sdpa]",
-    "tests/models/test_fast_paths.py::test_blocked_local_attention_gradients_match_reference[flat_causal]",
-    "tests/models/test_packed.py::test_per_document_attention_matches_dense_mask_and_reference[flat_causal-virtual-P2-gqa-unequal]",
-    "tests/models/test_packed.py::test_flex_attention_gradients_match_the_reference[sliding]",
+    "tests/models/iha/test_modeling.py::test_model_matches_reference[token_causal-virtual-global-2-gqa-sdpa]",
+    "tests/models/iha/test_modeling.py::test_cached_generation_matches_uncached[flat_causal-virtual-per_head-3-sdpa]",
+    "tests/models/iha/test_fast_paths.py::test_blocked_local_attention_gradients_match_reference[flat_causal]",
+    "tests/models/iha/test_packed.py::test_per_document_attention_matches_dense_mask_and_reference[flat_causal-virtual-P2-gqa-unequal]",
+    "tests/models/iha/test_packed.py::test_flex_attention_gradients_match_the_reference[sliding]",
 ]
 QUICK_COMPILE_TESTS = [
-    "tests/models/test_compile.py::test_compiled_training_step_matches_eager_in_one_graph[hybrid-padded]"
+    "tests/models/iha/test_compile.py::test_compiled_training_step_matches_eager_in_one_graph[hybrid-padded]"
 ]
 QUICK_TRAINING_TESTS = [
     "tests/training/test_sft.py::test_bf16_follows_the_hardware_unless_set",
@@ -57,7 +61,7 @@ VLLM_TEST_FILES = [
     "tests/serving/vllm_plugin/test_vllm_refusals.py",
     "tests/serving/vllm_plugin/test_vllm_folding.py",
     "tests/serving/vllm_plugin/test_vllm_support.py",
-    "tests/serving/vllm_plugin/test_vllm_virtual_metadata.py",
+    "tests/serving/vllm_plugin/attention/test_vllm_virtual_metadata.py",
     "tests/serving/vllm_plugin/test_vllm_model_class.py",
 ]
 # How to run the vLLM step where it is skipped.
@@ -214,7 +218,7 @@ class Steps:
         quick, device = self.quick, self.device
         model_tests = QUICK_MODEL_TESTS if quick else MODEL_TEST_FILES
         backend = "aot_eager" if device == "cpu" else "inductor"
-        compile_tests = QUICK_COMPILE_TESTS if quick else ["tests/models/test_compile.py", "-k", COMPILE_SELECTION]
+        compile_tests = QUICK_COMPILE_TESTS if quick else ["tests/models/iha/test_compile.py", "-k", COMPILE_SELECTION]
         compile_options = ("--dtype", "float32", "--compile_backend", backend)
         training_tests = QUICK_TRAINING_TESTS if quick else TRAINING_TEST_FILES
 

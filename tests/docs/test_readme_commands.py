@@ -85,7 +85,7 @@ NOT_RUN = {
     "--push_to_hub me/my-llama-p2": "uploads to the Hub (the offline failure is tested in tests/conversion/test_convert.py)",
     "--dataset_name open-thoughts/OpenThoughts-114k": "OpenThoughts-114k is on the Hub only",
     "examples/accelerate/fsdp.yaml": "the GPU configuration as shipped (8 processes, bf16); its CPU run is run",
-    "iha ab --preset gpu": "the gpu preset trains on all of GSM8K on a CUDA device (tests/experiments/test_ab.py runs the tiny one)",
+    "iha ab --preset gpu": "the gpu preset trains on all of GSM8K on a CUDA device (tests/experiments/ab/test_ab.py runs the tiny one)",
     "lm_eval --model hf": "the lm-eval gsm8k task downloads GSM8K (tests/evaluation/test_lm_eval.py runs lm_eval offline)",
 }
 # Commands that, given their tiny settings, would only repeat a run made elsewhere: (program, command) -> where that
@@ -93,7 +93,7 @@ NOT_RUN = {
 # settings are what a user's run takes; none is tiny); `--preset tiny`, --report and --summarize run as written.
 RUN_ELSEWHERE = {
     ("iha", "synthetic"): "shrunk to the tiny preset, as the README's `iha synthetic --preset tiny` command runs it",
-    ("iha", "ab"): "shrunk to the tiny preset, which tests/experiments/test_ab.py runs whole",
+    ("iha", "ab"): "shrunk to the tiny preset, which tests/experiments/ab/test_ab.py runs whole",
 }
 MARKER = re.compile(r"#.*needs (the Hub|GPUs)")
 # The port the README's server commands use, replaced by a free one; how long a server may take to answer /health.

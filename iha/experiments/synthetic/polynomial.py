@@ -328,7 +328,7 @@ def render_markdown(config: PolynomialConfig, summary: dict, runs: list[dict], c
         f"(IHA mixing drawn N(0, 1/H), collapse N(0, 1/P)) on fresh Gaussian features every step: Adam, lr "
         f"{config.learning_rate:g} with cosine decay, batch {config.batch_size}, {config.steps} steps; relative error "
         f"||Y_hat - Y|| / ||Y|| on {config.num_eval} held-out feature sets. {_graphs_text(config)} (graph seed "
-        f"{config.graph_seed}). The hand-set constructions are tested in tests/experiments/test_polynomial_filter.py "
+        f"{config.graph_seed}). The hand-set constructions are tested in tests/experiments/synthetic/test_polynomial_filter.py "
         "(exact in float64).",
         "",
         *_unfinished_lines(config, summary),

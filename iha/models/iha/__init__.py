@@ -3,7 +3,7 @@
 Every module here but this one and `naive_iha` is copied next to the weights of a converted or fine-tuned model
 (`iha.conversion.writers.code_files`), so that the folder loads with `trust_remote_code=True` where the package was
 never installed: those files import only torch, transformers and each other (single-dot imports), a rule
-`tests/models/test_remote_code.py` enforces. `naive_iha` is the plain reference every path is tested against.
+`tests/models/iha/test_remote_code.py` enforces. `naive_iha` is the plain reference every path is tested against.
 """
 
 from .configuration_iha import IHAConfig, paper_hybrid_layout

@@ -498,7 +498,7 @@ class IHAPreTrainedModel(PreTrainedModel):
     _supports_flash_attn = True
     _supports_sdpa = True
     _supports_flex_attn = True
-    _can_compile_fullgraph = True  # one graph on every layout and input kind: tests/models/test_compile.py
+    _can_compile_fullgraph = True  # one graph on every layout and input kind: tests/models/iha/test_compile.py
     _supports_attention_backend = True
     _can_record_outputs = {
         "hidden_states": IHADecoderLayer,

@@ -1,6 +1,6 @@
 """IHA with P >= 2 strictly contains MHA (the paper's constructive claim), checked on one attention layer.
 
-Containment: IHA at identity mixing computes MHA exactly (tests/experiments/test_synthetic_task.py,
+Containment: IHA at identity mixing computes MHA exactly (tests/experiments/synthetic/test_synthetic_task.py,
 `test_iha_at_identity_computes_mha`). Strictness needs one function IHA computes and no MHA layer can:
 
 * With no positional encoding, on a repeated-token input (every token equal to x) all of an MHA head's queries and

@@ -197,7 +197,7 @@ def test_cached_generation_matches_uncached(mode, attn_implementation, precision
     expected = greedy_without_cache(model, input_ids, attention_mask, steps, gaps)
     common = dict(attention_mask=attention_mask, max_new_tokens=steps, do_sample=False, pad_token_id=0)
     dynamic = model.generate(input_ids, **common)
-    # Eager: on a GPU `generate` compiles static-cache decoding by default (tests/models/test_compile.py tests that).
+    # Eager: on a GPU `generate` compiles static-cache decoding by default (tests/models/iha/test_compile.py tests that).
     static = model.generate(input_ids, cache_implementation="static", disable_compile=True, **common)
     uncached = model.generate(input_ids, use_cache=False, **common)
     for generated in (dynamic, static, uncached):
