@@ -14,13 +14,21 @@ def attention_pairs(
     mask_mode: str = "flat_causal",
     sliding_window: int | None = None,
     past_tokens: int = 0,
+    window_unit: str = "token",
 ) -> int:
     """(query, key) pairs one attention head scores for `num_tokens` new tokens after `past_tokens` earlier ones.
 
     Queries and keys are pseudo-tokens (P per token; P = 1 is standard attention). Pseudo-token (n, p) sees the
     pseudo-tokens of the earlier tokens inside the window (the last `sliding_window` tokens, or all) and, of its own
-    token, pseudo-tokens 0..p (flat causal) or all P (token causal).
+    token, pseudo-tokens 0..p (flat causal) or all P (token causal). With `window_unit` "virtual" (flat causal only),
+    virtual query i = n * P + p sees the last `sliding_window * P` virtual keys j <= i instead.
     """
+    if window_unit == "virtual" and sliding_window is not None:
+        virtual_window = sliding_window * num_pseudo_heads
+        first, end = past_tokens * num_pseudo_heads, (past_tokens + num_tokens) * num_pseudo_heads
+        inside = max(0, min(end, virtual_window) - first)  # queries i < W * P see i + 1 keys
+        ramp = sum(range(first + 1, first + inside + 1))
+        return ramp + (end - first - inside) * virtual_window
     pairs = 0
     for token in range(past_tokens, past_tokens + num_tokens):
         first_visible = 0 if sliding_window is None else max(0, token - sliding_window + 1)
@@ -44,6 +52,7 @@ def model_flops(
     collapse_mode: str = "per_head",
     cache_mode: str = "token",
     logits_tokens: int | None = None,
+    window_unit: str = "token",
 ) -> dict[str, int]:
     """Forward FLOPs (2 per multiply-add) of a Llama or IHA decoder on `num_tokens` new tokens after `past_tokens`.
 
@@ -52,7 +61,7 @@ def model_flops(
     token the layer attends to in token cache mode, where each step re-mixes the cache, or of the new tokens only in
     pseudo cache mode), the collapse, the MLP and the LM head (`logits_tokens` rows, default all new tokens).
     Element-wise work (norms, RoPE, softmax, activations) is not counted. Attention types as in `IHAConfig`;
-    a Llama model is all "full_attention".
+    a Llama model is all "full_attention"; `window_unit` is `IHAConfig.iha_window_unit` (sliding IHA layers).
     """
     hidden, heads, kv_heads = shape["hidden_size"], shape["num_attention_heads"], shape["num_key_value_heads"]
     head_dim = shape.get("head_dim") or hidden // heads
@@ -64,7 +73,8 @@ def model_flops(
         is_iha = is_iha_layer(attention_type)
         window = sliding_window if is_sliding_layer(attention_type) else None
         pseudo = num_pseudo_heads if is_iha else 1
-        pairs = attention_pairs(num_tokens, pseudo, mask_mode if is_iha else "flat_causal", window, past_tokens)
+        unit = window_unit if is_iha else "token"
+        pairs = attention_pairs(num_tokens, pseudo, mask_mode if is_iha else "flat_causal", window, past_tokens, unit)
         flops["attention"] += 2 * 2 * heads * head_dim * pairs
         if is_iha:
             if cache_mode == "pseudo" or past_tokens == 0:
