@@ -41,7 +41,9 @@ def test_gemma3_folder_with_a_token_window_stops_at_load(tmp_path):
     config = iha.IHAGemma3Config(**{**TINY, "hidden_size": 128, "head_dim": 32}, sliding_window=8)
     config.architectures = ["IHAGemma3ForCausalLM"]
     iha.IHAGemma3ForCausalLM(config).save_pretrained(tmp_path)
-    with pytest.raises(UnsupportedByVLLMError, match=r"Sliding IHA layers \(layers 0\) with iha_window_unit 'token'"):
+    with pytest.raises(
+        UnsupportedByVLLMError, match=r"Sliding IHA layers \(layers 0, 1\) with iha_window_unit 'token'"
+    ):
         with vllm_engine(tmp_path):
             pass
 
