@@ -21,6 +21,23 @@ from .plan import describe_layers
 from .report import REPORT_NAME, ConversionReport
 
 
+def describe_sliding_window(report: ConversionReport, sliding: list[int]) -> str:
+    """The card's sliding-window row: the window, its unit (`iha_window_unit`) and the layers it applies to."""
+    if not sliding:
+        return "none"
+    window, num_pseudo = report.sliding_window, report.num_pseudo_heads
+    if not any(index in report.iha_layers for index in sliding):
+        unit = ""
+    elif report.window_unit == "virtual":
+        unit = (
+            f" (IHA layers: the paper's flat window of {window * num_pseudo} virtual tokens, `iha_window_unit` "
+            f'"virtual"; the last pseudo-head of a token sees exactly its last {window} tokens)'
+        )
+    else:
+        unit = f' (IHA layers: the pseudo-tokens of the last {window} tokens, `iha_window_unit` "token")'
+    return f"{window} tokens{unit}, layers {describe_layers(sliding)}"
+
+
 def conversion_card_sections(report: ConversionReport, model_id: str) -> dict[str, str]:
     """The model card sections a conversion writes: settings, verification, how to load."""
     iha_layers = report.iha_layers
@@ -32,7 +49,7 @@ def conversion_card_sections(report: ConversionReport, model_id: str) -> dict[st
         f"| pseudo-heads per head (P) | {report.num_pseudo_heads} |",
         f"| IHA layers | {describe_layers(iha_layers) or 'none'} (of {len(report.attention_types)}) |",
         f"| standard attention layers | {describe_layers(standard_layers) or 'none'} |",
-        f"| sliding window | {f'{report.sliding_window} tokens, layers {describe_layers(sliding)}' if sliding else 'none'} |",
+        f"| sliding window | {describe_sliding_window(report, sliding)} |",
         f"| mask | {report.mask_mode} |",
         f"| positions | {report.position_mode} |",
         f"| collapse | {report.collapse_mode}, initialised to `{report.collapse_init}` |",

@@ -160,6 +160,7 @@ def convert_checkpoint(
                 sliding_window=config.sliding_window,
                 mask_mode=options.mask_mode,
                 position_mode=options.position_mode,
+                window_unit=options.window_unit,
                 collapse_mode=options.collapse_mode,
                 collapse_init=options.collapse_init,
                 dtype=str(out_dtype).removeprefix("torch."),

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 
 # The choices of the `IHAConfig` fields these settings fill are the config's own: one set, in the file that
 # travels with the weights.
-from ..models.iha.configuration_iha import COLLAPSE_INITS, COLLAPSE_MODES, MASK_MODES, POSITION_MODES
+from ..models.iha.configuration_iha import COLLAPSE_INITS, COLLAPSE_MODES, MASK_MODES, POSITION_MODES, WINDOW_UNITS
 from .errors import ConversionError
 
 
@@ -47,7 +47,8 @@ def config_choice(default: str, choices: tuple[str, ...], config_field: str, hel
 class IHAConversionOptions:
     """What the converted model computes. The defaults give an exact conversion: every layer becomes an IHA layer
     with the source's own window, positions are shared by the pseudo-tokens of a token, the mask is the paper's
-    flat causal mask and the collapse starts on the last pseudo-head."""
+    flat causal mask and the collapse starts on the last pseudo-head. Sliding IHA layers take the paper's window in
+    virtual units (`window_unit="virtual"`), whose last pseudo-head sees exactly the source's token window."""
 
     num_pseudo_heads: int = field(default=2, metadata={"help": "pseudo-heads per head (default 2)", "aliases": ["-P"]})
     layers: str | list[int] = field(
@@ -81,6 +82,13 @@ class IHAConversionOptions:
         COLLAPSE_INITS,
         "iha_collapse_init",
         "initial collapse; with flat_causal only 'last' is exact, with token_causal all are",
+    )
+    window_unit: str = config_choice(
+        "virtual",
+        WINDOW_UNITS,
+        "iha_window_unit",
+        "sliding IHA layers' window: virtual (the paper's flat window of W*P virtual tokens, default; exact with "
+        "collapse_init last) or token (the pseudo-tokens of the last W tokens)",
     )
 
     def __post_init__(self):

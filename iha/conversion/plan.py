@@ -317,6 +317,13 @@ def plan_conversion(source_config, options: IHAConversionOptions | Mapping | Non
                 "not see their own token's later pseudo-keys, so the current token is under-weighted "
                 "(--collapse_init last, or --mask_mode token_causal, keep the function)"
             )
+        has_sliding_iha = IHA_SLIDING in config.attention_types
+        if has_sliding_iha and options.window_unit == "virtual" and options.collapse_init != "last":
+            changes.append(
+                f"collapse init {options.collapse_init!r} with the window in virtual units: pseudo-heads before the "
+                "last also see part of the token just before the source's window "
+                "(--collapse_init last, or --window_unit token, keep the function)"
+            )
     return ConversionPlan(
         config=config, architecture=architecture, source_windows=source_windows, function_changes=changes
     )

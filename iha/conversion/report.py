@@ -34,6 +34,8 @@ class ConversionReport:
     verification: VerificationResult | None
     seconds: float
     base_model: str | None = None
+    # Reports written before the field existed: their folders' configs have no `iha_window_unit`, i.e. "token".
+    window_unit: str = "token"
 
     @property
     def iha_layers(self) -> list[int]:

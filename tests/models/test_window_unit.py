@@ -18,6 +18,7 @@ from testing_utils import (
     generation_position_ids,
     greedy_without_cache,
     left_padded_batch,
+    sharpen_attention,
     tiny_iha_config,
     tiny_iha_model,
 )
@@ -309,3 +310,95 @@ def test_a_cache_filled_under_the_narrower_window_is_refused():
     model.config.iha_window_unit = "virtual"
     with pytest.raises(ValueError, match="filled keeping 2"):
         model(input_ids[:, :1], past_key_values=cache, use_cache=True)
+
+
+# --- FlashAttention: its own window, in virtual units (a CUDA device with flash-attn: scripts/gpu_check.py) -----------
+
+
+def check_low_precision_window(model, device):
+    """`model` (bfloat16, on `device`) against the float64 reference of the same weights with the virtual window:
+    closer to it, by a margin, than the reference with the token window is (bf16 noise is of the order of the
+    difference between the two windows in a tiny model, so a bare tolerance would not tell them apart)."""
+    reference = virtual_window_model(2, LOW_PRECISION_WINDOW).double()
+    reference.load_state_dict(model.state_dict())
+    to_device = lambda tensor: tensor.to(device)  # noqa: E731
+
+    def assert_virtual_window(actual, reference_logits):
+        virtual = reference_logits()
+        reference.config.iha_window_unit = "token"
+        token = reference_logits()
+        reference.config.iha_window_unit = "virtual"
+        error = (actual.double().cpu() - virtual).abs().max().item()
+        gap = (token - virtual).abs().max().item()
+        assert gap > 0.05, gap  # sharpened attention: ~0.1 here, 20 times bfloat16's error on CPU
+        assert error < 0.2 * gap, (error, gap)
+
+    # Left padding (varlen over the unpadded rows), longer than the window of 4 virtual tokens.
+    input_ids, attention_mask = left_padded_batch(seq_len=24)
+    position_ids = generation_position_ids(attention_mask)
+    real = attention_mask.bool()
+    with torch.no_grad():
+        inputs = dict(attention_mask=to_device(attention_mask), position_ids=to_device(position_ids))
+        logits = model(to_device(input_ids), **inputs).logits
+        assert_virtual_window(
+            logits.cpu()[real], lambda: reference_forward(reference, input_ids, attention_mask, position_ids)[real]
+        )
+
+        # Decoding with a DynamicCache past the window: the cache keeps the token the first pseudo-query reaches.
+        cache = DynamicCache(config=model.config)
+        prefix = 6
+        steps = [
+            model(
+                to_device(input_ids[:, :prefix]),
+                attention_mask=to_device(attention_mask[:, :prefix]),
+                position_ids=to_device(position_ids[:, :prefix]),
+                past_key_values=cache,
+                use_cache=True,
+            ).logits
+        ]
+        for t in range(prefix, input_ids.shape[1]):
+            step = model(
+                to_device(input_ids[:, t : t + 1]),
+                attention_mask=to_device(attention_mask[:, : t + 1]),
+                position_ids=to_device(position_ids[:, t : t + 1]),
+                past_key_values=cache,
+                use_cache=True,
+            )
+            steps.append(step.logits)
+        incremental = torch.cat(steps, dim=1).cpu()
+        assert_virtual_window(
+            incremental[real], lambda: reference_forward(reference, input_ids, attention_mask, position_ids)[real]
+        )
+
+        # Packed rows: varlen over virtual cumulative lengths, the window inside every document.
+        lengths = [20, 7, 1, 12]
+        generator = torch.Generator().manual_seed(2)
+        packed = torch.randint(3, TINY["vocab_size"], (1, sum(lengths)), generator=generator)
+        packed_positions = torch.cat([torch.arange(n) for n in lengths])[None]
+        sequence_ids = torch.cat([torch.full((n,), i) for i, n in enumerate(lengths)])[None]
+        logits = model(to_device(packed), position_ids=to_device(packed_positions), use_cache=False).logits
+        assert_virtual_window(
+            logits.cpu(),
+            lambda: reference_forward(reference, packed, position_ids=packed_positions, sequence_ids=sequence_ids),
+        )
+
+
+LOW_PRECISION_WINDOW = 2
+
+
+def low_precision_model(attn_implementation):
+    model = virtual_window_model(2, LOW_PRECISION_WINDOW, attn_implementation=attn_implementation)
+    return sharpen_attention(model, scale=8.0)
+
+
+def test_the_low_precision_check_tells_the_windows_apart():
+    # What the FlashAttention test below asserts, shown here on SDPA in bfloat16 on the CPU.
+    check_low_precision_window(low_precision_model("sdpa").to(torch.bfloat16), torch.device("cpu"))
+
+
+def test_flash_attention_with_the_virtual_window_matches_reference():
+    pytest.importorskip("flash_attn")
+    if not torch.cuda.is_available():
+        pytest.skip("FlashAttention needs a CUDA device")
+    model = low_precision_model("flash_attention_2").to("cuda", torch.bfloat16)
+    check_low_precision_window(model, torch.device("cuda"))

@@ -39,6 +39,21 @@ LAYOUTS = {
         num_key_value_heads=2,
         **iha.paper_hybrid_layout(num_hidden_layers=5, num_pseudo_heads=2, training_length=24),
     ),
+    # The paper's window in virtual units: the sliding pages keep one token more (prompts and decoding past W = 3).
+    "hybrid-virtual-window": dict(
+        num_hidden_layers=5,
+        iha_window_unit="virtual",
+        **iha.paper_hybrid_layout(num_hidden_layers=5, num_pseudo_heads=2, training_length=24),
+    ),
+    "virtual-window-standard-sliding-token-causal-p3": dict(
+        num_hidden_layers=4,
+        num_pseudo_heads=3,
+        num_key_value_heads=2,
+        iha_mask_mode="token_causal",
+        iha_window_unit="virtual",
+        sliding_window=3,
+        attention_types=["iha_sliding_attention", "full_attention", "sliding_attention", "iha_full_attention"],
+    ),
 }
 
 
@@ -183,25 +198,51 @@ def test_sliding_windows_under_continuous_batching_need_the_fixed_release():
     serving_iha.check_paged_sliding_window("5.24.0")
 
 
+@pytest.mark.parametrize("window_unit", ["token", "virtual"])
 @pytest.mark.parametrize("mask_mode", ["flat_causal", "token_causal"])
 @pytest.mark.parametrize("sliding_window", [None, 3])
 @pytest.mark.parametrize("query_len, key_len", [(1, 1), (1, 7), (4, 4), (3, 9)])
-def test_a_request_mask_is_the_reference_mask_of_its_new_tokens(query_len, key_len, sliding_window, mask_mode):
+def test_a_request_mask_is_the_reference_mask_of_its_new_tokens(
+    query_len, key_len, sliding_window, mask_mode, window_unit
+):
     """A request with key_len - query_len cached tokens: its mask is the last query_len tokens' rows of the plain
     reference mask over all its tokens (None when those rows hide nothing)."""
     from iha.models.iha.naive_iha import reference_mask
 
     num_pseudo = 3
     mask = serving_iha.request_pseudo_mask(
-        query_len, key_len, num_pseudo, mask_mode == "flat_causal", sliding_window, torch.device("cpu")
+        query_len, key_len, num_pseudo, mask_mode == "flat_causal", sliding_window, torch.device("cpu"), window_unit
     )
-    expected = reference_mask(key_len, num_pseudo, mask_mode, sliding_window, None)[
+    expected = reference_mask(key_len, num_pseudo, mask_mode, sliding_window, None, window_unit=window_unit)[
         0, (key_len - query_len) * num_pseudo :
     ]
     if mask is None:
         assert expected.all()
     else:
         assert torch.equal(mask[0, 0], expected)
+
+
+def test_the_virtual_window_keeps_one_more_token_in_the_sliding_pages(monkeypatch):
+    caches = []
+    original_init = PagedAttentionCache.__init__
+
+    def recording_init(self, *args, **kwargs):
+        original_init(self, *args, **kwargs)
+        caches.append(self)
+
+    monkeypatch.setattr(PagedAttentionCache, "__init__", recording_init)
+    options = dict(num_pseudo_heads=2, sliding_window=3, attention_types=["iha_sliding_attention", "full_attention"])
+    config = ContinuousBatchingConfig(**SMALL_CACHE)
+    for window_unit in ("token", "virtual"):
+        model = tiny_iha_model(iha_window_unit=window_unit, **options)
+        model.generate_batch(prompts([9]), generation_config=greedy_config(2), continuous_batching_config=config)
+    token_cache, virtual_cache = caches
+    assert serving_iha.paged_sliding_allocator(token_cache).sliding_window == 3
+    assert serving_iha.paged_sliding_allocator(virtual_cache).sliding_window == 4
+    # A paged cache the manager did not widen is refused at the first forward, not read wrongly.
+    serving_iha.paged_sliding_allocator(virtual_cache).sliding_window = 3
+    with pytest.raises(ValueError, match="keep 3 past tokens, one more than"):
+        serving_iha.check_paged_virtual_window(model.config, virtual_cache)
 
 
 def test_an_empty_prompt_is_refused_with_one_clear_error_instead_of_borrowed_logits():

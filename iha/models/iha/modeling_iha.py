@@ -70,6 +70,7 @@ from .serving_iha import (
     continuous_batching_config_for_iha,
     create_paged_iha_masks,
     is_paged_cache,
+    keep_virtual_windows_in_paged_cache,
     paged_attention_implementation,
 )
 
@@ -596,7 +597,7 @@ class IHAModel(IHAPreTrainedModel):
             check_attention_engine(self.config._attn_implementation, is_paged_cache(past_key_values), kwargs)
         if is_paged_cache(past_key_values):
             # Continuous batching: one packed row of requests; IHA layers attend request by request.
-            mask_mapping = create_paged_iha_masks(self.config, attention_mask, kwargs)
+            mask_mapping = create_paged_iha_masks(self.config, attention_mask, kwargs, past_key_values)
         # Masks may come prepared (a dict per attention type, from `create_masks_for_generate`).
         elif isinstance(attention_mask, dict):
             mask_mapping = attention_mask
@@ -651,7 +652,9 @@ class IHAForCausalLM(IHAPreTrainedModel, GenerationMixin):
         # Continuous batching (`generate_batch`, the server) may switch the model to FlashAttention by itself, which
         # IHA refuses under it: run it with the model's own attention implementation.
         continuous_batching_config = continuous_batching_config_for_iha(continuous_batching_config, generation_config)
-        return super().init_continuous_batching(generation_config, continuous_batching_config, *args, **kwargs)
+        manager = super().init_continuous_batching(generation_config, continuous_batching_config, *args, **kwargs)
+        keep_virtual_windows_in_paged_cache(manager, self.config)  # the virtual window's one more cached token
+        return manager
 
     def _get_static_cache_init_shape(self):
         # `generate` may allocate a StaticCache ahead of the first forward: in pseudo cache mode an IHA layer stores

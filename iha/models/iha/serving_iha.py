@@ -45,7 +45,8 @@ from transformers.generation.continuous_batching import PagedAttentionCache
 from transformers.models.llama.modeling_llama import eager_attention_forward
 
 from .compat_iha import PAGED_SLIDING_WINDOW_RELEASE, paged_sliding_window_is_right
-from .configuration_iha import is_iha_layer, is_sliding_layer
+from .configuration_iha import IHA_SLIDING, is_iha_layer, is_sliding_layer
+from .masking_iha import cache_window_tokens, window_unit
 
 
 # What serves IHA instead, named in every refusal.
@@ -149,20 +150,22 @@ def request_pseudo_mask(
     flat_causal: bool,
     sliding_window: int | None,
     device: torch.device,
+    window_unit: str = "token",
 ) -> torch.Tensor | None:
     """The mask [1, 1, q * P, k * P] of one request's new tokens against its keys, or None when it hides nothing.
 
     A request's keys are its cached tokens followed by its new ones (on full and sliding layers alike), so new
-    token t has its own key at k - q + t and sees the keys up to it, the last `sliding_window` tokens only on
-    sliding layers (the window counts tokens, as IHA's does; the engine's sliding pages keep `sliding_window - 1`
-    of them). Pseudo-token (t, p) sees (j, r) wherever token t sees token j: the token-causal pattern. Under the
-    flat-causal mask a pseudo-query also must not see the later pseudo-keys of its own token (r > p): the own-token
-    block is lower triangular.
+    token t has its own key at k - q + t and sees the keys up to it. On sliding layers with the token window it sees
+    the last `sliding_window` tokens (the engine's sliding pages keep `sliding_window - 1` of them); with the virtual
+    window (`window_unit="virtual"`), pseudo-query (t, p) sees the last `sliding_window * P` virtual keys (the pages
+    keep `sliding_window` tokens then: `keep_virtual_windows_in_paged_cache`). Pseudo-token (t, p) sees (j, r)
+    wherever token t sees token j: the token-causal pattern. Under the flat-causal mask a pseudo-query also must not
+    see the later pseudo-keys of its own token (r > p): the own-token block is lower triangular.
     """
     own_key = torch.arange(key_len - query_len, key_len, device=device)[:, None]
     key = torch.arange(key_len, device=device)[None, :]
     allowed = key <= own_key
-    if sliding_window is not None:
+    if sliding_window is not None and window_unit == "token":
         allowed = allowed & (key > own_key - sliding_window)
     own_token = key == own_key
 
@@ -174,6 +177,11 @@ def request_pseudo_mask(
         pseudo = torch.arange(num_pseudo_heads, device=device)
         later_pseudo_key = pseudo.repeat(key_len)[None, :] > pseudo.repeat(query_len)[:, None]
         allowed = allowed & ~(widen(own_token) & later_pseudo_key)
+    if sliding_window is not None and window_unit == "virtual":
+        pseudo = torch.arange(num_pseudo_heads, device=device)
+        virtual_query = (own_key * num_pseudo_heads + pseudo).flatten()  # [q * P]
+        virtual_key = torch.arange(key_len * num_pseudo_heads, device=device)
+        allowed = allowed & (virtual_key[None, :] > virtual_query[:, None] - sliding_window * num_pseudo_heads)
     if bool(allowed.all()):
         return None
     return allowed[None, None]
@@ -205,6 +213,7 @@ def create_paged_requests_mask(
     num_pseudo_heads: int,
     flat_causal: bool,
     sliding_window: int | None,
+    window_unit: str = "token",
 ) -> PagedRequestsMask:
     """Plan one IHA attention type of a continuous batch from its cumulative lengths (in tokens)."""
     query_bounds = cu_seq_lens_q.tolist()
@@ -221,7 +230,7 @@ def create_paged_requests_mask(
         )
         plan.key_ranges.append((key_bounds[request] * num_pseudo_heads, key_bounds[request + 1] * num_pseudo_heads))
         plan.masks.append(
-            request_pseudo_mask(query_len, key_len, num_pseudo_heads, flat_causal, sliding_window, device)
+            request_pseudo_mask(query_len, key_len, num_pseudo_heads, flat_causal, sliding_window, device, window_unit)
         )
     return plan
 
@@ -290,15 +299,18 @@ def check_no_empty_request(cu_seq_lens_q: torch.Tensor, cu_seq_lens_k: torch.Ten
         )
 
 
-def create_paged_iha_masks(config, attention_mask, kwargs: dict) -> dict:
+def create_paged_iha_masks(config, attention_mask, kwargs: dict, cache=None) -> dict:
     """One mask per attention type of the model under continuous batching, from the engine's token masks (a dict
     per layer type, or one mask) and the batch's cumulative lengths in the forward's keyword arguments.
 
     Standard layers take the engine's mask as it is (their attention is a Llama's); IHA layers take a
-    `PagedRequestsMask` built from `cu_seq_lens_q` and their layer type's `cu_seq_lens_k`.
+    `PagedRequestsMask` built from `cu_seq_lens_q` and their layer type's `cu_seq_lens_k`. A model with virtual-window
+    IHA layers runs only on a paged `cache` whose sliding pages keep the token their first pseudo-query reaches.
     """
     if any(is_sliding_layer(attention_type) for attention_type in config.attention_types):
         check_paged_sliding_window()
+    if cache is not None:
+        check_paged_virtual_window(config, cache)
     check_no_empty_request(kwargs["cu_seq_lens_q"], kwargs["cu_seq_lens_k"])
     masks = {}
     for attention_type in config.attention_types:
@@ -314,8 +326,79 @@ def create_paged_iha_masks(config, attention_mask, kwargs: dict) -> dict:
             config.num_pseudo_heads,
             flat_causal=config.iha_mask_mode == "flat_causal",
             sliding_window=config.sliding_window if is_sliding_layer(attention_type) else None,
+            window_unit=window_unit(config),
         )
     return masks
+
+
+# --- the virtual window's one more token in the engine's sliding pages --------------------------------------------------
+
+
+def has_virtual_window_layers(config) -> bool:
+    return window_unit(config) == "virtual" and IHA_SLIDING in config.attention_types
+
+
+def paged_sliding_allocator(cache):
+    """The allocator of the paged cache's sliding-window pages (one for every sliding layer), or None on a release
+    whose paged cache is laid out otherwise."""
+    allocators = getattr(cache, "cache_allocators", None)
+    allocator = allocators.get("sliding_attention") if isinstance(allocators, dict) else None
+    return allocator if isinstance(getattr(allocator, "sliding_window", None), int) else None
+
+
+def virtual_window_paged_refusal(config) -> str:
+    return (
+        f"Continuous batching of this model's sliding IHA layers (iha_window_unit='virtual') needs sliding pages that "
+        f"keep {cache_window_tokens(config) - 1} past tokens, one more than transformers {transformers.__version__} "
+        "gives a sliding layer, and IHA could not widen them on this release. Generate with `generate()`, or upgrade "
+        "transformers to the newest release IHA supports."
+    )
+
+
+def widen_paged_sliding_window(cache, config) -> None:
+    """Let the sliding pages of a paged cache keep `sliding_window` past tokens (`masking_iha.cache_window_tokens`),
+    before the engine computes any index from them. Standard sliding layers share the pages; their mask (built by the
+    engine from `config.sliding_window`) still keeps their own window."""
+    allocator = paged_sliding_allocator(cache)
+    if allocator is None:
+        raise ValueError(virtual_window_paged_refusal(config))
+    if allocator.sliding_window == config.sliding_window:
+        allocator.sliding_window = cache_window_tokens(config)
+        # Only-sliding models: the scheduler reads at most the window per request.
+        if getattr(cache, "read_cache_limit", None) == config.sliding_window:
+            cache.read_cache_limit = allocator.sliding_window
+
+
+def keep_virtual_windows_in_paged_cache(manager, config) -> None:
+    """Make a continuous batching manager widen its paged cache's sliding pages as soon as it builds them.
+
+    The manager builds its paged cache (and the allocator of its sliding pages, from `config.sliding_window`) in its
+    own thread, when it starts; the first pseudo-query of a token under the virtual window reaches one token further
+    back than those pages keep. The manager's step that builds the cache is wrapped, so the pages are widened before
+    any request is scheduled. A release without that step is refused here, in the caller's thread.
+    """
+    if not has_virtual_window_layers(config):
+        return
+    create_batch_processor = getattr(manager, "_create_batch_processor", None)
+    if create_batch_processor is None:
+        raise ValueError(virtual_window_paged_refusal(config))
+
+    def create_batch_processor_with_virtual_window(*args, **kwargs):
+        batch_processor = create_batch_processor(*args, **kwargs)
+        widen_paged_sliding_window(batch_processor.cache, config)
+        return batch_processor
+
+    manager._create_batch_processor = create_batch_processor_with_virtual_window
+
+
+def check_paged_virtual_window(config, cache) -> None:
+    """Refuse a forward on a paged cache whose sliding pages drop the token the virtual window reaches (a manager not
+    started through `init_continuous_batching`)."""
+    if not has_virtual_window_layers(config):
+        return
+    allocator = paged_sliding_allocator(cache)
+    if allocator is None or allocator.sliding_window != cache_window_tokens(config):
+        raise ValueError(virtual_window_paged_refusal(config))
 
 
 def continuous_batching_config_for_iha(continuous_batching_config, generation_config=None):
