@@ -31,14 +31,18 @@ def num_pseudo_heads_of(vllm_config: VllmConfig) -> int:
 
 
 def virtual_kv_spec(kv_cache_spec: AttentionSpec, num_pseudo_heads: int) -> AttentionSpec:
-    """The layer's spec (heads of size P * d, block_size slots) as the kernel reads it: heads of size d,
-    P * block_size slots per block."""
-    return dataclasses.replace(
+    """The layer's spec (heads of size P * d, block_size slots; a sliding layer's window of W + 1 tokens) as the kernel
+    reads it: heads of size d, P * block_size slots per block, a window of W * P virtual tokens."""
+    virtual = dataclasses.replace(
         kv_cache_spec,
         head_size=kv_cache_spec.head_size // num_pseudo_heads,
         head_size_v=kv_cache_spec.head_size_v // num_pseudo_heads,
         block_size=kv_cache_spec.block_size * num_pseudo_heads,
     )
+    cache_window = getattr(kv_cache_spec, "sliding_window", None)
+    if cache_window is not None:
+        virtual = dataclasses.replace(virtual, sliding_window=(cache_window - 1) * num_pseudo_heads)
+    return virtual
 
 
 class VirtualBatch:
