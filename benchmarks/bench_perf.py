@@ -10,7 +10,7 @@ sides compute with the same parameters. Everything runs in float32. Base and IHA
 measurement repeated (`--repeats`) and reported as the median, so that load from other processes falls on both.
 
 For every sequence length N, number of pseudo-heads P and layout (every layer global IHA, or the paper's hybrid:
-4 sliding IHA layers with window N / (2 P^2) to 1 global MHA layer) the report gives forward and forward + backward
+4 sliding IHA layers with window N / (2 P^2) tokens, i.e. the last W * P virtual tokens, to 1 global MHA layer) the report gives forward and forward + backward
 time, prefill and decode speed, peak memory and KV-cache bytes, each next to the model FLOP ratio IHA / base
 (`model_flops`: analytic counts of the matmul work). A second table decodes with 1024 tokens of context in both
 cache modes (`iha_cache_mode="token"`, the default, and `"pseudo"`). A third table trains on packed rows, as TRL's
@@ -20,8 +20,8 @@ the end of the report.
 
 The device and dtype come from the machine: on CPU float32 with one torch thread, timed in the process's CPU time;
 on a CUDA device bfloat16 (`--dtype` to change it), timed in wall-clock time after synchronizing, with peak memory
-from the CUDA allocator. `--attn-implementation` runs SDPA (default), flex attention or FlashAttention (FlashAttention
-runs no sliding IHA layers, so it measures the global layout only).
+from the CUDA allocator. `--attn-implementation` runs SDPA (default), flex attention or FlashAttention (the hybrid's
+sliding IHA layers take the paper's window in virtual units, which FlashAttention's own window computes).
 """
 
 import json
@@ -60,7 +60,20 @@ from iha.utils.atomic_files import write_text_atomic  # noqa: E402
 def layout_options(layout: str, num_layers: int, num_pseudo_heads: int, seq_len: int) -> dict:
     if layout == "global":
         return {"attention_types": ["iha_full_attention"] * num_layers}
-    return iha.paper_hybrid_layout(num_layers, num_pseudo_heads, training_length=seq_len)
+    # The paper's hybrid: its sliding IHA layers windowed over the last W * P virtual tokens, as `paper_hybrid` sets.
+    return {
+        **iha.paper_hybrid_layout(num_layers, num_pseudo_heads, training_length=seq_len),
+        "iha_window_unit": "virtual",
+    }
+
+
+def flop_settings(num_pseudo_heads: int, options: dict) -> dict:
+    """The `model_flops` settings of an IHA model built with `layout_options`."""
+    return dict(
+        num_pseudo_heads=num_pseudo_heads,
+        sliding_window=options.get("sliding_window"),
+        window_unit=options.get("iha_window_unit", "token"),
+    )
 
 
 # --- the run --------------------------------------------------------------------------------------------------------
@@ -79,7 +92,7 @@ def measure_grid(args, shape, base, progress) -> list[dict]:
                 models = {"base": base, "iha": model}
                 row = {"layout": layout, "P": num_pseudo, "N": seq_len, "sliding_window": options.get("sliding_window")}
                 row["attention_types"] = model.config.attention_types
-                flop_kwargs = dict(num_pseudo_heads=num_pseudo, sliding_window=options.get("sliding_window"))
+                flop_kwargs = flop_settings(num_pseudo, options)
                 base_types = ["full_attention"] * args.layers
                 row["flops"] = {
                     "forward": {
@@ -126,7 +139,7 @@ def measure_decoding(args, shape, base, progress) -> list[dict]:
     for layout in args.layouts:
         for num_pseudo in args.pseudo_heads:
             options = layout_options(layout, args.layers, num_pseudo, context)
-            flop_kwargs = dict(num_pseudo_heads=num_pseudo, sliding_window=options.get("sliding_window"))
+            flop_kwargs = flop_settings(num_pseudo, options)
             for cache_mode in ("token", "pseudo"):
                 progress.set_description(f"decode P={num_pseudo} {layout} {cache_mode}")
                 model = converted_iha_model(
@@ -254,10 +267,6 @@ def parse_args(argv=None):
     if args.quick:
         args.layers, args.seq_lens, args.pseudo_heads = 5, [64, 128], [2]
         args.decode_context, args.decode_tokens, args.repeats, args.packed = 64, 4, 1, [2, 64]
-    if args.attn_implementation.startswith("flash") and "hybrid" in args.layouts:
-        # IHA refuses FlashAttention for sliding IHA layers (its window counts virtual tokens).
-        print("FlashAttention runs no sliding IHA layers: measuring the global layout only.")
-        args.layouts = [layout for layout in args.layouts if layout != "hybrid"] or ["global"]
     if min(args.packed) < 1:
         parser.error("--packed needs at least 1 document of at least 1 token")
     if args.layers < 1 or args.repeats < 1 or args.decode_tokens < 1:

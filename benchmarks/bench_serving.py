@@ -133,8 +133,11 @@ def paged_cache_bytes(model, prompts, cache_config) -> int:
 def layout_options(layout: str, num_layers: int, num_pseudo_heads: int, prompt_lengths: list[int]) -> dict:
     if layout == "global":
         return {}
-    # The paper's window W = N / (2 P^2) for the longest prompt as N.
-    return iha.paper_hybrid_layout(num_layers, num_pseudo_heads, training_length=max(prompt_lengths))
+    # The paper's window W = N / (2 P^2) for the longest prompt as N, over the last W * P virtual tokens.
+    return {
+        **iha.paper_hybrid_layout(num_layers, num_pseudo_heads, training_length=max(prompt_lengths)),
+        "iha_window_unit": "virtual",
+    }
 
 
 def decode_step_flops(shape, attention_types, prompt_lengths, decode_tokens, **flop_kwargs) -> int:
@@ -173,7 +176,11 @@ def measure(args, shape, base, progress) -> list[dict]:
             }
             for name in ("base", "iha")
         }
-        flop_kwargs = dict(num_pseudo_heads=args.pseudo_heads, sliding_window=options.get("sliding_window"))
+        flop_kwargs = dict(
+            num_pseudo_heads=args.pseudo_heads,
+            sliding_window=options.get("sliding_window"),
+            window_unit=options.get("iha_window_unit", "token"),
+        )
         flops = {
             "base": decode_step_flops(shape, ["full_attention"] * args.layers, args.prompt_lengths, args.decode_tokens),
             "iha": decode_step_flops(

@@ -20,15 +20,11 @@ def attention_pairs(
 
     Queries and keys are pseudo-tokens (P per token; P = 1 is standard attention). Pseudo-token (n, p) sees the
     pseudo-tokens of the earlier tokens inside the window (the last `sliding_window` tokens, or all) and, of its own
-    token, pseudo-tokens 0..p (flat causal) or all P (token causal). With `window_unit` "virtual" (flat causal only),
-    virtual query i = n * P + p sees the last `sliding_window * P` virtual keys j <= i instead.
+    token, pseudo-tokens 0..p (flat causal) or all P (token causal). With `window_unit="virtual"` the window is the
+    last `sliding_window * P` virtual tokens instead (`iha_window_unit`).
     """
-    if window_unit == "virtual" and sliding_window is not None:
-        virtual_window = sliding_window * num_pseudo_heads
-        first, end = past_tokens * num_pseudo_heads, (past_tokens + num_tokens) * num_pseudo_heads
-        inside = max(0, min(end, virtual_window) - first)  # queries i < W * P see i + 1 keys
-        ramp = sum(range(first + 1, first + inside + 1))
-        return ramp + (end - first - inside) * virtual_window
+    if sliding_window is not None and window_unit == "virtual":
+        return virtual_window_pairs(num_tokens, num_pseudo_heads, mask_mode, sliding_window, past_tokens)
     pairs = 0
     for token in range(past_tokens, past_tokens + num_tokens):
         first_visible = 0 if sliding_window is None else max(0, token - sliding_window + 1)
@@ -38,6 +34,20 @@ def attention_pairs(
         else:
             own_token_pairs = num_pseudo_heads * num_pseudo_heads
         pairs += num_pseudo_heads * earlier_keys + own_token_pairs
+    return pairs
+
+
+def virtual_window_pairs(
+    num_tokens: int, num_pseudo_heads: int, mask_mode: str, sliding_window: int, past_tokens: int
+) -> int:
+    """`attention_pairs` under the virtual window: virtual query i sees keys j > i - W * P up to its causal limit."""
+    pairs = 0
+    for token in range(past_tokens, past_tokens + num_tokens):
+        for pseudo in range(num_pseudo_heads):
+            query = token * num_pseudo_heads + pseudo
+            last_key = query if mask_mode == "flat_causal" else (token + 1) * num_pseudo_heads - 1
+            first_key = max(0, query - sliding_window * num_pseudo_heads + 1)
+            pairs += last_key - first_key + 1
     return pairs
 
 
@@ -61,7 +71,8 @@ def model_flops(
     token the layer attends to in token cache mode, where each step re-mixes the cache, or of the new tokens only in
     pseudo cache mode), the collapse, the MLP and the LM head (`logits_tokens` rows, default all new tokens).
     Element-wise work (norms, RoPE, softmax, activations) is not counted. Attention types as in `IHAConfig`;
-    a Llama model is all "full_attention"; `window_unit` is `IHAConfig.iha_window_unit` (sliding IHA layers).
+    a Llama model is all "full_attention". `window_unit` is the `iha_window_unit` of sliding IHA layers (whose
+    sliding caches keep one token more under "virtual").
     """
     hidden, heads, kv_heads = shape["hidden_size"], shape["num_attention_heads"], shape["num_key_value_heads"]
     head_dim = shape.get("head_dim") or hidden // heads
@@ -73,14 +84,16 @@ def model_flops(
         is_iha = is_iha_layer(attention_type)
         window = sliding_window if is_sliding_layer(attention_type) else None
         pseudo = num_pseudo_heads if is_iha else 1
-        unit = window_unit if is_iha else "token"
-        pairs = attention_pairs(num_tokens, pseudo, mask_mode if is_iha else "flat_causal", window, past_tokens, unit)
+        layer_mask_mode = mask_mode if is_iha else "flat_causal"
+        layer_window_unit = window_unit if is_iha else "token"
+        pairs = attention_pairs(num_tokens, pseudo, layer_mask_mode, window, past_tokens, layer_window_unit)
         flops["attention"] += 2 * 2 * heads * head_dim * pairs
         if is_iha:
             if cache_mode == "pseudo" or past_tokens == 0:
                 mixed_kv_tokens = num_tokens
-            else:  # the cache holds the last `window - 1` tokens on sliding layers
-                cached = past_tokens if window is None else min(past_tokens, window - 1)
+            else:  # the cache holds the last `window - 1` tokens on sliding layers (`window` under the virtual window)
+                kept = None if window is None else (window if window_unit == "virtual" else window - 1)
+                cached = past_tokens if kept is None else min(past_tokens, kept)
                 mixed_kv_tokens = cached + num_tokens
             flops["mixing"] += 2 * num_tokens * pseudo * heads * head_dim * heads
             flops["mixing"] += 2 * 2 * mixed_kv_tokens * pseudo * kv_heads * head_dim * kv_heads

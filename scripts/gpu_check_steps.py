@@ -20,7 +20,7 @@ MODEL_TEST_FILES = [
     "tests/models/iha/test_modeling.py",
     "tests/models/iha/test_fast_paths.py",
     "tests/models/iha/test_packed.py",
-    "tests/models/test_window_unit.py",
+    "tests/models/iha/test_window_unit.py",
 ]
 TRAINING_TEST_FILES = ["tests/training/test_sft.py", "tests/benchmarks/test_bench_perf.py"]
 # The compiled tests inductor runs on the GPU. All 9 layouts and input kinds of the training step would compile 9
@@ -39,7 +39,7 @@ QUICK_MODEL_TESTS = [
     "tests/models/iha/test_packed.py::test_per_document_attention_matches_dense_mask_and_reference[flat_causal-virtual-P2-gqa-unequal]",
     "tests/models/iha/test_packed.py::test_flex_attention_gradients_match_the_reference[sliding]",
     # FlashAttention's own window in virtual units (iha_window_unit="virtual"): skipped where flash-attn is absent.
-    "tests/models/test_window_unit.py::test_flash_attention_with_the_virtual_window_matches_reference",
+    "tests/models/iha/test_window_unit.py::test_flash_attention_with_the_virtual_window_matches_reference",
 ]
 QUICK_COMPILE_TESTS = [
     "tests/models/iha/test_compile.py::test_compiled_training_step_matches_eager_in_one_graph[hybrid-padded]"

@@ -243,13 +243,15 @@ def _run_cache_path_self_check(config_class, causal_lm_class) -> str | None:
     if not torch.equal(iha.generate(input_ids, attention_mask=attention_mask, **greedy), llama_tokens):
         return "cached greedy generation differs from Llama's at identity mixing"
 
-    # Random mixing, a sliding IHA layer beside a full one: every cache class against no cache at all.
+    # Random mixing, a sliding IHA layer beside a full one: every cache class against no cache at all. The window in
+    # virtual units, as conversions write it: its sliding caches keep one token more (`masking_iha`).
     mixed = causal_lm_class(
         config_class(
             **sizes,
             num_pseudo_heads=2,
             attention_types=["iha_sliding_attention", "iha_full_attention"],
             sliding_window=4,
+            iha_window_unit="virtual",
         )
     ).eval()
     _initialise(mixed, generator)

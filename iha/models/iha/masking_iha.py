@@ -154,8 +154,15 @@ def keep_virtual_windows_in_cache(config, cache: Cache | None) -> None:
             continue
         layer = cache.layers[layer_idx]
         if not getattr(layer, "is_sliding", False):
-            continue
-        if getattr(layer, "is_compileable", False):  # a static sliding layer: `max_cache_len` slots, rolled
+            continue  # a cache layer that keeps every token (a `DynamicCache()` built without the config)
+        is_static = getattr(layer, "is_compileable", False) and hasattr(layer, "max_cache_len")
+        if not is_static and not hasattr(layer, "_sliding_window_tensor"):
+            raise ValueError(
+                f"Layer {layer_idx} is a sliding layer of a model with the virtual window (iha_window_unit='virtual'), "
+                f"and IHA cannot widen its cache layer ({type(layer).__name__}) to the {needed - 1} past tokens the "
+                "window reaches. Use DynamicCache or StaticCache (what generate() builds)."
+            )
+        if is_static:  # a static sliding layer: `max_cache_len` slots, rolled
             if layer.max_cache_len != config.sliding_window:
                 continue  # already widened, or shorter than the window (then it holds every token)
             holds_tokens = layer.get_seq_length() > 0

@@ -24,6 +24,13 @@ LAYOUTS = {
         "attention_types": ["iha_sliding_attention", "full_attention", "sliding_attention"],
         "sliding_window": 3,
     },
+    # The same with the paper's window in virtual units (its sliding caches keep one token more).
+    "hybrid virtual window": {
+        "num_hidden_layers": 3,
+        "attention_types": ["iha_sliding_attention", "full_attention", "sliding_attention"],
+        "sliding_window": 3,
+        "iha_window_unit": "virtual",
+    },
 }
 # Long enough for the sliding IHA layer's blocked local path (blocks of 32 tokens at P = 2).
 SEQ_LEN = 72
@@ -117,7 +124,7 @@ def test_attention_paths_eager_and_compiled(monkeypatch, compiled, precision):
     assert paths == ["blocked_local", "backend", "backend"]
 
 
-@pytest.mark.parametrize("layout", ["every layer IHA", "hybrid"])
+@pytest.mark.parametrize("layout", ["every layer IHA", "hybrid", "hybrid virtual window"])
 def test_generate_with_static_cache_compiled_matches_greedy_without_cache(layout, precision):
     torch._dynamo.reset()
     model = precision.model(sharpen_attention(tiny_iha_model(**LAYOUTS[layout])).eval())

@@ -274,6 +274,16 @@ FLEX_REFERENCE_CASES = {
         },
         [200, 120],
     ),
+    # The same with the paper's window in virtual units: a flat band of 80 virtual tokens.
+    "sliding-virtual": (
+        {
+            "num_hidden_layers": 2,
+            "attention_types": ["iha_sliding_attention", "iha_full_attention"],
+            "sliding_window": 40,
+            "iha_window_unit": "virtual",
+        },
+        [200, 120],
+    ),
 }
 
 
@@ -342,9 +352,10 @@ def test_flex_attention_gradients_on_packed_rows_match_the_per_document_path(pre
 
 
 @pytest.mark.slow
-def test_flex_attention_with_a_sliding_window_matches_the_reference(precision):
+@pytest.mark.parametrize("masks", ["sliding", "sliding-virtual"])
+def test_flex_attention_with_a_sliding_window_matches_the_reference(masks, precision):
     # (The documents case is the test above.)
-    layout, lengths = FLEX_REFERENCE_CASES["sliding"]
+    layout, lengths = FLEX_REFERENCE_CASES[masks]
     flex, sdpa = flex_and_sdpa_models("flat_causal", precision, **layout)
     input_ids, position_ids = packed_row(lengths, seed=7)
     with torch.no_grad():
