@@ -14,15 +14,14 @@ import torch
 
 pytest.importorskip("vllm")
 
-from testing_utils import randomize_mixing  # noqa: E402
 from vllm_cases import (  # noqa: E402
-    TINY_VLLM,
     assert_follows_the_reference,
     completions,
     engine_dtype,
     reference_greedy,
     run_batch,
     run_staggered,
+    tiny_gemma3_folder,
     vllm_engine,
 )
 
@@ -48,24 +47,6 @@ LENGTHS = [30, 12, 16]
 JOINING_PROMPTS = [PROMPTS[1], [21, 22, 23], PROMPTS[2][:45]]
 JOINING_LENGTHS = [14, 9, 6]
 JOIN_STEPS = [0, 3, 5]
-
-
-def tiny_gemma3_folder(folder, seed: int = 0, **overrides):
-    """A tiny IHA Gemma 3 with random mixing and norms away from Gemma's zero init (so that each (1 + w) counts), a
-    `query_pre_attn_scalar` other than head_dim, and its window in virtual units."""
-    torch.manual_seed(seed)
-    settings = {**TINY_VLLM, "query_pre_attn_scalar": 24, "sliding_window": 8, "iha_window_unit": "virtual"}
-    config = iha.IHAGemma3Config(**{**settings, **overrides})
-    config.architectures = ["IHAGemma3ForCausalLM"]
-    model = iha.IHAGemma3ForCausalLM(config).eval()
-    randomize_mixing(model, scale=0.5, seed=seed)
-    with torch.no_grad():
-        for name, parameter in model.named_parameters():
-            if "norm" in name:
-                parameter.add_(0.3 * torch.randn_like(parameter))
-    model.generation_config.eos_token_id = None
-    model.save_pretrained(folder)
-    return folder
 
 
 @pytest.fixture(scope="module")

@@ -79,6 +79,24 @@ def tiny_iha_folder(folder: Path, seed: int = 0, dtype: torch.dtype = torch.floa
     return folder
 
 
+def tiny_gemma3_folder(folder, seed: int = 0, **overrides):
+    """A tiny IHA Gemma 3 with random mixing and norms away from Gemma's zero init (so that each (1 + w) counts), a
+    `query_pre_attn_scalar` other than head_dim, and its window in virtual units."""
+    torch.manual_seed(seed)
+    settings = {**TINY_VLLM, "query_pre_attn_scalar": 24, "sliding_window": 8, "iha_window_unit": "virtual"}
+    config = iha.IHAGemma3Config(**{**settings, **overrides})
+    config.architectures = ["IHAGemma3ForCausalLM"]
+    model = iha.IHAGemma3ForCausalLM(config).eval()
+    randomize_mixing(model, scale=0.5, seed=seed)
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if "norm" in name:
+                parameter.add_(0.3 * torch.randn_like(parameter))
+    model.generation_config.eos_token_id = None
+    model.save_pretrained(folder)
+    return folder
+
+
 def reference_model(folder: Path, identity_mixing: bool = False) -> iha.IHAForCausalLM:
     """The folder's model in float32, as transformers loads it; with `identity_mixing`, every pseudo-head a copy of
     its head (what a plugin that ignored the mixing would compute, near enough)."""
