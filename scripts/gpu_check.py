@@ -22,7 +22,8 @@ that fails is reported with its error and the next one runs, unless it needs wha
   tests_training  the training tests, whose trainer moves to the GPU and turns bf16 on there (tests/training/test_sft.py)
   bench_perf      benchmarks/bench_perf.py --quick: IHA / base ratios and absolute times
   vllm            the vLLM plugin on vLLM's FlashAttention backend: its tests (tokens and log-probabilities against
-                  generate(), chunked prefill, prefix caching) and benchmarks/bench_vllm.py --quick; skipped, which
+                  generate(), chunked prefill, prefix caching; sliding IHA layers on FlashAttention's window of
+                  W * P virtual tokens, the paper's hybrid, IHA Gemma 3) and benchmarks/bench_vllm.py --quick; skipped, which
                   fails nothing, where vLLM is not importable or the device is not CUDA
   bench_sft       benchmarks/bench_sft.py, short: SFT tokens per second, IHA / base
   synthetic       iha synthetic --preset tiny on the device (the synthetic task's training loop)

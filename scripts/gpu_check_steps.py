@@ -57,10 +57,13 @@ INDUCTOR_COMPILE_THREADS = max(1, (os.cpu_count() or 2) // PYTEST_WORKERS)
 # pytest-timeout's limit per test, where the machine has the plugin.
 TEST_TIMEOUT_SECONDS = 120
 # The vLLM plugin's tests that run on a GPU: tokens and log-probabilities against generate() through the
-# FlashAttention backend (chunked prefill, prefix caching, requests joining), what it refuses, the folding. The
+# FlashAttention backend (chunked prefill, prefix caching, requests joining; sliding IHA layers on FlashAttention's
+# window of W * P virtual tokens with their sliding-window cache; IHA Gemma 3), what it refuses, the folding. The
 # others of tests/serving/vllm_plugin/ (two CPU ranks, lm-eval and `vllm serve` on vLLM's CPU build) are CPU runs.
 VLLM_TEST_FILES = [
     "tests/serving/vllm_plugin/test_vllm_exactness.py",
+    "tests/serving/vllm_plugin/test_vllm_sliding.py",
+    "tests/serving/vllm_plugin/test_vllm_gemma3.py",
     "tests/serving/vllm_plugin/test_vllm_refusals.py",
     "tests/serving/vllm_plugin/test_vllm_folding.py",
     "tests/serving/vllm_plugin/test_vllm_support.py",

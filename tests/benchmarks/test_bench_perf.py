@@ -30,6 +30,17 @@ def test_attention_pairs_equal_the_reference_mask_count(num_pseudo, mask_mode, w
     assert decoded == decode_rows.sum().item()
 
 
+@pytest.mark.parametrize("num_pseudo", [2, 3])
+@pytest.mark.parametrize("window", [1, 4])
+def test_attention_pairs_of_the_flat_window_equal_a_mask_count(num_pseudo, window):
+    """iha_window_unit "virtual": virtual query i sees virtual keys i - W * P < j <= i."""
+    virtual = torch.arange(11 * num_pseudo)
+    allowed = (virtual[None, :] <= virtual[:, None]) & (virtual[None, :] > virtual[:, None] - window * num_pseudo)
+    assert attention_pairs(11, num_pseudo, "flat_causal", window, window_unit="virtual") == allowed.sum().item()
+    decode_rows = allowed[8 * num_pseudo :]
+    assert attention_pairs(3, num_pseudo, "flat_causal", window, 8, "virtual") == decode_rows.sum().item()
+
+
 TINY_SHAPE = dict(
     vocab_size=10, hidden_size=8, intermediate_size=16, num_attention_heads=2, num_key_value_heads=1, head_dim=4
 )

@@ -42,3 +42,13 @@ def test_the_committed_attention_report_is_what_its_json_says():
     # The split is the plugin's way of calling the kernel: it computed what the whole requests did, to bf16 rounding
     # (2^-8 relative) of outputs of size ~1.
     assert all(row["max_abs_split_minus_whole"] <= 2**-6 for row in run["rows"])
+
+
+def test_the_committed_long_context_report_is_what_its_json_says():
+    from bench_vllm_long_context import markdown_report as long_context_report
+
+    run = json.loads((RESULTS / "vllm_long_context.json").read_text())
+    assert long_context_report(run["meta"], run["workloads"]) == (RESULTS / "vllm_long_context.md").read_text()
+    # The cached runs it takes the decode time from read the prompts from the prefix cache (all but the last block).
+    measured = [model for workload in run["workloads"].values() for model in workload["models"].values()]
+    assert any(r["cached_fraction"] > 0.9 for model in measured for r in model["rounds"])

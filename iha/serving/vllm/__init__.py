@@ -8,16 +8,15 @@ Importing `iha` registers the config classes with transformers' `AutoConfig`, so
 config.json without remote code.
 
 The modules, by job: `support.py` (what is served: rules on configs, no vLLM), `config_check.py` (those rules where
-vLLM checks its config), `model.py` (vLLM's Llama with IHA attention), `self_attention.py` (that attention),
-`mixing.py` and `folding.py` (the head mixing, explicit or folded into the projections), `attention/` (the backends),
-`updatable_weights.py` (weight syncs on the CPU build).
+vLLM checks its config), `model.py` (vLLM's Llama with IHA attention), `gemma3.py` (vLLM's Gemma 3 with it),
+`self_attention.py` (that attention), `mixing.py` and `folding.py` (the head mixing, explicit or folded into the
+projections), `attention/` (the backends), `updatable_weights.py` (weight syncs on the CPU build).
 """
 
-# architecture -> the class that serves it. Gemma 3 folders are refused in one line before the engine starts
-# (`support.check_servable`); the architecture is registered so that the refusal is the plugin's.
+# architecture -> the class that serves it.
 IHA_ARCHITECTURES = {
     "IHAForCausalLM": "iha.serving.vllm.model:IHAForCausalLM",
-    "IHAGemma3ForCausalLM": "iha.serving.vllm.model:IHAForCausalLM",
+    "IHAGemma3ForCausalLM": "iha.serving.vllm.gemma3:IHAGemma3ForCausalLM",
 }
 
 

@@ -11,11 +11,14 @@ IHA layers' projections, positions and backend. It is the `attn_layer_type` of v
 - **Positions.** RoPE rotates the mixed queries and keys, pseudo-token (n, p) at position n ("shared") or n * P + p
   ("virtual"): a rotation commutes with mixing across heads, so this is the reference's rotation before the mixing.
 - **Attention.** One stock paged-attention call over the interleaved sequence (`attention/`), which is the flat
-  causal mask; the cache holds the P mixed pseudo-streams of every KV head.
+  causal mask; the cache holds the P mixed pseudo-streams of every KV head. A sliding IHA layer (iha_window_unit
+  "virtual") runs the kernel's own window over the same sequence, W * P virtual tokens, on a sliding-window cache spec
+  of W + 1 tokens (`cache_window_in_tokens`), so its cache is bounded by the window.
 
 Standard layers among IHA ones ("full_attention", "sliding_attention") are Llama's attention, with Qwen3's q/k norm
-and SmolLM3's NoPE layers where the config has them. What another block would change (Gemma 3: its scaling, q/k norm
-and per-layer-type RoPE) is in `scaling`, `head_norms` and `rotary_embedding`.
+and SmolLM3's NoPE layers where the config has them. What another block changes (Gemma 3: its scaling, q/k norm and
+per-layer-type RoPE, `gemma3.IHAGemma3Attention`) is in `output_bias`, `scaling`, `head_norms` and
+`rotary_embedding`.
 """
 
 from collections.abc import Iterable
@@ -35,7 +38,17 @@ from vllm.v1.attention.backend import AttentionType
 from .attention import iha_attention_backend
 from .folding import fold_collapse_into_output, fold_mixing_into_projection, head_major_to_pseudo_major
 from .mixing import IHAHeadMixing
-from .support import IHA_FULL, STANDARD_SLIDING, UnsupportedByVLLMError, folds_mixing
+from .support import IHA_FULL, IHA_SLIDING, STANDARD_SLIDING, UnsupportedByVLLMError, folds_mixing
+
+
+def cache_window_in_tokens(sliding_window: int | None) -> int | None:
+    """The sliding-window KV-cache spec of a sliding IHA layer: W + 1 tokens for a window of W * P virtual tokens.
+
+    Virtual query n * P (the first pseudo-query of token n) sees virtual keys down to (n - W) * P + 1, a pseudo-token
+    of token n - W, so the layer keeps one token more than a standard layer of window W; vLLM's sliding-window cache
+    manager frees the blocks of every token before those.
+    """
+    return None if sliding_window is None else sliding_window + 1
 
 
 class IHAAttention(nn.Module):
@@ -58,7 +71,7 @@ class IHAAttention(nn.Module):
         super().__init__()
         layer_idx = extract_layer_index(prefix)
         self.layer_type = config.attention_types[layer_idx]
-        self.is_iha = self.layer_type == IHA_FULL
+        self.is_iha = self.layer_type in (IHA_FULL, IHA_SLIDING)
         self.fold_mixing = self.is_iha and folds_mixing(config)
         self.num_pseudo_heads = config.num_pseudo_heads if self.is_iha else 1
         tp_size = get_tensor_model_parallel_world_size()
@@ -83,7 +96,7 @@ class IHAAttention(nn.Module):
         self.o_proj = RowParallelLinear(
             input_size=num_heads * projection_head_size,
             output_size=hidden_size,
-            bias=config.o_proj_bias,
+            bias=self.output_bias(config),
             quant_config=quant_config,
             prefix=f"{prefix}.o_proj",
         )
@@ -98,6 +111,7 @@ class IHAAttention(nn.Module):
         if self.is_iha:
             # Head size P * d for the KV-cache spec (the P pseudo-streams of every KV head); the backend attends
             # with head size d over the interleaved sequence.
+            window = config.sliding_window if self.layer_type == IHA_SLIDING else None
             self.attn = Attention(
                 self.num_heads,
                 self.num_pseudo_heads * self.head_dim,
@@ -105,9 +119,11 @@ class IHAAttention(nn.Module):
                 num_kv_heads=self.num_kv_heads,
                 cache_config=cache_config,
                 quant_config=quant_config,
+                per_layer_sliding_window=cache_window_in_tokens(window),
                 prefix=f"{prefix}.attn",
                 attn_backend=iha_attention_backend(),
                 num_pseudo_heads=self.num_pseudo_heads,
+                virtual_sliding_window=None if window is None else window * self.num_pseudo_heads,
             )
         else:
             self.attn = Attention(
@@ -123,7 +139,10 @@ class IHAAttention(nn.Module):
         # Folded layers take their checkpoint tensors here until the layer's set is complete (`load_weights`).
         self.unfolded_weights: dict[str, torch.Tensor] = {}
 
-    # --- what another block (Gemma 3) would change ---------------------------------------------------------------
+    # --- what another block changes (Gemma 3: gemma3.IHAGemma3Attention) ------------------------------------------
+
+    def output_bias(self, config) -> bool:
+        return config.o_proj_bias
 
     def scaling(self, config) -> float:
         return self.head_dim**-0.5

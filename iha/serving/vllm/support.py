@@ -12,6 +12,8 @@ Imports neither vLLM nor torch, so the rules are tested in any environment (`tes
 TESTED_VLLM_RELEASES = ("0.32.0", "0.34.0")
 NEWEST_CPU_RELEASE = "0.32.0"
 
+SERVED_MODEL_TYPES = ("iha", "iha_gemma3")
+
 IHA_FULL = "iha_full_attention"
 IHA_SLIDING = "iha_sliding_attention"
 STANDARD_FULL = "full_attention"
@@ -60,14 +62,25 @@ def iha_layer_indices(config) -> list[int]:
     return [index for index, kind in enumerate(config.attention_types) if kind in (IHA_FULL, IHA_SLIDING)]
 
 
+def window_unit(config) -> str:
+    """What a sliding IHA layer's `sliding_window` counts: "token" (the window of whole tokens; folders written before
+    the field existed) or "virtual" (the paper's flat window: virtual query i sees virtual keys i - W * P < j <= i)."""
+    return getattr(config, "iha_window_unit", None) or "token"
+
+
+def has_head_norms(config) -> bool:
+    """Whether queries and keys are normalised per head before the mixing (Qwen3's `use_qk_norm`; Gemma 3 always)."""
+    return config.model_type == "iha_gemma3" or bool(getattr(config, "use_qk_norm", False))
+
+
 def folds_mixing(config) -> bool:
     """Whether the IHA layers fold their head mixing into the projections at load time.
 
     The mixing and the collapse are linear maps across heads, so `alpha_q` folds into `q_proj` (and k, v) and the
-    collapse into `o_proj`, exactly. Qwen3's per-head q/k norm sits between the projection and the mixing and is not
-    linear: those models keep the explicit mixing.
+    collapse into `o_proj`, exactly. A per-head q/k norm (Qwen3, Gemma 3) sits between the projection and the mixing
+    and is not linear: those models keep the explicit mixing.
     """
-    return bool(getattr(config, FOLD_OVERRIDE, True)) and not getattr(config, "use_qk_norm", False)
+    return bool(getattr(config, FOLD_OVERRIDE, True)) and not has_head_norms(config)
 
 
 def check_servable(
@@ -86,23 +99,20 @@ def check_servable(
     """Refuse, in one line, a folder or a setting whose IHA layers vLLM would not compute exactly (`dtype`: the
     engine's, as torch names it without "torch."; `attention_backend`: the one asked for, if any)."""
     model_type = getattr(config, "model_type", None)
-    if model_type == "iha_gemma3":
+    if model_type not in SERVED_MODEL_TYPES:
         raise UnsupportedByVLLMError(
-            "IHA Gemma 3 folders are not served by the iha vLLM plugin: it builds the Llama-family block only "
-            "(Gemma 3's scaled embeddings, four norms per layer, query_pre_attn_scalar and per-layer-type RoPE are "
-            f"missing) and Gemma 3's sliding IHA layers would need a masked kernel; {TRANSFORMERS_SERVING}."
-        )
-    if model_type != "iha":
-        raise UnsupportedByVLLMError(
-            f"The iha vLLM plugin serves IHA folders (model_type 'iha'); this config has model_type {model_type!r}."
+            "The iha vLLM plugin serves IHA folders (model_type 'iha' or 'iha_gemma3'); this config has model_type "
+            f"{model_type!r}."
         )
     iha_layers = iha_layer_indices(config)
     sliding_iha = [index for index, kind in enumerate(config.attention_types) if kind == IHA_SLIDING]
-    if sliding_iha:
+    if sliding_iha and window_unit(config) != "virtual":
         raise UnsupportedByVLLMError(
-            f"Sliding IHA layers (layers {describe_layers(sliding_iha)}) are not served by vLLM: their window counts "
-            "whole tokens, a different window of virtual tokens for every pseudo-index, which a stock paged kernel "
-            f"cannot mask; {TRANSFORMERS_SERVING}."
+            f"Sliding IHA layers (layers {describe_layers(sliding_iha)}) with iha_window_unit "
+            f"{window_unit(config)!r} are not served by vLLM: their window counts whole tokens, a different number of "
+            "virtual tokens for every pseudo-index, which no stock kernel masks. vLLM serves the flat window of "
+            "sliding_window * P virtual tokens (iha_window_unit 'virtual'): convert the source model again with "
+            f"iha-convert, which writes it for sliding layers, or {TRANSFORMERS_SERVING}."
         )
     if iha_layers and config.iha_mask_mode != "flat_causal":
         raise UnsupportedByVLLMError(
@@ -143,9 +153,9 @@ def check_servable(
             f"dtype {dtype} is not served on CUDA GPUs: IHA layers run on vLLM's FlashAttention backend, which "
             f"computes in {' and '.join(FLASH_ATTENTION_DTYPES)} only; pass dtype='bfloat16' (or 'float16')."
         )
-    if iha_layers and tensor_parallel_size > 1 and getattr(config, "use_qk_norm", False):
+    if iha_layers and tensor_parallel_size > 1 and has_head_norms(config):
         raise UnsupportedByVLLMError(
-            "Tensor parallelism is not served for IHA models with per-head q/k norm (Qwen3): the norm comes before "
+            "Tensor parallelism is not served for IHA models with per-head q/k norm (Qwen3, Gemma 3): the norm comes before "
             "the head mixing, so the mixing cannot fold into projections sharded by head; use "
             "tensor_parallel_size=1."
         )

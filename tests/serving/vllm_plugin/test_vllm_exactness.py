@@ -18,12 +18,10 @@ pytest.importorskip("vllm")
 
 from safetensors import safe_open  # noqa: E402
 from vllm_cases import (  # noqa: E402
-    BF16_LOGPROB_TOLERANCE,
-    LOGPROB_TOLERANCE,
+    assert_follows_the_reference,
+    completions,
     engine_dtype,
-    reference_best_logprobs,
     reference_greedy,
-    reference_logprobs,
     reference_model,
     run_batch,
     run_staggered,
@@ -81,31 +79,6 @@ JOINING_LENGTHS = [14, 9, 6]
 JOIN_STEPS = [0, 3, 5]
 
 
-def chosen_logprobs(completion) -> list[float]:
-    return [step[token].logprob for step, token in zip(completion.logprobs, completion.token_ids)]
-
-
-def assert_follows_the_reference(model, prompts, completions, expected, dtype: str) -> None:
-    """vLLM's completions (with their log-probabilities) of `prompts` against `expected`, the greedy tokens of the
-    float32 reference. In float32: the same tokens, log-probabilities within 1e-4 of the float64 reference. In
-    bfloat16 a near tie may part the tokens: each of vLLM's is the reference's best after the same prefix, or within
-    bf16 rounding of it, and its log-probability is the reference's within bf16 rounding."""
-    for index, (prompt, completion, wanted) in enumerate(zip(prompts, completions, expected)):
-        tokens = list(completion.token_ids)
-        got = chosen_logprobs(completion)
-        reference = reference_logprobs(model, prompt, tokens)
-        if dtype == "float32":
-            assert tokens == wanted, f"request {index}: tokens {tokens} instead of the reference's {wanted}"
-            worst = max(abs(value - want) for value, want in zip(got, reference))
-            assert worst <= LOGPROB_TOLERANCE, f"request {index}: log-probabilities {worst:.2e} from the reference"
-            continue
-        assert len(tokens) == len(wanted) == len(got), f"request {index}: {len(tokens)} tokens, not {len(wanted)}"
-        best = reference_best_logprobs(model, prompt, tokens)
-        for step, (value, want, top) in enumerate(zip(got, reference, best)):
-            assert top - want <= BF16_LOGPROB_TOLERANCE, f"request {index}, step {step}: not the reference's token"
-            assert abs(value - want) <= BF16_LOGPROB_TOLERANCE, f"request {index}, step {step}: {value} vs {want}"
-
-
 @pytest.fixture(scope="module")
 def folders(tmp_path_factory):
     """Each case's folder with its reference: greedy tokens of every prompt, run alone with `generate()`."""
@@ -133,10 +106,6 @@ def test_the_mixing_changes_the_reference_tokens(case, folders):
     identity = reference_model(folder, identity_mixing=True)
     unmixed = [reference_greedy(identity, prompt, length) for prompt, length in zip(PROMPTS, LENGTHS)]
     assert unmixed != expected["batch"]
-
-
-def completions(outputs) -> list:
-    return [output.outputs[0] for output in outputs]
 
 
 @pytest.mark.parametrize(("case", "fold"), FOLDED_AND_EXPLICIT)

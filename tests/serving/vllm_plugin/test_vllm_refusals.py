@@ -1,6 +1,6 @@
 """Folders and settings the plugin does not serve stop before vLLM starts its engine, with the plugin's one line (not
-later, with wrong tokens, nor inside a worker's traceback): the token causal mask, sliding IHA layers, Gemma 3's
-block, LoRA, another attention backend. Run as a user runs them (`vllm serve FOLDER`, `LLM(FOLDER)` in a script of
+later, with wrong tokens, nor inside a worker's traceback): the token causal mask, sliding IHA layers whose window
+counts whole tokens (Llama's and Gemma 3's blocks), LoRA, another attention backend. Run as a user runs them (`vllm serve FOLDER`, `LLM(FOLDER)` in a script of
 their own), the plugin's sentence is the last line printed."""
 
 import subprocess
@@ -30,18 +30,20 @@ def test_token_causal_folder_stops_at_load(tmp_path):
             pass
 
 
-def test_sliding_iha_folder_stops_at_load(tmp_path):
+def test_sliding_iha_folder_with_a_token_window_stops_at_load(tmp_path):
     folder = tiny_iha_folder(tmp_path, **SLIDING_IHA)
-    with pytest.raises(UnsupportedByVLLMError, match=r"Sliding IHA layers \(layers 0\) are not served"):
+    with pytest.raises(UnsupportedByVLLMError, match=r"Sliding IHA layers \(layers 0\) with iha_window_unit 'token'"):
         with vllm_engine(folder):
             pass
 
 
-def test_gemma3_folder_stops_at_load(tmp_path):
+def test_gemma3_folder_with_a_token_window_stops_at_load(tmp_path):
     config = iha.IHAGemma3Config(**{**TINY, "hidden_size": 128, "head_dim": 32}, sliding_window=8)
     config.architectures = ["IHAGemma3ForCausalLM"]
     iha.IHAGemma3ForCausalLM(config).save_pretrained(tmp_path)
-    with pytest.raises(UnsupportedByVLLMError, match="IHA Gemma 3 folders are not served"):
+    with pytest.raises(
+        UnsupportedByVLLMError, match=r"Sliding IHA layers \(layers 0, 1\) with iha_window_unit 'token'"
+    ):
         with vllm_engine(tmp_path):
             pass
 
@@ -73,7 +75,9 @@ def test_vllm_serve_refuses_with_the_plugins_sentence_last(tmp_path):
     folder = tiny_iha_folder(tmp_path / "model", **SLIDING_IHA)
     vllm_script = Path(sys.executable).parent / "vllm"
     last = last_line_of([str(vllm_script), "serve", str(folder), "--enforce-eager", "--port", "1"], tmp_path)
-    assert last.startswith("iha.serving.vllm.support.UnsupportedByVLLMError: Sliding IHA layers (layers 0)")
+    assert last.startswith(
+        "iha.serving.vllm.support.UnsupportedByVLLMError: Sliding IHA layers (layers 0) with iha_window_unit 'token'"
+    )
     assert last.endswith(
         "serve it with transformers instead: `iha serve FOLDER --continuous_batching` or `generate()`."
     )

@@ -1,20 +1,31 @@
 """`vllm serve FOLDER` on an IHA folder, end to end: the server on 127.0.0.1 on a free port (with HOME and HF_HOME in
 empty temporary folders), concurrent greedy /v1/completions and /v1/chat/completions requests through the `openai`
 client, each answer's tokens compared with `generate()` on the same model, then the server stopped (a fixture with
-a `finally`). Bounded in count (3 + 2 requests of 8 tokens) and time."""
+a `finally`); for a global IHA folder, the paper's hybrid (sliding IHA layers with the flat window, a standard global
+layer) and an IHA Gemma 3. Bounded in count (3 + 2 requests of 8 tokens per folder) and time."""
 
 import concurrent.futures
 import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 
 pytest.importorskip("vllm")
 openai = pytest.importorskip("openai")
 
 from testing_utils import free_port, fresh_machine_environment, start_server, stop_server  # noqa: E402
-from vllm_cases import reference_greedy, reference_model, tiny_iha_folder, word_tokenizer  # noqa: E402
+from vllm_cases import (  # noqa: E402
+    reference_greedy,
+    reference_model,
+    tiny_gemma3_folder,
+    tiny_iha_folder,
+    word_tokenizer,
+)
+
+import iha  # noqa: E402
+from iha.models.iha.configuration_iha import paper_hybrid_layout  # noqa: E402
 
 
 STARTUP_SECONDS = 420
@@ -28,12 +39,34 @@ CHAT_TEMPLATE = (
 )
 
 
-@pytest.fixture(scope="module")
-def served_folder(tmp_path_factory):
-    folder = tiny_iha_folder(tmp_path_factory.mktemp("served-iha"), num_pseudo_heads=2, iha_position_mode="virtual")
+# The folders served, with the architecture vLLM reports loading.
+FOLDERS = {
+    "iha": (
+        lambda folder: tiny_iha_folder(folder, num_pseudo_heads=2, iha_position_mode="virtual"),
+        "IHAForCausalLM",
+    ),
+    "paper-hybrid": (
+        lambda folder: tiny_iha_folder(
+            folder,
+            num_hidden_layers=5,
+            iha_position_mode="shared",
+            iha_window_unit="virtual",
+            **paper_hybrid_layout(5, 2, training_length=64),
+        ),
+        "IHAForCausalLM",
+    ),
+    "gemma3": (lambda folder: tiny_gemma3_folder(folder), "IHAGemma3ForCausalLM"),
+}
+
+
+@pytest.fixture(scope="module", params=list(FOLDERS))
+def served_folder(request, tmp_path_factory):
+    folder = tmp_path_factory.mktemp(f"served-{request.param}")
+    build, architecture = FOLDERS[request.param]
+    build(folder)
     tokenizer = word_tokenizer(256)
     tokenizer.save_pretrained(folder)
-    return folder, tokenizer
+    return folder, tokenizer, architecture
 
 
 def answers_200(response) -> bool:
@@ -43,7 +76,7 @@ def answers_200(response) -> bool:
 
 @pytest.fixture(scope="module")
 def server(served_folder, tmp_path_factory):
-    folder, _ = served_folder
+    folder, _, _ = served_folder
     port = free_port()
     home = tmp_path_factory.mktemp("home")
     # `vllm serve` as a user types it: vLLM's console script beside this Python (on the CPU build it needs the
@@ -67,8 +100,11 @@ def server(served_folder, tmp_path_factory):
 @pytest.mark.slow
 def test_completions_and_chat_answer_what_generate_answers(server, served_folder):
     url, log = server
-    folder, tokenizer = served_folder
-    model = reference_model(folder)
+    folder, tokenizer, architecture = served_folder
+    if architecture == "IHAGemma3ForCausalLM":
+        model = iha.IHAGemma3ForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    else:
+        model = reference_model(folder)
     client = openai.OpenAI(base_url=url, api_key="unused", timeout=REQUEST_SECONDS, max_retries=0)
 
     def complete(prompt):
@@ -105,4 +141,4 @@ def test_completions_and_chat_answer_what_generate_answers(server, served_folder
         expected = reference_greedy(model, prompt, MAX_TOKENS)
         assert reply.choices[0].token_ids == expected
         assert reply.choices[0].message.content.split() == tokenizer.decode(expected, skip_special_tokens=True).split()
-    assert "IHAForCausalLM" in log.read_text()
+    assert f"Resolved architecture: {architecture}" in log.read_text()

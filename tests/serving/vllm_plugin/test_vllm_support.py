@@ -64,17 +64,37 @@ def test_token_causal_mask_without_iha_layers_is_plain_attention():
     check_servable(vllm_config(iha_mask_mode="token_causal", attention_types=["full_attention"] * 2))
 
 
-def test_sliding_iha_layers_are_refused():
+def test_sliding_iha_layers_with_the_flat_window_are_served():
+    check_servable(
+        vllm_config(
+            attention_types=["iha_sliding_attention", "iha_full_attention"], sliding_window=8, iha_window_unit="virtual"
+        )
+    )
+    hybrid = iha.IHAConfig.paper_hybrid(
+        256, **{**TINY, "hidden_size": 128, "head_dim": 32, "num_hidden_layers": 5}, iha_window_unit="virtual"
+    )
+    check_servable(hybrid)
+
+
+def test_sliding_iha_layers_with_a_token_window_are_refused():
+    """Today's token window (the function of every folder written before `iha_window_unit` existed)."""
     config = vllm_config(attention_types=["iha_sliding_attention", "iha_full_attention"], sliding_window=8)
-    assert "Sliding IHA layers (layers 0)" in refusal(config)
+    message = refusal(config)
+    assert "Sliding IHA layers (layers 0) with iha_window_unit 'token'" in message
+    assert "iha-convert" in message and "iha serve" in message
     hybrid = iha.IHAConfig.paper_hybrid(256, **{**TINY, "hidden_size": 128, "head_dim": 32, "num_hidden_layers": 5})
+    hybrid.iha_window_unit = "token"
     assert "layers 0, 1, 2, 3" in refusal(hybrid)
 
 
-def test_gemma3_folders_are_refused():
-    config = iha.IHAGemma3Config(**{**TINY, "hidden_size": 128, "head_dim": 32}, sliding_window=8)
-    message = refusal(config)
-    assert "Gemma 3" in message and "Llama-family block only" in message
+def test_gemma3_folders_are_served_with_the_flat_window():
+    gemma3 = dict(**{**TINY, "hidden_size": 128, "head_dim": 32}, sliding_window=8)
+    check_servable(iha.IHAGemma3Config(**gemma3, iha_window_unit="virtual"))
+    assert "with iha_window_unit 'token'" in refusal(iha.IHAGemma3Config(**gemma3, iha_window_unit="token"))
+    assert not folds_mixing(iha.IHAGemma3Config(**gemma3, iha_window_unit="virtual"))  # its q/k norm
+    assert "per-head q/k norm" in refusal(
+        iha.IHAGemma3Config(**gemma3, iha_window_unit="virtual"), tensor_parallel_size=2
+    )
 
 
 def test_head_sizes_the_cpu_kernel_lacks_are_refused_on_cpu_only():

@@ -79,6 +79,24 @@ def tiny_iha_folder(folder: Path, seed: int = 0, dtype: torch.dtype = torch.floa
     return folder
 
 
+def tiny_gemma3_folder(folder, seed: int = 0, **overrides):
+    """A tiny IHA Gemma 3 with random mixing and norms away from Gemma's zero init (so that each (1 + w) counts), a
+    `query_pre_attn_scalar` other than head_dim, and its window in virtual units."""
+    torch.manual_seed(seed)
+    settings = {**TINY_VLLM, "query_pre_attn_scalar": 24, "sliding_window": 8, "iha_window_unit": "virtual"}
+    config = iha.IHAGemma3Config(**{**settings, **overrides})
+    config.architectures = ["IHAGemma3ForCausalLM"]
+    model = iha.IHAGemma3ForCausalLM(config).eval()
+    randomize_mixing(model, scale=0.5, seed=seed)
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if "norm" in name:
+                parameter.add_(0.3 * torch.randn_like(parameter))
+    model.generation_config.eos_token_id = None
+    model.save_pretrained(folder)
+    return folder
+
+
 def reference_model(folder: Path, identity_mixing: bool = False) -> iha.IHAForCausalLM:
     """The folder's model in float32, as transformers loads it; with `identity_mixing`, every pseudo-head a copy of
     its head (what a plugin that ignored the mixing would compute, near enough)."""
@@ -189,6 +207,35 @@ def run_staggered(
                 generated[int(output.request_id)] = output.outputs[0]
         step += 1
     return generated
+
+
+def chosen_logprobs(completion) -> list[float]:
+    return [step[token].logprob for step, token in zip(completion.logprobs, completion.token_ids)]
+
+
+def assert_follows_the_reference(model, prompts, completions, expected, dtype: str) -> None:
+    """vLLM's completions (with their log-probabilities) of `prompts` against `expected`, the greedy tokens of the
+    float32 reference. In float32: the same tokens, log-probabilities within 1e-4 of the float64 reference. In
+    bfloat16 a near tie may part the tokens: each of vLLM's is the reference's best after the same prefix, or within
+    bf16 rounding of it, and its log-probability is the reference's within bf16 rounding."""
+    for index, (prompt, completion, wanted) in enumerate(zip(prompts, completions, expected)):
+        tokens = list(completion.token_ids)
+        got = chosen_logprobs(completion)
+        reference = reference_logprobs(model, prompt, tokens)
+        if dtype == "float32":
+            assert tokens == wanted, f"request {index}: tokens {tokens} instead of the reference's {wanted}"
+            worst = max(abs(value - want) for value, want in zip(got, reference))
+            assert worst <= LOGPROB_TOLERANCE, f"request {index}: log-probabilities {worst:.2e} from the reference"
+            continue
+        assert len(tokens) == len(wanted) == len(got), f"request {index}: {len(tokens)} tokens, not {len(wanted)}"
+        best = reference_best_logprobs(model, prompt, tokens)
+        for step, (value, want, top) in enumerate(zip(got, reference, best)):
+            assert top - want <= BF16_LOGPROB_TOLERANCE, f"request {index}, step {step}: not the reference's token"
+            assert abs(value - want) <= BF16_LOGPROB_TOLERANCE, f"request {index}, step {step}: {value} vs {want}"
+
+
+def completions(outputs) -> list:
+    return [output.outputs[0] for output in outputs]
 
 
 # Prompts of 4 to 70 tokens for the runs with ranks in processes of their own (slower to start, so fewer runs).

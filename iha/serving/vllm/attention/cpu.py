@@ -25,7 +25,13 @@ from vllm.v1.attention.backends.cpu_attn import (
 from vllm.v1.kv_cache_interface import AttentionSpec
 
 from . import IHA_CPU_BACKEND_NAME
-from .virtual import VirtualBatch, num_pseudo_heads_of, refuse_unsupported_layer_settings, virtual_kv_spec
+from .virtual import (
+    VirtualBatch,
+    kernel_window,
+    num_pseudo_heads_of,
+    refuse_unsupported_layer_settings,
+    virtual_kv_spec,
+)
 
 
 class KernelRequests(NamedTuple):
@@ -121,12 +127,12 @@ class IHACPUAttentionImpl(CPUAttentionBackendImpl):
         attn_type: str = AttentionType.DECODER,
         kv_sharing_target_layer_name: str | None = None,
         num_pseudo_heads: int = 1,
+        virtual_sliding_window: int | None = None,
     ) -> None:
-        refuse_unsupported_layer_settings(
-            attn_type, alibi_slopes, sliding_window, logits_soft_cap, kv_sharing_target_layer_name
-        )
+        refuse_unsupported_layer_settings(attn_type, alibi_slopes, logits_soft_cap, kv_sharing_target_layer_name)
+        window = kernel_window(sliding_window, virtual_sliding_window, num_pseudo_heads)
         self.num_pseudo_heads = num_pseudo_heads
-        super().__init__(num_heads, head_size // num_pseudo_heads, scale, num_kv_heads, None, None, kv_cache_dtype)
+        super().__init__(num_heads, head_size // num_pseudo_heads, scale, num_kv_heads, None, window, kv_cache_dtype)
 
     def forward(
         self,

@@ -30,6 +30,7 @@ from vllm.v1.kv_cache_interface import AttentionSpec
 from . import IHA_FLASH_BACKEND_NAME
 from .virtual import (
     VirtualBatch,
+    kernel_window,
     num_pseudo_heads_of,
     refuse_unsupported_layer_settings,
     virtual_flash_cache,
@@ -81,10 +82,10 @@ class IHAFlashAttentionImpl(FlashAttentionImpl):
         attn_type: str = AttentionType.DECODER,
         kv_sharing_target_layer_name: str | None = None,
         num_pseudo_heads: int = 1,
+        virtual_sliding_window: int | None = None,
     ) -> None:
-        refuse_unsupported_layer_settings(
-            attn_type, alibi_slopes, sliding_window, logits_soft_cap, kv_sharing_target_layer_name
-        )
+        refuse_unsupported_layer_settings(attn_type, alibi_slopes, logits_soft_cap, kv_sharing_target_layer_name)
+        window = kernel_window(sliding_window, virtual_sliding_window, num_pseudo_heads)
         # vLLM checks the GPU against a backend only where it chooses the backend itself; the IHA layers name theirs.
         capability = current_platform.get_device_capability()
         if capability is None or not FlashAttentionBackend.supports_compute_capability(capability):
@@ -101,7 +102,7 @@ class IHAFlashAttentionImpl(FlashAttentionImpl):
                 "transformers instead (`iha serve FOLDER --continuous_batching`)."
             )
         self.num_pseudo_heads = num_pseudo_heads
-        super().__init__(num_heads, head_dim, scale, num_kv_heads, None, None, kv_cache_dtype, None, attn_type)
+        super().__init__(num_heads, head_dim, scale, num_kv_heads, None, window, kv_cache_dtype, None, attn_type)
 
     def forward(
         self,

@@ -8,9 +8,11 @@ query starts and sequence lengths times P (`VirtualBatch`) and `causal=True`, th
 exactly (the kernels align causal masks to the bottom right, so a chunk's virtual queries see the request's whole
 virtual past): chunked prefill and decoding alike.
 
-A kernel window over the same sequence counts virtual tokens: that is where sliding IHA layers would come in (a flat
-window of sliding_window * P virtual tokens over a sliding-window spec that keeps one more token), which the backends
-refuse today (`refuse_unsupported_layer_settings`, and `support.check_servable` before the engine starts).
+A kernel window over the same sequence counts virtual tokens: sliding IHA layers (iha_window_unit "virtual") hand the
+kernel a flat window of sliding_window * P virtual tokens (`kernel_window`), over a sliding-window cache spec that
+keeps one token more than a standard layer's (`self_attention.cache_window_in_tokens`), so that vLLM frees the blocks
+that leave the window. Folders whose sliding IHA layers count whole tokens are refused before the engine starts
+(`support.check_servable`).
 
 The virtual metadata is built once per step by the backends' metadata builders, never inside the layer's forward: the
 forward only reshapes its inputs, which keeps it capturable in CUDA graphs on the GPU backend.
@@ -29,14 +31,18 @@ def num_pseudo_heads_of(vllm_config: VllmConfig) -> int:
 
 
 def virtual_kv_spec(kv_cache_spec: AttentionSpec, num_pseudo_heads: int) -> AttentionSpec:
-    """The layer's spec (heads of size P * d, block_size slots) as the kernel reads it: heads of size d,
-    P * block_size slots per block."""
-    return dataclasses.replace(
+    """The layer's spec (heads of size P * d, block_size slots; a sliding layer's window of W + 1 tokens) as the kernel
+    reads it: heads of size d, P * block_size slots per block, a window of W * P virtual tokens."""
+    virtual = dataclasses.replace(
         kv_cache_spec,
         head_size=kv_cache_spec.head_size // num_pseudo_heads,
         head_size_v=kv_cache_spec.head_size_v // num_pseudo_heads,
         block_size=kv_cache_spec.block_size * num_pseudo_heads,
     )
+    cache_window = getattr(kv_cache_spec, "sliding_window", None)
+    if cache_window is not None:
+        virtual = dataclasses.replace(virtual, sliding_window=(cache_window - 1) * num_pseudo_heads)
+    return virtual
 
 
 class VirtualBatch:
@@ -100,15 +106,28 @@ def virtual_flash_cache(kv_cache: torch.Tensor, num_pseudo_heads: int) -> torch.
     return physical.view(num_blocks, num_kv_heads, block_size * num_pseudo_heads, 2 * head_dim)
 
 
+def kernel_window(sliding_window: int | None, virtual_sliding_window: int | None, num_pseudo_heads: int) -> int | None:
+    """The window the kernel runs over the virtual sequence: `virtual_sliding_window` (W * P virtual tokens), given by
+    a sliding IHA layer with its cache spec's window `sliding_window` (W + 1 tokens); None for a global layer."""
+    if virtual_sliding_window is None and sliding_window is None:
+        return None
+    if virtual_sliding_window is None or sliding_window != virtual_sliding_window // num_pseudo_heads + 1:
+        raise ValueError(
+            f"A sliding IHA layer keeps W + 1 tokens of cache for a window of W * P virtual tokens; got a cache window "
+            f"of {sliding_window} tokens and a kernel window of {virtual_sliding_window} virtual tokens (P = "
+            f"{num_pseudo_heads})."
+        )
+    return virtual_sliding_window
+
+
 def refuse_unsupported_layer_settings(
     attn_type: str,
     alibi_slopes: list[float] | None,
-    sliding_window: int | None,
     logits_soft_cap: float | None,
     kv_sharing_target_layer_name: str | None,
 ) -> None:
     """What neither IHA backend (CPU, FlashAttention) runs: the virtual sequence is one causal decoder pass."""
-    if attn_type != AttentionType.DECODER or alibi_slopes is not None or sliding_window is not None:
-        raise ValueError("IHA layers run causal decoder attention without ALiBi or a kernel window.")
+    if attn_type != AttentionType.DECODER or alibi_slopes is not None:
+        raise ValueError("IHA layers run causal decoder attention without ALiBi.")
     if logits_soft_cap or kv_sharing_target_layer_name is not None:
         raise ValueError("IHA layers run without logit soft-capping or KV sharing across layers.")

@@ -16,7 +16,12 @@ import torch  # noqa: E402
 from vllm.v1.attention.backend import CommonAttentionMetadata  # noqa: E402
 
 from iha.serving.vllm.attention.cpu import one_request_per_decoding_pseudo_query  # noqa: E402
-from iha.serving.vllm.attention.virtual import VirtualBatch, virtual_flash_cache  # noqa: E402
+from iha.serving.vllm.attention.virtual import (  # noqa: E402
+    VirtualBatch,
+    kernel_window,
+    virtual_flash_cache,
+    virtual_kv_spec,
+)
 
 
 sys.path.insert(0, str(REPO_ROOT / "benchmarks"))
@@ -244,3 +249,18 @@ def test_pages_split_inside_a_block_are_refused():
     several_layers = torch.zeros(4, 2, 2, 8, 12)[:, 0]  # [blocks, layers, kv heads, block size, width], layer 0
     with pytest.raises(ValueError, match="read whole KV-cache blocks"):
         virtual_flash_cache(several_layers, 2)
+
+
+def test_a_sliding_layers_spec_and_kernel_window_in_virtual_units():
+    """A sliding IHA layer of window W = 8 at P = 3 keeps W + 1 = 9 tokens of cache; the kernel sees heads of d, 3 x
+    the block's slots and a window of W x P = 24 virtual tokens."""
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
+
+    shape = dict(block_size=32, num_kv_heads=2, head_size=3 * 64, dtype=torch.float32)
+    sliding = virtual_kv_spec(SlidingWindowSpec(**shape, sliding_window=9), num_pseudo_heads=3)
+    assert (sliding.head_size, sliding.block_size, sliding.sliding_window) == (64, 96, 24)
+    full = virtual_kv_spec(FullAttentionSpec(**shape), num_pseudo_heads=3)
+    assert (full.head_size, full.block_size) == (64, 96)
+    assert kernel_window(9, 24, num_pseudo_heads=3) == 24 and kernel_window(None, None, num_pseudo_heads=3) is None
+    with pytest.raises(ValueError, match="W \\+ 1 tokens of cache for a window of W \\* P virtual tokens"):
+        kernel_window(8, 24, num_pseudo_heads=3)  # a cache one token short of the window
