@@ -50,17 +50,17 @@ class ModelArgs(BaseModelArgs):
     num_attention_heads: int
     rms_norm_eps: float
     vocab_size: int
-    head_dim: Optional[int] = None
-    max_position_embeddings: Optional[int] = None
-    num_key_value_heads: Optional[int] = None
+    head_dim: int | None = None
+    max_position_embeddings: int | None = None
+    num_key_value_heads: int | None = None
     attention_bias: bool = False
-    qkv_bias: Optional[bool] = None
-    o_proj_bias: Optional[bool] = None
+    qkv_bias: bool | None = None
+    o_proj_bias: bool | None = None
     mlp_bias: bool = False
     hidden_act: str = "silu"
     rope_parameters: dict[str, Any] | None = None
     tie_word_embeddings: bool = True
-    sliding_window: Optional[int] = None
+    sliding_window: int | None = None
     num_pseudo_heads: int = 2
     attention_types: list[str] | None = None
     iha_mask_mode: str = "flat_causal"
@@ -108,9 +108,9 @@ def virtual_mask(
     num_cached: int,
     num_pseudo: int,
     mask_mode: str,
-    window: Optional[int],
+    window: int | None,
     window_unit: str,
-    left_padding: Optional[mx.array],
+    left_padding: mx.array | None,
 ) -> mx.array:
     """Boolean [B or 1, 1, num_new * P, num_cached * P]: True where a new virtual query may attend a virtual key.
 
@@ -209,7 +209,7 @@ class Attention(nn.Module):
             return states
         return self.rope(states, offset=offset * scale if scale != 1 else offset)
 
-    def __call__(self, x: mx.array, cache: Optional[Any] = None) -> mx.array:
+    def __call__(self, x: mx.array, cache: Any | None = None) -> mx.array:
         batch_size, num_tokens, _ = x.shape
         queries = self.q_proj(x).reshape(batch_size, num_tokens, self.num_heads, self.head_dim)
         keys = self.k_proj(x).reshape(batch_size, num_tokens, self.num_kv_heads, self.head_dim)
@@ -275,7 +275,7 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
         self.post_attention_layernorm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
 
-    def __call__(self, x: mx.array, cache: Optional[Any] = None) -> mx.array:
+    def __call__(self, x: mx.array, cache: Any | None = None) -> mx.array:
         hidden = x + self.self_attn(self.input_layernorm(x), cache)
         return hidden + self.mlp(self.post_attention_layernorm(hidden))
 
@@ -288,7 +288,7 @@ class IHAModel(nn.Module):
         self.layers = [DecoderLayer(args, layer_idx, rope) for layer_idx in range(args.num_hidden_layers)]
         self.norm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
 
-    def __call__(self, inputs: mx.array, cache=None, input_embeddings: Optional[mx.array] = None) -> mx.array:
+    def __call__(self, inputs: mx.array, cache=None, input_embeddings: mx.array | None = None) -> mx.array:
         hidden = input_embeddings if input_embeddings is not None else self.embed_tokens(inputs)
         if cache is None:
             cache = [None] * len(self.layers)
@@ -306,7 +306,7 @@ class Model(nn.Module):
         if not args.tie_word_embeddings:
             self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
 
-    def __call__(self, inputs: mx.array, cache=None, input_embeddings: Optional[mx.array] = None) -> mx.array:
+    def __call__(self, inputs: mx.array, cache=None, input_embeddings: mx.array | None = None) -> mx.array:
         hidden = self.model(inputs, cache, input_embeddings)
         if self.args.tie_word_embeddings:
             return self.model.embed_tokens.as_linear(hidden)
