@@ -16,7 +16,7 @@
 SDPA with a dense mask computes every (query, key) pair of the N * P virtual tokens and then throws most of them away:
 a sliding layer would cost as much as a global one. Cutting the sequence into blocks and running SDPA on
 [batch * blocks] computes only the keys a window can reach, so the cost grows with N * W. It runs without past tokens
-(training, prefill); when decoding, the sliding cache already holds only the last W tokens.
+(training, prefill); when decoding, the sliding cache already holds only the tokens the window reaches.
 
 `masking_iha.create_interleaved_mask` asks `blocked_local_attention_applies` and builds the plan
 (`create_blocked_local_mask`, a `BlockedLocalMask`) in place of the layer's dense mask; the plan names its kernel,
@@ -64,21 +64,36 @@ class BlockedLocalMask:
         )
 
 
-def local_attention_blocks(sliding_window: int, num_pseudo_heads: int) -> tuple[int, int]:
+def window_reach_tokens(sliding_window: int, num_pseudo_heads: int, window_unit: str = "token") -> int:
+    """How many tokens before its own a pseudo-query of a sliding IHA layer can reach (`iha_window_unit`).
+
+    A window of W tokens reaches W - 1 tokens back. The flat window of W * P virtual tokens reaches from the first
+    pseudo-query (n, 0) back to virtual index (n - W) * P + 1: into token n - W, one token further, when P > 1.
+    """
+    if window_unit == "virtual":
+        return -(-(sliding_window * num_pseudo_heads - 1) // num_pseudo_heads)
+    return sliding_window - 1
+
+
+def local_attention_blocks(sliding_window: int, num_pseudo_heads: int, window_unit: str = "token") -> tuple[int, int]:
     """Block length in tokens and how many earlier blocks each block reads, for a window of `sliding_window` tokens.
 
     A block of W / k tokens reads k + 1 such blocks of keys to cover its window: (k + 1) / k times the work of an
     ideal kernel (2x for whole-window blocks). Quarter-window blocks (1.25x) were the fastest on CPU; smaller blocks
-    make products too small to run efficiently.
+    make products too small to run efficiently. The earlier blocks cover every token the window reaches back to
+    (`window_reach_tokens`: one more under the virtual window, which needs no extra block unless W is a multiple of
+    the block length plus one token).
     """
     block_tokens = max(-(-sliding_window // 4), -(-MIN_LOCAL_BLOCK_VIRTUAL_TOKENS // num_pseudo_heads))
-    context_blocks = -(-(sliding_window - 1) // block_tokens)
+    context_blocks = -(-window_reach_tokens(sliding_window, num_pseudo_heads, window_unit) // block_tokens)
     return block_tokens, context_blocks
 
 
-def blocked_local_attention_saves_work(num_tokens: int, sliding_window: int, num_pseudo_heads: int) -> bool:
+def blocked_local_attention_saves_work(
+    num_tokens: int, sliding_window: int, num_pseudo_heads: int, window_unit: str = "token"
+) -> bool:
     """Blocked attention computes (context_blocks + 1) blocks of keys per block of queries, dense attention all of them."""
-    block_tokens, context_blocks = local_attention_blocks(sliding_window, num_pseudo_heads)
+    block_tokens, context_blocks = local_attention_blocks(sliding_window, num_pseudo_heads, window_unit)
     return num_tokens > (context_blocks + 1) * block_tokens
 
 
@@ -89,10 +104,11 @@ def create_blocked_local_mask(
     num_pseudo_heads: int,
     sliding_window: int,
     device: torch.device,
+    window_unit: str = "token",
 ) -> BlockedLocalMask:
-    """Evaluate the layer's index-based mask function (causal pattern, token window, padding, packed sequences) on the
+    """Evaluate the layer's index-based mask function (causal pattern, window, padding, packed sequences) on the
     (query, key) pairs of every block, in the same virtual indices the dense mask uses."""
-    block_tokens, context_blocks = local_attention_blocks(sliding_window, num_pseudo_heads)
+    block_tokens, context_blocks = local_attention_blocks(sliding_window, num_pseudo_heads, window_unit)
     num_blocks = -(-num_tokens // block_tokens)
     block_len = block_tokens * num_pseudo_heads
     window_len = (context_blocks + 1) * block_len
@@ -128,6 +144,7 @@ def blocked_local_attention_applies(
     kv_length: int,
     no_past_tokens: bool,
     num_pseudo_heads: int,
+    window_unit: str = "token",
 ) -> bool:
     """Whether a sliding IHA layer runs blocked: on SDPA, without past tokens, and only where the blocks skip work."""
     return (
@@ -135,7 +152,7 @@ def blocked_local_attention_applies(
         and attn_implementation == "sdpa"
         and no_past_tokens
         and kv_length == query_length
-        and blocked_local_attention_saves_work(query_length, sliding_window, num_pseudo_heads)
+        and blocked_local_attention_saves_work(query_length, sliding_window, num_pseudo_heads, window_unit)
     )
 
 

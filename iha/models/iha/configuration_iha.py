@@ -38,6 +38,11 @@ POSITION_MODES = ("virtual", "shared")
 COLLAPSE_MODES = ("per_head", "global")
 COLLAPSE_INITS = ("last", "mean", "first")
 CACHE_MODES = ("token", "pseudo")
+# The unit of a sliding IHA layer's window (`iha_window_unit`). "token": the pseudo-tokens of the last `sliding_window`
+# tokens (the first releases' window; what a config without the field means). "virtual": the paper's flat window of
+# `sliding_window * P` virtual tokens, the same width for every pseudo-query, which every stock sliding-window kernel
+# computes on the interleaved sequence.
+WINDOW_UNITS = ("token", "virtual")
 
 # transformers' sliding-window caches keep `sliding_window - 1` past tokens; with a 1-token window they keep none,
 # and decoding fails with a size mismatch.
@@ -95,6 +100,7 @@ class IHAAttentionFields:
     iha_collapse_mode: str = "per_head"
     iha_collapse_init: str = "last"
     iha_cache_mode: str = "token"
+    iha_window_unit: str = "token"
 
     def set_up_attention_types(self, default_types: list[str]) -> None:
         if self.attention_types is None:
@@ -122,6 +128,7 @@ class IHAAttentionFields:
             "iha_collapse_mode": COLLAPSE_MODES,
             "iha_collapse_init": COLLAPSE_INITS,
             "iha_cache_mode": CACHE_MODES,
+            "iha_window_unit": WINDOW_UNITS,
         }
         for field_name, allowed in choices.items():
             value = getattr(self, field_name)
@@ -174,8 +181,7 @@ class IHAConfig(IHAAttentionFields, LlamaConfig):
         multi-head attention) or `"sliding_attention"` (standard, windowed). Defaults to IHA everywhere, sliding
         when `sliding_window` is set. `layer_types` (what caches and mask helpers read) is derived from it.
     sliding_window (`int`, *optional*):
-        Window in tokens for the sliding layers; an IHA sliding layer sees the pseudo-tokens of the last
-        `sliding_window` tokens (at most `sliding_window * P` virtual tokens).
+        Window in tokens for the sliding layers. What an IHA sliding layer sees within it is set by `iha_window_unit`.
     iha_mask_mode (`str`, defaults to `"flat_causal"`):
         `"flat_causal"` (the paper's: ordinary causal attention over the interleaved sequence) or
         `"token_causal"` (a pseudo-token sees every pseudo-token of its own and earlier tokens).
@@ -193,6 +199,16 @@ class IHAConfig(IHAAttentionFields, LlamaConfig):
         head like Llama (the base model's cache memory); every decoding step re-mixes the cached keys and values.
         `"pseudo"`: the mixed (and rotated) pseudo keys and values, P times the memory, nothing re-mixed per step.
         Both keep the cache in token units, so every transformers cache class and `generate()` work unchanged.
+    iha_window_unit (`str`, defaults to `"token"`):
+        The unit of the window of sliding IHA layers. `"virtual"` (the paper's, written by `paper_hybrid` and by
+        conversions): a flat window of `sliding_window * P` virtual tokens on the interleaved sequence, the same width
+        for every pseudo-query (virtual query i sees virtual keys j with i - sliding_window * P < j <= i, on top of the
+        causal pattern), which is what every stock sliding-window kernel computes; the last pseudo-head of a token
+        sees exactly the pseudo-tokens of the last `sliding_window` tokens, and the first reaches one token further
+        back, so the sliding caches of these layers keep one token more than a standard sliding layer's.
+        `"token"` (the first releases' window, and what a config without the field means): every pseudo-token of
+        token n sees the pseudo-tokens of tokens n - sliding_window + 1 .. n, so earlier pseudo-heads of a token see
+        slightly fewer virtual tokens than the last one.
     qkv_bias (`bool`, *optional*):
         Bias on the q/k/v projections (Qwen2 style). Defaults to `attention_bias`.
     o_proj_bias (`bool`, *optional*):
@@ -243,11 +259,12 @@ class IHAConfig(IHAAttentionFields, LlamaConfig):
 
     @classmethod
     def paper_hybrid(cls, training_length: int, global_every: int = 5, **kwargs) -> "IHAConfig":
-        """A config with the paper's FLOP-matched hybrid layout (4 sliding IHA : 1 global MHA, W = N / (2 P^2))."""
+        """A config with the paper's FLOP-matched hybrid layout (4 sliding IHA : 1 global MHA, W = N / (2 P^2)), its
+        sliding IHA layers windowed in virtual units (`iha_window_unit="virtual"`, unless `kwargs` say otherwise)."""
         probe = cls(**kwargs)
         layout = paper_hybrid_layout(probe.num_hidden_layers, probe.num_pseudo_heads, training_length, global_every)
         kwargs.pop("layer_types", None)
-        return cls(**{**kwargs, **layout})
+        return cls(**{"iha_window_unit": "virtual", **kwargs, **layout})
 
 
 __all__ = ["IHAAttentionFields", "IHAConfig", "paper_hybrid_layout"]

@@ -45,7 +45,7 @@ class IHAGemma3Config(IHAAttentionFields, Gemma3TextConfig):
     `sqrt(hidden_size)`, and Gemma's (1 + w) RMSNorms around attention and MLP and over each head's query and key.
     The IHA fields are `IHAConfig`'s, with the same names, values and meaning (`num_pseudo_heads`,
     `attention_types`, `iha_mask_mode`, `iha_position_mode`, `iha_collapse_mode`, `iha_collapse_init`,
-    `iha_cache_mode`); `attention_types` defaults to IHA layers in Gemma 3's own layout (`layer_types` when given,
+    `iha_cache_mode`, `iha_window_unit`); `attention_types` defaults to IHA layers in Gemma 3's own layout (`layer_types` when given,
     else five sliding layers to one full layer), and `layer_types` is derived from it.
 
     `attn_logit_softcapping`, `final_logit_softcapping` and `use_bidirectional_attention` must keep the values Gemma 3

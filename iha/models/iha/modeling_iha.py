@@ -62,7 +62,7 @@ from .compat_iha import (
     take_cache_argument,
 )
 from .configuration_iha import IHAConfig, is_iha_layer, is_sliding_layer
-from .masking_iha import create_iha_masks
+from .masking_iha import create_iha_masks, kernel_sliding_window
 from .packed_documents_iha import PackedDocumentsMask  # noqa: F401
 from .serving_iha import (
     PAGED_ATTENTION_IMPLEMENTATIONS,
@@ -281,6 +281,9 @@ class IHAAttention(nn.Module):
         self.attention_dropout = config.attention_dropout
         self.is_causal = True
         self.sliding_window = config.sliding_window if is_sliding_layer(self.attention_type) else None
+        # What the kernel is told (FlashAttention reads it): the window in tokens, or in virtual tokens on IHA layers
+        # with the virtual window; None where only the mask can carry it (IHA layers with the token window).
+        self.kernel_sliding_window = kernel_sliding_window(config, self.attention_type)
         # SmolLM3's NoPE layers: no rotation of queries and keys at all. Configs without the field (Gemma 3's) rotate
         # in every layer.
         no_rope_layers = getattr(config, "no_rope_layers", None)
@@ -361,8 +364,7 @@ class IHAAttention(nn.Module):
             attention_mask,
             dropout=0.0 if not self.training else self.attention_dropout,
             scaling=self.scaling,
-            # IHA layers carry their window in the mask; only standard sliding layers pass it to the kernel.
-            sliding_window=None if self.is_iha else self.sliding_window,
+            sliding_window=self.kernel_sliding_window,
             **kwargs,
         )
 
@@ -540,10 +542,11 @@ class IHAModel(IHAPreTrainedModel):
                 "FlashAttention only runs the flat causal pattern; `iha_mask_mode='token_causal'` needs a mask. "
                 "Use attn_implementation='sdpa' or 'flex_attention', or iha_mask_mode='flat_causal'."
             )
-        if "iha_sliding_attention" in self.config.attention_types:
+        if "iha_sliding_attention" in self.config.attention_types and self.config.iha_window_unit != "virtual":
             raise ValueError(
-                "FlashAttention's window counts virtual tokens, while sliding IHA layers keep a window of whole "
-                "tokens. Use attn_implementation='sdpa' or 'flex_attention' for models with sliding IHA layers."
+                "FlashAttention's window counts virtual tokens, while these sliding IHA layers keep a window of whole "
+                "tokens (iha_window_unit='token'). Use attn_implementation='sdpa' or 'flex_attention', or the "
+                "paper's window in virtual units (iha_window_unit='virtual', which changes what the layers compute)."
             )
 
     def layer_rotations(self, hidden_states: torch.Tensor, position_ids: torch.Tensor) -> dict[str, RotaryInputs]:

@@ -48,8 +48,13 @@ def reference_mask(
     sliding_window: int | None,
     padding_mask: torch.Tensor | None,
     sequence_ids: torch.Tensor | None = None,
+    window_unit: str = "token",
 ) -> torch.Tensor:
-    """Boolean [B or 1, N*P, N*P] mask: True where virtual query i may attend virtual key j."""
+    """Boolean [B or 1, N*P, N*P] mask: True where virtual query i may attend virtual key j.
+
+    The window of `sliding_window` tokens: in "token" units, the pseudo-tokens of the last W tokens; in "virtual"
+    units (the paper's), the last W * P virtual tokens, whatever the pseudo-index of the query.
+    """
     virtual = torch.arange(seq_len * num_pseudo)
     query, key = virtual[:, None], virtual[None, :]
     query_token, key_token = query // num_pseudo, key // num_pseudo
@@ -57,7 +62,9 @@ def reference_mask(
         allowed = key <= query
     else:
         allowed = key_token <= query_token
-    if sliding_window is not None:
+    if sliding_window is not None and window_unit == "virtual":
+        allowed = allowed & (key > query - sliding_window * num_pseudo)
+    elif sliding_window is not None:
         allowed = allowed & (key_token > query_token - sliding_window)
     allowed = allowed[None]
     if padding_mask is not None:
@@ -94,7 +101,7 @@ def causal_pass(query, key, value, scaling, strict=False, sliding_window=None, p
 
 
 def decomposed_attention(
-    query, key, value, num_pseudo, mask_mode, scaling, sliding_window=None, padding_mask=None
+    query, key, value, num_pseudo, mask_mode, scaling, sliding_window=None, padding_mask=None, window_unit="token"
 ) -> torch.Tensor:
     """IHA attention as P stock causal passes over token positions, one per key pseudo-index r, merged exactly.
 
@@ -106,6 +113,10 @@ def decomposed_attention(
     flat causal the queries with p < r must not see their own token's key r, so they take a strictly causal pass
     (m < n) instead. Softmax over the union of the passes is their outputs weighted by exp(lse_r - lse): exact, as
     FlashAttention merges the blocks of one sequence.
+
+    A window of W tokens is W tokens in every pass under `window_unit="token"`. Under "virtual" (the last W * P virtual
+    tokens), query (n, p) sees key (m, r) when m * P + r > (n - W) * P + p: m > n - W for r <= p (W tokens), m >= n - W
+    for r > p (W + 1 tokens), so the queries with p < r take a window one token wider.
     """
     batch_size, num_heads, virtual_len, head_dim = query.shape
     num_tokens = virtual_len // num_pseudo
@@ -118,11 +129,15 @@ def decomposed_attention(
     for key_pseudo in range(num_pseudo):
         output = torch.zeros_like(queries)
         log_sum_exp = torch.full(queries.shape[:-1], float("-inf"), dtype=queries.dtype)
-        if mask_mode == "token_causal":
-            query_groups = {False: list(range(num_pseudo))}
-        else:
-            query_groups = {False: list(range(key_pseudo, num_pseudo)), True: list(range(key_pseudo))}
-        for strict, query_pseudo in query_groups.items():
+        # (query pseudo-indices, strictly causal, window in tokens): p >= r, then p < r
+        later_window = sliding_window
+        if sliding_window is not None and window_unit == "virtual":
+            later_window = sliding_window + 1
+        query_groups = [
+            (list(range(key_pseudo, num_pseudo)), False, sliding_window),
+            (list(range(key_pseudo)), mask_mode == "flat_causal", later_window),
+        ]
+        for query_pseudo, strict, window in query_groups:
             if not query_pseudo:
                 continue
             group = len(query_pseudo)
@@ -131,7 +146,7 @@ def decomposed_attention(
             stream_keys = keys[:, :, key_pseudo, None].expand(-1, -1, group, -1, -1).reshape(group_queries.shape)
             stream_values = values[:, :, key_pseudo, None].expand(-1, -1, group, -1, -1).reshape(group_queries.shape)
             group_output, group_log_sum_exp = causal_pass(
-                group_queries, stream_keys, stream_values, scaling, strict, sliding_window, padding_mask
+                group_queries, stream_keys, stream_values, scaling, strict, window, padding_mask
             )
             output[:, :, query_pseudo] = group_output.view(batch_size, num_heads, group, num_tokens, head_dim)
             log_sum_exp[:, :, query_pseudo] = group_log_sum_exp.view(batch_size, num_heads, group, num_tokens)
@@ -166,6 +181,7 @@ def reference_attention(
         q, k = attn.q_norm(q), attn.k_norm(k)
     q, k = q.transpose(1, 2), k.transpose(1, 2)
 
+    window_unit = getattr(config, "iha_window_unit", "token")  # configs written before the field: "token"
     if attn.head_mixing is None:
         num_pseudo, position_mode, mask_mode = 1, "shared", "flat_causal"
         q_virtual, k_virtual, v_virtual = q, k, v
@@ -191,11 +207,21 @@ def reference_attention(
         if sequence_ids is not None:
             raise ValueError("The decomposition reference takes padding masks, not packed sequence ids.")
         out = decomposed_attention(
-            q_virtual, k_per_head, v_per_head, num_pseudo, mask_mode, scale_dim**-0.5, attn.sliding_window, padding_mask
+            q_virtual,
+            k_per_head,
+            v_per_head,
+            num_pseudo,
+            mask_mode,
+            scale_dim**-0.5,
+            attn.sliding_window,
+            padding_mask,
+            window_unit,
         )
     else:
         scores = torch.einsum("bhid,bhjd->bhij", q_virtual, k_per_head) / scale_dim**0.5
-        allowed = reference_mask(seq_len, num_pseudo, mask_mode, attn.sliding_window, padding_mask, sequence_ids)
+        allowed = reference_mask(
+            seq_len, num_pseudo, mask_mode, attn.sliding_window, padding_mask, sequence_ids, window_unit
+        )
         scores = scores.masked_fill(~allowed[:, None], float("-inf"))
         weights = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # fully padded query rows
         out = torch.einsum("bhij,bhjd->bhid", weights, v_per_head)  # [B, H, N*P, d]
