@@ -23,7 +23,11 @@ from iha.export.mlx import add_mlx_model_file  # noqa: E402
 
 
 pytestmark = pytest.mark.slow
-PROMPTS = ("What is the capital of France?", "Write a haiku about a cat.", "Explain in two sentences why the sky is blue.")
+PROMPTS = (
+    "What is the capital of France?",
+    "Write a haiku about a cat.",
+    "Explain in two sentences why the sky is blue.",
+)
 STEPS = 24
 
 
