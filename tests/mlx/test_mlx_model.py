@@ -39,14 +39,17 @@ LLAMA3_ROPE = {
 }
 CASES = {
     "P2-gqa-virtual-flat": dict(num_pseudo_heads=2, num_key_value_heads=2),
+    "P2-gqa-virtual-flat-pseudo-cache": dict(num_pseudo_heads=2, num_key_value_heads=2, iha_cache_mode="pseudo"),
     "P3-mha-shared-global": dict(num_pseudo_heads=3, iha_position_mode="shared", iha_collapse_mode="global"),
     "P2-token-causal-global-gqa": dict(
         num_pseudo_heads=2, iha_mask_mode="token_causal", iha_collapse_mode="global", num_key_value_heads=2
     ),
     "P3-sliding-token-window": dict(num_pseudo_heads=3, sliding_window=4),
+    "P3-sliding-token-window-pseudo-cache": dict(num_pseudo_heads=3, sliding_window=4, iha_cache_mode="pseudo"),
     "P2-sliding-virtual-window-shared": dict(
         num_pseudo_heads=2, sliding_window=4, iha_window_unit="virtual", iha_position_mode="shared"
     ),
+    "P2-shared-pseudo-cache": dict(num_pseudo_heads=2, iha_position_mode="shared", iha_cache_mode="pseudo"),
     "P2-standard-and-iha-layers": dict(
         num_hidden_layers=4,
         num_pseudo_heads=2,
@@ -109,7 +112,7 @@ def test_mlx_lm_computes_transformers_logits_and_greedy_tokens(case, tmp_path):
     assert tokens == reference_greedy(model, input_ids, steps)
 
 
-@pytest.mark.parametrize("case", ["P2-gqa-virtual-flat", "paper-hybrid"])
+@pytest.mark.parametrize("case", ["P2-gqa-virtual-flat", "P2-gqa-virtual-flat-pseudo-cache", "paper-hybrid"])
 def test_batched_prompts_with_padding_give_each_prompts_own_tokens(case, tmp_path):
     model = iha_folder(config_of(case), tmp_path / "iha")
     mlx_model, _ = load_model(tmp_path / "iha", trust_remote_code=True)

@@ -25,9 +25,10 @@ tokens or virtual tokens, left padding), and folds the H * P pseudo-outputs back
 mixing parameters stay float32 under `mlx_lm.convert` (`Model.cast_predicate`) and its quantization (they are not
 linear layers).
 
-The cache holds each token's P mixed, rotated pseudo-keys and values side by side ([B, H_kv, tokens, P * d]), so it
-counts tokens like every mlx-lm cache (batching, left padding, prompt caches) and reading it back as the N * P
-virtual sequence is a reshape. Sliding layers keep every token in the cache and apply their window in the mask.
+The cache counts tokens like every mlx-lm cache (batching, left padding, prompt caches). Under the folder's
+`iha_cache_mode`: "pseudo" holds each token's P mixed, rotated pseudo-keys and values side by side ([B, H_kv, tokens,
+P * d]; reading them back as the N * P virtual sequence is a reshape); "token" holds the un-mixed keys and values (the
+base model's memory) and mixes the whole cache again at every step. Sliding layers keep every token in the cache and apply their window in the mask.
 """
 
 from dataclasses import dataclass
@@ -66,6 +67,7 @@ class ModelArgs(BaseModelArgs):
     iha_mask_mode: str = "flat_causal"
     iha_position_mode: str = "virtual"
     iha_collapse_mode: str = "per_head"
+    iha_cache_mode: str = "token"
     iha_window_unit: str = "token"
     use_qk_norm: bool = False
     no_rope_layers: list[int] | None = None
@@ -78,6 +80,8 @@ class ModelArgs(BaseModelArgs):
             )
         if self.hidden_act != "silu":
             raise ValueError(f"IHA's MLX model runs SiLU MLPs (Llama's); this folder's is {self.hidden_act!r}.")
+        if self.iha_cache_mode not in ("token", "pseudo"):
+            raise ValueError(f"`iha_cache_mode` must be 'token' or 'pseudo', got {self.iha_cache_mode!r}.")
         if self.iha_window_unit not in ("token", "virtual"):
             raise ValueError(f"`iha_window_unit` must be 'token' or 'virtual', got {self.iha_window_unit!r}.")
         if self.num_key_value_heads is None:
@@ -191,6 +195,10 @@ class Attention(nn.Module):
         self.mask_mode = args.iha_mask_mode if self.is_iha else "flat_causal"
         self.window_unit = args.iha_window_unit if self.is_iha else "token"
         self.virtual_positions = self.is_iha and args.iha_position_mode == "virtual"
+        # What the cache of an IHA layer holds (the folder's `iha_cache_mode`): "token", the un-mixed keys and values
+        # (the base model's memory; every step mixes the whole cache again), or "pseudo", the mixed, rotated
+        # pseudo-keys and values (P times the memory, nothing mixed again).
+        self.caches_tokens = self.is_iha and args.iha_cache_mode == "token"
         self.rope = rope if args.no_rope_layers[layer_idx] else None
         dim = args.hidden_size
         self.q_proj = nn.Linear(dim, self.num_heads * self.head_dim, bias=args.qkv_bias)
@@ -209,6 +217,25 @@ class Attention(nn.Module):
             return states
         return self.rope(states, offset=offset * scale if scale != 1 else offset)
 
+    def pseudo_tokens_through_token_cache(self, queries, keys, values, cache, offset):
+        """Token cache mode: cache the new tokens' un-mixed keys and values (rotated at their token positions under
+        shared positions, unrotated under virtual ones), then mix every cached token again and, under virtual
+        positions, rotate the whole virtual sequence from the position of the cache's first entry."""
+        mixing, num_pseudo = self.head_mixing, self.num_pseudo
+        queries = queries.transpose(0, 2, 1, 3)
+        keys, values = keys.transpose(0, 2, 1, 3), values.transpose(0, 2, 1, 3)
+        if not self.virtual_positions:
+            queries, keys = self.rotate(queries, offset, 1), self.rotate(keys, offset, 1)
+        keys, values = cache.update_and_fetch(keys, values)
+        first_position = cache.offset - keys.shape[2]  # 0, or minus each row's left padding in a batch
+        queries = mixing.mix(queries.transpose(0, 2, 1, 3), mixing.alpha_q)
+        keys = mixing.mix(keys.transpose(0, 2, 1, 3), mixing.alpha_k)
+        values = mixing.mix(values.transpose(0, 2, 1, 3), mixing.alpha_v)
+        if self.virtual_positions:
+            queries = self.rotate(queries, offset, num_pseudo)
+            keys = self.rotate(keys, first_position, num_pseudo)
+        return queries, keys, values
+
     def __call__(self, x: mx.array, cache: Any | None = None) -> mx.array:
         batch_size, num_tokens, _ = x.shape
         queries = self.q_proj(x).reshape(batch_size, num_tokens, self.num_heads, self.head_dim)
@@ -219,7 +246,9 @@ class Attention(nn.Module):
         offset = cache.offset if cache is not None else 0
         num_pseudo = self.num_pseudo
 
-        if self.is_iha and self.virtual_positions:
+        if self.caches_tokens and cache is not None:
+            queries, keys, values = self.pseudo_tokens_through_token_cache(queries, keys, values, cache, offset)
+        elif self.is_iha and self.virtual_positions:
             # Pseudo-token (n, p) at RoPE position n * P + p: the interleaved sequence's own index, from offset * P.
             queries = self.rotate(self.head_mixing.mix(queries, self.head_mixing.alpha_q), offset, num_pseudo)
             keys = self.rotate(self.head_mixing.mix(keys, self.head_mixing.alpha_k), offset, num_pseudo)
@@ -236,14 +265,13 @@ class Attention(nn.Module):
                 keys = mixing.mix(keys.transpose(0, 2, 1, 3), mixing.alpha_k)
                 values = mixing.mix(values.transpose(0, 2, 1, 3), mixing.alpha_v)
 
-        left_padding = None
-        if cache is not None:
+        left_padding = getattr(cache, "left_padding", None)
+        if cache is not None and not self.caches_tokens:
             # In token units: each token's P pseudo-keys side by side ([B, H_kv, N, P * d]).
             token_shape = (batch_size, self.num_kv_heads, num_tokens, num_pseudo * self.head_dim)
             keys, values = cache.update_and_fetch(keys.reshape(token_shape), values.reshape(token_shape))
             virtual_shape = (batch_size, self.num_kv_heads, -1, self.head_dim)
             keys, values = keys.reshape(virtual_shape), values.reshape(virtual_shape)
-            left_padding = getattr(cache, "left_padding", None)
         num_cached = keys.shape[2] // num_pseudo
         mask = virtual_mask(
             num_tokens, num_cached, num_pseudo, self.mask_mode, self.window, self.window_unit, left_padding
