@@ -255,6 +255,12 @@ def main(argv=None) -> int:
         if "speed" not in args.skip:
             results["speed"] = speed_part(source, converted, args.prompt_tokens, args.decode_tokens, args.repeats)
     name = "mlx_quick" if args.quick else "mlx"
+    earlier = RESULTS / f"{name}.json"
+    if args.skip and earlier.is_file():  # a part skipped keeps its last measurement (and that run's regime line)
+        previous = json.loads(earlier.read_text())
+        for part in args.skip:
+            results[part] = previous.get(part, {})
+            results.setdefault("regime_of_skipped", {})[part] = {"date": previous["date"], **previous["regime"]}
     (RESULTS / f"{name}.json").write_text(json.dumps(results, indent=2) + "\n")
     (RESULTS / f"{name}.md").write_text(report(results))
     print(report(results))

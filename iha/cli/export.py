@@ -52,7 +52,9 @@ def main(argv: Sequence[str] | None = None, prog: str = "iha export") -> int:
 
             report = export_llama(args.folder, args.output_dir, overwrite=args.overwrite, verify=args.verify)
             print(f"Exported {report.source} -> {report.output_dir} ({report.architecture}, {report.dtype})")
-            print(f"  folded the mixing of layers {report.folded_layers or 'none'}")
+            from ..conversion.plan import describe_layers
+
+            print(f"  folded the mixing of layers {describe_layers(report.folded_layers) or 'none'}")
             if report.max_abs_diff is not None:
                 print(
                     f"  verification in float32: max |logit difference| {report.max_abs_diff:.2e}, top-1 agreement "
