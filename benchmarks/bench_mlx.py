@@ -62,6 +62,21 @@ def source_for_stock_mlx(work: Path) -> Path:
     return folder
 
 
+def perturbed_copy(folder: Path, target: Path, scale: float) -> Path:
+    """A copy of `folder` whose mixing tensors carry seeded Gaussian noise of `scale` (float32 kept)."""
+    from safetensors.numpy import load_file, save_file
+
+    shutil.copytree(folder, target)
+    rng = np.random.default_rng(0)
+    for path in target.glob("model*.safetensors"):
+        tensors = load_file(path)
+        for name, value in tensors.items():
+            if ".head_mixing." in name:
+                tensors[name] = (value + scale * rng.standard_normal(value.shape)).astype(value.dtype)
+        save_file(tensors, path, metadata={"format": "pt"})
+    return target
+
+
 def texts(count: int) -> list[str]:
     rows = []
     for path in sorted(GSM8K.glob("*.jsonl")):
@@ -214,6 +229,13 @@ def report(results: dict) -> str:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--iha-folder", help="a trained IHA folder of the built-in source (default: its conversion)")
+    parser.add_argument(
+        "--perturb-mixing",
+        type=float,
+        default=0.0,
+        help="add seeded Gaussian noise of this scale to the IHA folder's mixing before the quantization part (a "
+        "stand-in for trained mixing when no trained folder is given: identity mixing quantizes exactly as the source)",
+    )
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--prompt-tokens", type=int, default=256)
     parser.add_argument("--decode-tokens", type=int, default=64)
@@ -234,6 +256,8 @@ def main(argv=None) -> int:
             trained = work / "trained-iha"
             shutil.copytree(args.iha_folder, trained)
             add_mlx_model_file(trained)
+        if args.perturb_mixing:
+            trained = perturbed_copy(trained, work / "perturbed-iha", args.perturb_mixing)
         results = {
             "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
             "regime": {
@@ -241,7 +265,8 @@ def main(argv=None) -> int:
                 "processor": platform.processor() or platform.platform(),
                 "mlx": mx.__version__,
                 "mlx_lm": __import__("mlx_lm").__version__,
-                "iha_folder": args.iha_folder or "the conversion of the source (identity mixing)",
+                "iha_folder": (args.iha_folder or "the conversion of the source (identity mixing)")
+                + (f", mixing + N(0, {args.perturb_mixing}^2) noise (seed 0)" if args.perturb_mixing else ""),
                 "prompt_tokens": args.prompt_tokens,
                 "decode_tokens": args.decode_tokens,
                 "repeats": args.repeats,
