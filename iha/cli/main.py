@@ -11,6 +11,7 @@ iha push        upload an IHA folder to the Hub                          (same a
 iha data        SFT data: GSM8K to OpenThoughts rows, any schema to `messages` rows
 iha polynomial-filter  the paper's polynomial filter trained: MHA with k heads against IHA with fewer
 iha chat-template  a chat template with {% generation %} markers
+iha export      `llama`: a P = 1 folder folded into a stock Llama / Mistral / Qwen2; `mlx`: mlx-lm's model file
 iha serve       an OpenAI-compatible server for an IHA model (local and small-scale; continuous batching)
 
 Every command takes its flags as `--snake_case` (transformers' and TRL's style), each also as `--kebab-case`
@@ -42,6 +43,7 @@ COMMANDS = {
     "push": "upload an IHA folder (converted or fine-tuned) to the Hugging Face Hub",
     "data": "SFT data: GSM8K rows to OpenThoughts format, any row schema to `messages` rows",
     "chat-template": "write a chat template with {% generation %} markers (.jinja)",
+    "export": "a P = 1 IHA folder as a stock Llama/Mistral/Qwen2 folder; the MLX model file for mlx-lm",
     "serve": "an OpenAI-compatible server for an IHA model (local and small-scale; continuous batching)",
 }
 

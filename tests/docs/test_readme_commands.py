@@ -44,7 +44,17 @@ from testing_utils import REPO_ROOT, TEST_DATA, free_port, fresh_machine_environ
 
 README = REPO_ROOT / "README.md"
 BIN = Path(sys.executable).parent  # the console scripts of this environment (iha, iha-sft, trl, lm_eval, ...)
-CONSOLE_SCRIPTS = {"iha", "iha-convert", "iha-sft", "iha-eval", "trl", "lm_eval", "accelerate"}
+CONSOLE_SCRIPTS = {
+    "iha",
+    "iha-convert",
+    "iha-sft",
+    "iha-eval",
+    "trl",
+    "lm_eval",
+    "accelerate",
+    "mlx_lm.generate",
+    "mlx_lm.convert",
+}
 
 # Hub id -> the same data on this machine, per program (GSM8K: the training split for data preparation, the test
 # split for evaluation, as each command reads by default).

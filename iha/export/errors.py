@@ -1,0 +1,2 @@
+class ExportError(ValueError):
+    """A folder that cannot be exported as asked: the message says why and what would work."""
