@@ -59,6 +59,7 @@ def make_parser(prog: str = "iha synthetic") -> argparse.ArgumentParser:
         "(days on a CPU, resumable); "
         "paper-ternary: the paper's data and width for ternary at m = 5 "
         "(hours of one thread a run; start the same command twice to share the runs between two processes); "
+        "paper-ternary-mha: paper-ternary's MHA for 100 epochs without early stopping (IHA P = 8's budget); "
         "fixed: every example at m = 6 / 5, MHA and IHA only; tiny: seconds",
     )
     parser.add_argument(
