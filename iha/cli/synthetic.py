@@ -55,7 +55,8 @@ def make_parser(prog: str = "iha synthetic") -> argparse.ArgumentParser:
         default="cpu",
         help="cpu: the full comparison shrunk for 2 CPU cores (75-107 min of one thread a seed; default); "
         "paper: the paper's scale (for a GPU); paper-regime: the paper's m ranges, data, both learning rates, MHA, "
-        "IHA P = 8 and 2-simplicial, at most 10 epochs: an estimated ~9 minutes a seed on one GPU, not measured yet "
+        "IHA P = 8 and 2-simplicial, at most 10 epochs (so patience 10 never acts): an estimated 4-11 minutes a seed "
+        "on one GPU, not measured yet "
         "(days on a CPU, resumable); "
         "paper-ternary: the paper's data and width for ternary at m = 5 "
         "(hours of one thread a run; start the same command twice to share the runs between two processes); "
