@@ -1,4 +1,4 @@
-"""`iha polynomial-filter`: the trained polynomial-filter comparison (`iha.experiments.synthetic.polynomial`)."""
+"""`iha polynomial-filter`: the trained polynomial-filter comparison (`iha.experiments.synthetic.polynomial_filter`)."""
 
 from __future__ import annotations
 
@@ -8,11 +8,9 @@ from collections.abc import Sequence
 
 import torch
 
-from ..experiments.synthetic.polynomial import (
-    PolynomialConfig,
-    render_markdown,
-    run_experiment,
-)
+from ..experiments.synthetic.polynomial_filter.config import PolynomialConfig
+from ..experiments.synthetic.polynomial_filter.experiment import run_experiment
+from ..experiments.synthetic.polynomial_filter.report import render_markdown
 from .arguments import ArgumentParser, add_dataclass_arguments, dataclass_values
 from .running import run_command
 
