@@ -79,7 +79,8 @@ def tiny_llama_dir(tmp_path_factory):
 def tiny_results():
     """The tiny relation-composition comparison (`iha synthetic --preset tiny`), trained once per test module that reads
     it (tests/experiments/test_synthetic_training.py and test_synthetic_report.py)."""
-    from iha.experiments.synthetic import TINY, run_comparison
+    from iha.experiments.synthetic import run_comparison
+    from iha.experiments.synthetic.config import TINY
 
     torch.manual_seed(0)
     return run_comparison(TINY, progress=False)

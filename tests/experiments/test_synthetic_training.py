@@ -8,7 +8,8 @@ import pytest
 from safetensors import safe_open
 
 from iha.cli.synthetic import main
-from iha.experiments.synthetic import PRESET_SEEDS, PRESETS, TINY, run_comparison, write_seed_summary
+from iha.experiments.synthetic import PRESET_SEEDS, PRESETS, run_comparison, write_seed_summary
+from iha.experiments.synthetic.config import TINY
 from iha.experiments.synthetic.models import build_model
 from iha.experiments.synthetic.states import load_epoch_state, load_run_weights
 from iha.experiments.synthetic.task import make_composition_data, split_seeds
@@ -351,7 +352,7 @@ def test_two_processes_share_a_comparison_run_by_run(tmp_path, monkeypatch):
     from filelock import FileLock
 
     import iha.experiments.synthetic.train as synthetic_training
-    from iha.cli.synthetic import _train_cheap_models_first
+    from iha.experiments.synthetic.experiment import train_cheap_models_first
     from iha.experiments.synthetic.train import lock_path, save_run
 
     config = replace(TINY, tasks=["binary"], max_epochs=1, simplicial=False)
@@ -368,7 +369,7 @@ def test_two_processes_share_a_comparison_run_by_run(tmp_path, monkeypatch):
     monkeypatch.setattr(synthetic_training, "train_one", record)
     other_process = FileLock(claim_file, timeout=0)
     other_process.acquire()
-    _train_cheap_models_first(config, [0], tmp_path, "cpu")
+    train_cheap_models_first(config, [0], tmp_path, "cpu")
     assert trained == ["binary m=3..4 MHA lr=0.01"]
     # The other process finishes its run and lets go; this process's call then reuses it.
     their_run = run_comparison(config, progress=False, only={("binary", "IHA P=2")})["runs"][0]
