@@ -15,10 +15,10 @@ from dataclasses import replace
 from pathlib import Path
 
 from iha.experiments.statistics import holm_adjusted, paired_differences
+from iha.experiments.synthetic.checkpoints import runs_in_progress
 from iha.experiments.synthetic.config import PRESETS, config_from_saved
 from iha.experiments.synthetic.relations import seed_relation_tests
 from iha.experiments.synthetic.summary import best_so_far
-from iha.experiments.synthetic.train import runs_in_progress
 from iha.utils.atomic_files import write_json_atomic, write_text_atomic
 
 

@@ -9,6 +9,7 @@ from safetensors import safe_open
 
 from iha.cli.synthetic import main
 from iha.experiments.synthetic import PRESET_SEEDS, PRESETS, run_comparison, write_seed_summary
+from iha.experiments.synthetic.checkpoints import runs_in_progress
 from iha.experiments.synthetic.config import TINY
 from iha.experiments.synthetic.models import build_model
 from iha.experiments.synthetic.states import load_epoch_state, load_run_weights
@@ -176,7 +177,7 @@ def test_a_run_interrupted_between_epochs_continues_to_the_result_of_an_uninterr
     monkeypatch.setattr(synthetic_training, "epoch_batches", real_epoch_batches)
     # The report shows the unfinished run as far as it got, beside a finished run of the same seed at the same epoch
     # (here the uninterrupted run itself: by epoch 2 it had what the interrupted one has).
-    (in_progress,) = synthetic_training.runs_in_progress(config, checkpoint)
+    (in_progress,) = runs_in_progress(config, checkpoint)
     assert (in_progress["model"], in_progress["epochs_run"], in_progress["seed"]) == ("MHA", 2, config.seed)
     assert in_progress["history"] == uninterrupted["history"][:2]
     best = max(point["val_accuracy"] for point in uninterrupted["history"][:2])
@@ -352,8 +353,8 @@ def test_two_processes_share_a_comparison_run_by_run(tmp_path, monkeypatch):
     from filelock import FileLock
 
     import iha.experiments.synthetic.train as synthetic_training
+    from iha.experiments.synthetic.checkpoints import lock_path, save_run
     from iha.experiments.synthetic.experiment import train_cheap_models_first
-    from iha.experiments.synthetic.train import lock_path, save_run
 
     config = replace(TINY, tasks=["binary"], max_epochs=1, simplicial=False)
     checkpoint = tmp_path / "seed-0" / "results.partial.json"

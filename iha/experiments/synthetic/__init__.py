@@ -32,7 +32,8 @@ One job per module:
     config.py                the tasks, `SyntheticConfig` and the presets
     task.py                  the relations, their composition and the padded batches
     models.py                the one-layer model with MHA, IHA or 2-simplicial attention (`simplicial_attention.py`)
-    train.py                 one run with early stopping, and a comparison's runs with checkpoints and claims
+    train.py                 one run with early stopping, and a comparison's runs (`run_comparison`)
+    checkpoints.py           a comparison's files while it runs: finished runs, epoch states, weights, claims
     states.py                a run's epoch state and its saved weights (safetensors and JSON)
     experiment.py            a whole `iha synthetic` call: every seed, resumed; the summary; a report so far
     summary.py               the numbers over seeds: selected runs, paired tests, equal epochs, what is unfinished

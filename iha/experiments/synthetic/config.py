@@ -84,6 +84,14 @@ def config_from_saved(saved: dict) -> SyntheticConfig:
     return SyntheticConfig(**{**BEFORE_THE_FIELD_EXISTED, **saved})
 
 
+def model_variants(config: SyntheticConfig) -> list[tuple[str, str, int | None]]:
+    """(name, attention, P) of every model the comparison trains."""
+    variants = [("MHA", "mha", None)]
+    if config.simplicial:
+        variants.append(("2-simplicial", "simplicial", None))
+    return variants + [(f"IHA P={p}", "iha", p) for p in config.pseudo_heads]
+
+
 def describe_m(low_high: list[int] | int) -> str:
     low, high = (low_high, low_high) if isinstance(low_high, int) else low_high
     return str(low) if low == high else f"{low}..{high}"

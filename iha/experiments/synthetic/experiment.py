@@ -5,7 +5,7 @@ summary of given results files.
 Each seed's comparison lives in its own folder (OUTPUT_DIR/seed-N; OUTPUT_DIR itself for a single seed): its
 checkpoint `results.partial.json`, the epoch states of its unfinished runs (`.epochs/`), the weights of its finished
 ones (`weights/`), and once every run has finished `results.json`, `results.md` and `accuracy.png`. Several
-processes of the same call share the runs (`train.claim`).
+processes of the same call share the runs (`checkpoints.claim`).
 """
 
 from __future__ import annotations
@@ -18,19 +18,12 @@ from pathlib import Path
 
 from filelock import FileLock
 
-from .config import SyntheticConfig
+from .checkpoints import config_as_saved, epoch_states, lock_path, runs_in_progress, same_config
+from .config import SyntheticConfig, model_variants
 from .outputs import write_outputs, write_seed_summary
 from .relations import relation_tests
 from .report import results_table
-from .train import (
-    config_as_saved,
-    epoch_states,
-    lock_path,
-    model_variants,
-    run_comparison,
-    runs_in_progress,
-    same_config,
-)
+from .train import run_comparison
 
 
 def seed_folder(output_dir: str | os.PathLike, seed: int, seeds: list[int]) -> Path:

@@ -17,7 +17,7 @@ def _in_progress_order(config: dict, run: dict) -> tuple:
 
 
 def in_progress_lines(results_per_seed: list[dict], in_progress: list[dict]) -> list[str]:
-    """Markdown for the runs still training (`train.runs_in_progress`): how far each got and, beside it, what the
+    """Markdown for the runs still training (`checkpoints.runs_in_progress`): how far each got and, beside it, what the
     finished runs of the same seed, task and learning rate had reached by the same epoch (validation accuracy: the
     only measure an unfinished run has)."""
     if not in_progress:

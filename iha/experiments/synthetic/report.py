@@ -350,7 +350,7 @@ def seed_summary(
     numbers.
 
     Every element of `results_per_seed` is the output of one `run_comparison` (same tasks and models, another seed);
-    `in_progress` (`train.runs_in_progress`) adds a table of the unfinished runs, as far as they got; `relations`
+    `in_progress` (`checkpoints.runs_in_progress`) adds a table of the unfinished runs, as far as they got; `relations`
     (`relations.relation_tests`) the data the splits share and the per-relation tests from saved weights.
     """
     summary = summarize_seeds(results_per_seed)

@@ -7,8 +7,7 @@ from __future__ import annotations
 import math
 
 from ..statistics import holm_adjusted, paired_differences
-from .config import config_from_saved
-from .train import model_variants
+from .config import config_from_saved, model_variants
 
 
 # What the per-relation tables say of a run finished before runs saved their weights (`relations`).
