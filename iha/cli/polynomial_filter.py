@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import shlex
 import sys
 from collections.abc import Sequence
 
@@ -60,7 +61,7 @@ def reproducing_command(prog: str, argv: Sequence[str]) -> str:
             skip = SOURCE_FLAGS[name] if "=" not in argument else 0
             continue
         kept.append(argument)
-    return " ".join([prog, *kept])
+    return " ".join([prog, *map(shlex.quote, kept)])  # quoted as a shell reads it back ("IHA H=3 P=3")
 
 
 def main(argv: Sequence[str] | None = None, prog: str = "iha polynomial-filter") -> int:

@@ -235,6 +235,11 @@ def test_k9_runs_remade_in_another_session_match_to_the_stated_tolerance():
         f"up to {apart:.1f} times apart at one evaluation) and it ends {100 * iha_final:.1f}% apart "
         f"({iha_new['final_relative_error']:.3g} against {iha_old['final_relative_error']:.3g})".replace("e-05", "e-5")
     ) in page
+    mha9_old, mha9_new = committed[("linear", "MHA H=9", 0)], remade.get(("linear", "MHA H=9", 0), {})
+    if mha9_new:
+        assert (
+            f"ends at {mha9_new['final_relative_error']:.3g} against {mha9_old['final_relative_error']:.3g}"
+        ).replace("e-07", "e-7") in page
     # The worst final error of every remade run is the tolerance both pages state.
     worst = max(_curve_differences(committed[key], run)[2] for key, run in remade.items())
     assert f"the final errors of the runs re-made so far agree to within {100 * worst:.1f}%" in page
@@ -273,3 +278,33 @@ def test_mha_remade_for_100_epochs_repeats_the_earlier_run_to_the_stated_toleran
     assert (
         "training losses equal to within 3e-8, validation accuracy equal for 3 epochs and one entry in 125,000" in page
     )
+
+
+def test_k9_softmax_seeds_added_so_far():
+    report = json.loads((SYNTHETIC / "polynomial-filter-k9-softmax" / "report.json").read_text(encoding="utf-8"))
+    paired = report["summary"]["paired"]["softmax/IHA H=3 P=3 - MHA H=9"]
+    low, high = paired["ci"]
+    text = (
+        f"Over the {paired['n']} seeds paired so far, log10 of IHA's error minus MHA's is {paired['mean']:+.2f} "
+        f"[{low:+.2f}, {high:+.2f}], paired t p = {paired['t_p_value']:.2f}, sign-flip p = "
+        f"{paired['permutation_p_value']:.2f}, IHA higher on {paired['positive']} of {paired['n']}"
+    )
+    assert text in _page("docs/results.md")
+    new_runs = [run for run in report["runs"] if run["seed"] >= 6]
+    assert f"at this commit {len(new_runs)} of the 20 new runs had finished" in _page("docs/results.md")
+    assert f"{paired['mean']:+.2f} [{low:+.2f}, {high:+.2f}])" in _page("README.md")
+
+
+def test_mha_at_the_p8_budget_as_far_as_it_got():
+    budget = json.loads((SYNTHETIC / "paper-ternary-mha" / "against-iha-p8.json").read_text(encoding="utf-8"))
+    seed_0 = budget["seeds"][0]
+    page = _page("docs/results.md")
+    if not seed_0["mha_finished"]:
+        assert f"seed 0 had run {seed_0['mha_epochs_run']} of its 100 epochs" in page
+        assert (
+            f"Over those {seed_0['common_epochs']} epochs the best validation accuracy so far was IHA P = 8's on "
+            f"{seed_0['p8_led']} and MHA's on {seed_0['mha_led']}"
+        ) in page
+        earlier = _best_so_far(_runs(PAPER_TERNARY, 0)["MHA"])[: seed_0["common_epochs"]]
+        p8 = _best_so_far(_runs(PAPER_TERNARY, 0)["IHA P=8"])[: seed_0["common_epochs"]]
+        assert sum(b[0] > a[0] for a, b in zip(earlier, p8)) == seed_0["p8_led"]  # "as in the earlier MHA run"
