@@ -79,7 +79,8 @@ def tiny_llama_dir(tmp_path_factory):
 def tiny_results():
     """The tiny relation-composition comparison (`iha synthetic --preset tiny`), trained once per test module that reads
     it (tests/experiments/synthetic/test_synthetic_training.py and test_synthetic_report.py)."""
-    from iha.experiments.synthetic import TINY, run_comparison
+    from iha.experiments.synthetic import run_comparison
+    from iha.experiments.synthetic.config import TINY
 
     torch.manual_seed(0)
     return run_comparison(TINY, progress=False)
@@ -126,7 +127,7 @@ def pytest_addoption(parser):
         *option_spellings("--compile_backend"),
         default="aot_eager",
         choices=["aot_eager", "inductor"],
-        help="torch.compile backend of tests/models/iha/test_compile.py (default aot_eager: inductor's C++ code "
+        help="torch.compile backend of tests/models/test_compile.py (default aot_eager: inductor's C++ code "
         "generation takes minutes per graph on a small CPU)",
     )
 

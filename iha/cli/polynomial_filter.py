@@ -1,18 +1,17 @@
-"""`iha polynomial-filter`: the trained polynomial-filter comparison (`iha.experiments.synthetic.polynomial`)."""
+"""`iha polynomial-filter`: the trained polynomial-filter comparison (`iha.experiments.synthetic.polynomial_filter`)."""
 
 from __future__ import annotations
 
 import argparse
+import shlex
 import sys
 from collections.abc import Sequence
 
 import torch
 
-from ..experiments.synthetic.polynomial import (
-    PolynomialConfig,
-    render_markdown,
-    run_experiment,
-)
+from ..experiments.synthetic.polynomial_filter.config import PolynomialConfig
+from ..experiments.synthetic.polynomial_filter.experiment import run_experiment
+from ..experiments.synthetic.polynomial_filter.report import render_markdown
 from .arguments import ArgumentParser, add_dataclass_arguments, dataclass_values
 from .running import run_command
 
@@ -62,7 +61,7 @@ def reproducing_command(prog: str, argv: Sequence[str]) -> str:
             skip = SOURCE_FLAGS[name] if "=" not in argument else 0
             continue
         kept.append(argument)
-    return " ".join([prog, *kept])
+    return " ".join([prog, *map(shlex.quote, kept)])  # quoted as a shell reads it back ("IHA H=3 P=3")
 
 
 def main(argv: Sequence[str] | None = None, prog: str = "iha polynomial-filter") -> int:

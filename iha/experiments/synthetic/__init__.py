@@ -26,50 +26,39 @@ fresh linear weights over heads, N(0, 1/H), and the collapse weights N(0, 1/P).
 Training: AdamW (weight decay 0.01), per-epoch validation, early stopping on validation accuracy (patience 10 by
 default), the best validation checkpoint is tested. Metrics: per-position accuracy (the paper's) and per-matrix
 exact match, overall and per m. Runs on CUDA when there is one.
+
+One job per module:
+
+    config.py                the tasks, `SyntheticConfig` and the presets
+    task.py                  the relations, their composition and the padded batches
+    models.py                the one-layer model with MHA, IHA or 2-simplicial attention (`simplicial_attention.py`)
+    train.py                 one run with early stopping, and a comparison's runs (`run_comparison`)
+    checkpoints.py           a comparison's files while it runs: finished runs, epoch states, weights, claims
+    states.py                a run's epoch state and its saved weights (safetensors and JSON)
+    experiment.py            a whole `iha synthetic` call: every seed, resumed; the summary; a report so far
+    summary.py               the numbers over seeds: selected runs, paired tests, equal epochs, what is unfinished
+    relations.py             per-relation tests from saved weights (McNemar within a seed) and the data the seeds share
+    report.py, progress.py   their markdown (progress.py: the runs not finished yet)
+    figures.py, outputs.py   their pictures, and the files a comparison writes
+    polynomial_filter/       the polynomial-filter claim and a prefix-count task: constructions and trained runs
 """
 
-from ...utils.lazy_imports import lazy_attributes
+from .config import PRESET_SEEDS, PRESETS, SyntheticConfig
+from .experiment import run_seeds
+from .models import build_model
+from .outputs import write_outputs, write_seed_summary
+from .relations import relation_tests
+from .train import run_comparison
 
 
-# Public name -> the module that defines it, imported on first use: the command line's parser
-# (`iha synthetic --help`) does not import the training and plotting code.
-_EXPORTS = {
-    "CPU": "config",
-    "FIXED": "config",
-    "PAPER": "config",
-    "PAPER_REGIME": "config",
-    "PAPER_TERNARY": "config",
-    "PRESET_SEEDS": "config",
-    "PRESETS": "config",
-    "TASKS": "config",
-    "TINY": "config",
-    "SyntheticConfig": "config",
-    "ATTENTIONS": "models",
-    "BidirectionalAttention": "models",
-    "CompositionModel": "models",
-    "build_model": "models",
-    "count_parameters": "models",
-    "relation_tests": "relations",
-    "results_table": "report",
-    "seed_summary": "report",
-    "write_outputs": "outputs",
-    "write_seed_summary": "outputs",
-    "TwoSimplicialAttention": "simplicial_attention",
-    "two_simplicial_attention": "simplicial_attention",
-    "CompositionData": "task",
-    "compose_relation": "task",
-    "make_composition_data": "task",
-    "valid_positions": "task",
-    "comparison_data": "train",
-    "epoch_batches": "train",
-    "evaluate": "train",
-    "evaluate_relations": "train",
-    "masked_loss": "train",
-    "run_comparison": "train",
-    "runs_in_progress": "train",
-    "train_one": "train",
-}
-
-__getattr__, __dir__ = lazy_attributes(__name__, _EXPORTS)
-
-__all__ = sorted(_EXPORTS)
+__all__ = [
+    "PRESETS",
+    "PRESET_SEEDS",
+    "SyntheticConfig",
+    "build_model",
+    "relation_tests",
+    "run_comparison",
+    "run_seeds",
+    "write_outputs",
+    "write_seed_summary",
+]

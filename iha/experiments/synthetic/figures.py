@@ -8,7 +8,7 @@ from pathlib import Path
 
 from ...utils.atomic_files import saved_figure
 from .config import describe_m
-from .report import best_runs, best_so_far, model_names, task_sizes
+from .summary import best_runs, best_so_far, model_names, task_sizes
 
 
 def plot_results(results: dict, path: str | os.PathLike) -> Path:

@@ -18,7 +18,7 @@ def write_seed_summary(
     relations: dict | None = None,
 ) -> dict[str, Path]:
     """seeds.md (the table), seeds.json, seeds.png and equal_epochs.png (best validation so far by epoch) in
-    `output_dir`. With `in_progress` (`train.runs_in_progress`,
+    `output_dir`. With `in_progress` (`checkpoints.runs_in_progress`,
     what `iha synthetic --report` passes), the runs still training as far as they got, in seeds.md and
     in_progress.json (with their per-epoch history), and curves.png: validation error per epoch of every run,
     finished or not. With `relations` (`relations.relation_tests`), their tables in seeds.md and relations.json."""

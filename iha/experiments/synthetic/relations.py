@@ -26,13 +26,10 @@ import torch
 from ..statistics import discordant_counts, holm_adjusted, mcnemar_exact
 from .config import SyntheticConfig, config_from_saved
 from .models import build_model
-from .report import best_runs
 from .states import load_run_weights
+from .summary import best_runs
 from .task import CompositionData, relation_keys
 from .train import comparison_data, default_device, evaluate_relations
-
-
-NO_WEIGHTS = "no saved weights (finished before weights were saved)"
 
 
 def load_run_model(path: str | os.PathLike, device: str | torch.device = "cpu") -> tuple[torch.nn.Module, dict]:

@@ -1,31 +1,22 @@
-"""Tables and seed summaries of finished comparisons (their pictures: `figures`, the files: `outputs`)."""
+"""Markdown of finished comparisons: one seed's results table and the summary over seeds (their numbers:
+`summary`; their pictures: `figures`; the files: `outputs`)."""
 
 from __future__ import annotations
 
-import math
-
-from ..statistics import holm_adjusted, paired_differences
-from .config import config_from_saved, describe_m
-from .train import model_variants
-
-
-def best_runs(results: dict) -> dict[tuple[str, str], dict]:
-    """Per (task, model): the learning rate with the best validation accuracy (ties: the first listed)."""
-    best = {}
-    for run in results["runs"]:
-        key = (run["task"], run["model"])
-        if key not in best or run["val_accuracy"] > best[key]["val_accuracy"]:
-            best[key] = run
-    return best
-
-
-def model_names(config: dict) -> list[str]:
-    return [name for name, _, _ in model_variants(config_from_saved(config))]
-
-
-def task_sizes(config: dict, task: str) -> list[int]:
-    low, high = config_from_saved(config).m[task]
-    return list(range(low, high + 1))
+from .config import describe_m
+from .progress import in_progress_lines, unfinished_text
+from .summary import (
+    NO_WEIGHTS,
+    best_runs,
+    best_so_far,
+    equal_epoch_comparisons,
+    mean_std,
+    model_names,
+    paired_rows,
+    summarize_seeds,
+    task_sizes,
+    unfinished_runs,
+)
 
 
 def _stopping_line(runs: list[dict]) -> str:
@@ -85,18 +76,12 @@ def results_table(results: dict) -> str:
     return "\n".join(lines)
 
 
-def _mean_std(values: list[float]) -> tuple[float, float]:
-    mean = sum(values) / len(values)
-    std = math.sqrt(sum((v - mean) ** 2 for v in values) / (len(values) - 1)) if len(values) > 1 else 0.0
-    return mean, std
-
-
 def spread_cell(seeds: list[int], values: list[float], all_seeds: list[int]) -> str:
     """A table cell for one model's values over its seeds: "mean ± std", with "(k of n seeds)" when some seeds
     lack it; one seed's value is "value (seed N only)", never a mean with a spread of zero."""
     if len(values) == 1:
         return f"{values[0]:.2f} (seed {seeds[0]} only)"
-    mean, std = _mean_std(values)
+    mean, std = mean_std(values)
     cell = f"{mean:.2f} ± {std:.2f}"
     if len(values) < len(all_seeds):
         cell += f" ({len(values)} of {len(all_seeds)} seeds)"
@@ -114,29 +99,6 @@ def paired_gap_cell(paired: dict | None) -> str:
     return f"{paired['mean']:+.2f} ({paired['n']} seeds)"
 
 
-def _paired_with_baselines(
-    task: str, model: str, baselines: list[str], seeds: list[int], selected: list[dict]
-) -> dict[str, dict]:
-    """Per baseline listed before `model` (MHA, then 2-simplicial): test accuracy and exact match of `model` minus
-    the baseline's, paired by seed (the seeds both have: same data, order and shared initial weights), in points."""
-    paired = {}
-    for baseline in baselines[: baselines.index(model) if model in baselines else len(baselines)]:
-        both = [
-            (seed, runs) for seed, runs in zip(seeds, selected) if (task, model) in runs and (task, baseline) in runs
-        ]
-        if not both:
-            continue
-        paired[baseline] = {
-            metric: paired_differences(
-                [100 * runs[(task, baseline)][key] for _, runs in both],
-                [100 * runs[(task, model)][key] for _, runs in both],
-                labels=[seed for seed, _ in both],
-            )
-            for metric, key in (("accuracy", "test_accuracy"), ("exact_match", "test_exact_match"))
-        }
-    return paired
-
-
 def _exact_match_lines(config: dict, summary: dict, seeds: list[int]) -> list[str]:
     lines = ["", "Exact match (every entry of the composed relation right), test, validation-selected lr (%):", ""]
     lines += ["| Task | Model | mean ± std | " + " | ".join(f"seed {seed}" for seed in seeds) + " |"]
@@ -147,28 +109,6 @@ def _exact_match_lines(config: dict, summary: dict, seeds: list[int]) -> list[st
         mean = spread_cell(entry["seeds"], entry["test_exact_match"], seeds)
         lines.append(f"| {entry['task']} | {entry['model']} | {mean} | " + " | ".join(cells) + " |")
     return lines
-
-
-def paired_rows(summary: dict) -> list[tuple[dict, str, str, dict]]:
-    """(entry, baseline, metric, paired) of every paired comparison in the summary, in the table's order."""
-    return [
-        (entry, baseline, metric, paired)
-        for entry in summary.values()
-        for baseline, metrics in entry["paired"].items()
-        for metric, paired in metrics.items()
-    ]
-
-
-def add_holm_adjustment(summary: dict) -> None:
-    """Holm-adjust the paired table's tests as one family (`statistics.holm_adjusted`), each kind of p-value on its
-    own: every paired result with a p-value gains `t_p_value_holm` / `permutation_p_value_holm` and the family's
-    size. One table is one family: a reader who picks its smallest p among several picks from all of them."""
-    rows = [paired for _, _, _, paired in paired_rows(summary)]
-    for key in ("t_p_value", "permutation_p_value"):
-        tested = [paired for paired in rows if paired[key] is not None]
-        for paired, adjusted in zip(tested, holm_adjusted([paired[key] for paired in tested])):
-            paired[f"{key}_holm"] = adjusted
-            paired["holm_family_size"] = len(tested)
 
 
 def _p_cell(paired: dict, key: str) -> str:
@@ -264,8 +204,6 @@ def data_overlap_lines(relations: dict) -> list[str]:
 def relation_lines(relations: dict) -> list[str]:
     """The per-relation tables (`relations.relation_tests`): exact match per run from its saved weights, on the test
     relations absent from and present in training; McNemar within each seed for every pair of models with weights."""
-    from .relations import NO_WEIGHTS
-
     lines = [
         "",
         "**Per relation, from the saved best weights** (the model and its test split rebuilt exactly as training made "
@@ -316,54 +254,9 @@ def relation_lines(relations: dict) -> list[str]:
 EQUAL_EPOCHS = (10, 25, 50)
 
 
-def best_so_far(history: list[dict]) -> list[float]:
-    """The best validation accuracy (%) of epochs 1..e, for every epoch e a run trained (its history's order)."""
-    best, curve = -math.inf, []
-    for point in history:
-        best = max(best, 100 * point["val_accuracy"])
-        curve.append(best)
-    return curve
-
-
 def _stop_text(run: dict) -> str:
     how = {"patience": "patience", "epoch budget": "the budget"}.get(run.get("stopped_by", ""), "?")
     return f"{run['epochs_run']} ({how})"
-
-
-def leading_stretches(curve_a: list[float], curve_b: list[float]) -> list[tuple[int, int, int]]:
-    """(sign, first, last) of every stretch of equal epochs in which the order of two best-so-far curves stayed the
-    same (sign 1: b above, -1: a above, 0: level), epochs counted from 1, over the epochs both ran."""
-    stretches = []
-    for epoch, (a, b) in enumerate(zip(curve_a, curve_b), start=1):
-        sign = (b > a) - (b < a)
-        if stretches and stretches[-1][0] == sign:
-            stretches[-1] = (sign, stretches[-1][1], epoch)
-        else:
-            stretches.append((sign, epoch, epoch))
-    return stretches
-
-
-def equal_epoch_comparison(task: str, seed: int, run_a: dict, run_b: dict) -> dict:
-    """Run a (a baseline) against run b of one seed at equal epochs and at their stopping points: whether the
-    stopping rule decides the comparison (the leader at the last epoch both ran is not the leader at the end)."""
-    curve_a, curve_b = best_so_far(run_a["history"]), best_so_far(run_b["history"])
-    common = min(len(curve_a), len(curve_b))
-    stretches = leading_stretches(curve_a[:common], curve_b[:common])
-    final_sign = (curve_b[-1] > curve_a[-1]) - (curve_b[-1] < curve_a[-1])
-    return {
-        "task": task,
-        "seed": seed,
-        "models": [run_a["model"], run_b["model"]],
-        "epochs_run": [run_a["epochs_run"], run_b["epochs_run"]],
-        "stopped_by": [run_a.get("stopped_by"), run_b.get("stopped_by")],
-        "common_epochs": common,
-        "at_common_epoch": [curve_a[common - 1], curve_b[common - 1]],
-        "at_stop": [curve_a[-1], curve_b[-1]],
-        "stretches": stretches,
-        "leader_at_common_epoch": stretches[-1][0],
-        "leader_at_stop": final_sign,
-        "decided_by_stopping": stretches[-1][0] != final_sign,
-    }
 
 
 def _leader_name(sign: int, models: list[str]) -> str:
@@ -407,14 +300,12 @@ def describe_equal_epochs(comparison: dict) -> str:
     return text + ": the same order at equal epochs and at the stopping points."
 
 
-def equal_epoch_lines(results_per_seed: list[dict]) -> tuple[list[str], list[dict]]:
+def equal_epoch_lines(results_per_seed: list[dict]) -> list[str]:
     """Every model at equal epochs: best validation accuracy so far at `EQUAL_EPOCHS` and at the smallest stopping
     epoch of the seed's runs (a table), and against each baseline at equal epochs and at the stopping points
-    (in words). Returns the lines and the comparisons."""
+    (in words, `summary.equal_epoch_comparisons`)."""
     config = results_per_seed[0]["config"]
     models = model_names(config)
-    baselines = [name for name in ("MHA", "2-simplicial") if name in models]
-    lines, comparisons = [], []
     rows = []
     for task in config["tasks"]:
         for results in results_per_seed:
@@ -430,16 +321,10 @@ def equal_epoch_lines(results_per_seed: list[dict]) -> tuple[list[str], list[dic
                     f"| {task} | {seed} | {run['model']} | " + " | ".join(cells) + f" | {shortest}: "
                     f"{curve[shortest - 1]:.2f} | {curve[-1]:.2f} | {_stop_text(run)} |"
                 )
-            for model in models:
-                for baseline in baselines[: baselines.index(model) if model in baselines else len(baselines)]:
-                    if (task, model) in selected and (task, baseline) in selected:
-                        comparisons.append(
-                            equal_epoch_comparison(task, seed, selected[(task, baseline)], selected[(task, model)])
-                        )
     if not rows:
-        return [], []
+        return []
     epochs = " | ".join(f"epoch {epoch}" for epoch in EQUAL_EPOCHS)
-    lines += [
+    lines = [
         "",
         "**At equal epochs** (validation accuracy, %, the best of epochs 1..e: what early stopping would have kept "
         "had the run stopped at e): at fixed epochs, at the smallest stopping epoch of the seed's runs, and at the "
@@ -449,204 +334,49 @@ def equal_epoch_lines(results_per_seed: list[dict]) -> tuple[list[str], list[dic
         "|---|---:|---|" + "---:|" * (len(EQUAL_EPOCHS) + 3),
         *rows,
     ]
+    comparisons = equal_epoch_comparisons(results_per_seed)
     if comparisons:
         lines += ["", "Which comparisons the stopping rule decides (best validation accuracy so far):", ""]
         lines += [f"- {comparison['task']}, {describe_equal_epochs(comparison)}" for comparison in comparisons]
-    return lines, comparisons
-
-
-def unfinished_runs(results_per_seed: list[dict]) -> list[tuple[str, str, list[int]]]:
-    """(task, model, seeds) for every (task, model) of the comparison that some seeds have not finished."""
-    config = results_per_seed[0]["config"]
-    unfinished = []
-    for task in config["tasks"]:
-        for model in model_names(config):
-            missing = [
-                results["config"]["seed"]
-                for results in results_per_seed
-                if not any(run["task"] == task and run["model"] == model for run in results["runs"])
-            ]
-            if missing:
-                unfinished.append((task, model, missing))
-    return unfinished
-
-
-def _best_by_epoch(history: list[dict], epoch: int) -> float:
-    """The best validation accuracy (%) of a run's first `epoch` epochs."""
-    return 100 * max(point["val_accuracy"] for point in history if point["epoch"] <= epoch)
-
-
-def _in_progress_order(config: dict, run: dict) -> tuple:
-    """Tasks, models and learning rates in the comparison's own order, then seeds."""
-    return (
-        config["tasks"].index(run["task"]),
-        model_names(config).index(run["model"]),
-        config["learning_rates"].index(run["learning_rate"]),
-        run["seed"],
-    )
-
-
-def _in_progress_lines(results_per_seed: list[dict], in_progress: list[dict]) -> list[str]:
-    """Markdown for the runs still training (`train.runs_in_progress`): how far each got and, beside it, what the
-    finished runs of the same seed, task and learning rate had reached by the same epoch (validation accuracy: the
-    only measure an unfinished run has)."""
-    if not in_progress:
-        return []
-    config = results_per_seed[0]["config"]
-    several_rates = len(config["learning_rates"]) > 1
-    finished_by_seed = {results["config"]["seed"]: results["runs"] for results in results_per_seed}
-    finished_models = [
-        model
-        for model in model_names(config)
-        if any(run["model"] == model for runs in finished_by_seed.values() for run in runs)
-    ]
-    header = ["Task", "Model", *(["lr"] if several_rates else []), "seed", "epochs run", "best val acc (epoch)"]
-    header += ["epochs without a gain", *[f"{model} by that epoch" for model in finished_models]]
-    text = (
-        f"**Runs in progress** (not in the tables above): how far each got, out of at most {config['max_epochs']} "
-        f"epochs with patience {config['patience']}; validation accuracy (%), the best of the epochs run so far."
-    )
-    if finished_models:
-        text += (
-            " Beside it, the best validation accuracy the finished runs of the same seed and learning rate had reached "
-            "by the same epoch (a run that stopped earlier: its best, and the epoch it stopped at)."
-        )
-    lines = ["", text, "", "| " + " | ".join(header) + " |", "|---|---|" + "---:|" * (len(header) - 2)]
-    for run in sorted(in_progress, key=lambda run: _in_progress_order(config, run)):
-        epoch = run["epochs_run"]
-        row = [run["task"], run["model"], *([f"{run['learning_rate']:g}"] if several_rates else [])]
-        row += [str(run["seed"]), str(epoch), f"{100 * run['val_accuracy']:.2f} ({run['best_epoch']})"]
-        row.append(str(run["epochs_without_gain"]))
-        for model in finished_models:
-            matching = [
-                finished
-                for finished in finished_by_seed.get(run["seed"], [])
-                if (finished["task"], finished["model"], finished["learning_rate"])
-                == (run["task"], model, run["learning_rate"])
-            ]
-            if not matching:
-                row.append("–")
-                continue
-            history = matching[0]["history"]
-            cell = f"{_best_by_epoch(history, epoch):.2f}"
-            if len(history) < epoch:
-                cell += f" (stopped at {len(history)})"
-            row.append(cell)
-        lines.append("| " + " | ".join(row) + " |")
     return lines
-
-
-def _unfinished_text(unfinished: list[tuple[str, str, list[int]]], in_progress: list[dict]) -> str:
-    """The unfinished (task, model) pairs and their seeds, in one sentence; the seeds in progress are marked."""
-    training = {(run["task"], run["model"], run["seed"]) for run in in_progress}
-    parts = []
-    for task, model, missing in unfinished:
-        text = f"{task} {model} (seed{'s' if len(missing) > 1 else ''} {', '.join(map(str, missing))}"
-        running = [str(seed) for seed in missing if (task, model, seed) in training]
-        if running:
-            text += f"; seed{'s' if len(running) > 1 else ''} {', '.join(running)} in progress, below"
-        parts.append(text + ")")
-    return "; ".join(parts)
 
 
 def seed_summary(
     results_per_seed: list[dict], in_progress: list[dict] | None = None, relations: dict | None = None
 ) -> tuple[str, dict]:
-    """Test accuracy over several seeds: mean ± std per task, model and learning rate, for the validation-selected
-    learning rate (with every seed's value and the gap to each baseline), and per m; a markdown table and its numbers.
+    """Test accuracy over several seeds (`summary.summarize_seeds`) as markdown: mean ± std per task, model and
+    learning rate, for the validation-selected learning rate (with every seed's value and the gap to each
+    baseline), exact match, the paired tests, the runs at equal epochs, and per m; returns the markdown and the
+    numbers.
 
     Every element of `results_per_seed` is the output of one `run_comparison` (same tasks and models, another seed);
-    `in_progress` (`train.runs_in_progress`) adds a table of the unfinished runs, as far as they got; `relations`
+    `in_progress` (`checkpoints.runs_in_progress`) adds a table of the unfinished runs, as far as they got; `relations`
     (`relations.relation_tests`) the data the splits share and the per-relation tests from saved weights.
     """
-    if not results_per_seed:
-        raise ValueError("No results to summarise.")
+    summary = summarize_seeds(results_per_seed)
     seeds = [results["config"]["seed"] for results in results_per_seed]
-    if len(set(seeds)) != len(seeds):
-        raise ValueError(f"Each result must come from a different seed; got seeds {seeds}.")
     first = results_per_seed[0]["config"]
     models = model_names(first)
     learning_rates = first["learning_rates"]
     baselines = [name for name in ("MHA", "2-simplicial") if name in models]
-    selected = [best_runs(results) for results in results_per_seed]
-    summary = {}
     header = ["Task", "m", "Model", *[f"lr {lr:g}" for lr in learning_rates], "val-selected lr"]
     header += [f"seed {seed}" for seed in seeds] + [f"− {name}" for name in baselines]
     lines = ["| " + " | ".join(header) + " |", "|---|---:|---|" + "---:|" * (len(header) - 3)]
-    for task in first["tasks"]:
-        for model in models:
-            per_rate = {}
-            for lr in learning_rates:
-                values, rate_seeds = [], []
-                for seed, results in zip(seeds, results_per_seed):
-                    matching = [
-                        run["test_accuracy"]
-                        for run in results["runs"]
-                        if run["task"] == task and run["model"] == model and run["learning_rate"] == lr
-                    ]
-                    values += [100 * accuracy for accuracy in matching[:1]]
-                    rate_seeds += [seed] * len(matching[:1])
-                if values:  # a seed may have run fewer learning rates (then the table says over how many seeds)
-                    per_rate[f"{lr:g}"] = dict(
-                        zip(("mean", "std"), _mean_std(values)), test_accuracy=values, seeds=rate_seeds
-                    )
-            # Seeds that have this model (all, unless some results are a partial checkpoint of a running call).
-            having = [(seed, runs[(task, model)]) for seed, runs in zip(seeds, selected) if (task, model) in runs]
-            if not having:
-                continue
-            values = [100 * run["test_accuracy"] for _, run in having]
-            mean, std = _mean_std(values)
-            by_m = {}
-            for size in task_sizes(first, task):
-                per_seed = [run.get("test_accuracy_by_m", {}).get(str(size)) for _, run in having]
-                if None not in per_seed:
-                    per_seed = [100 * value for value in per_seed]
-                    by_m[str(size)] = dict(zip(("mean", "std"), _mean_std(per_seed)), values=per_seed)
-            exact_match = [100 * run["test_exact_match"] for _, run in having]
-            summary[f"{task}/{model}"] = {
-                "task": task,
-                "m": first["m"][task],
-                "model": model,
-                "test_accuracy": values,
-                "mean": mean,
-                "std": std,
-                "test_exact_match": exact_match,
-                "exact_match_mean": _mean_std(exact_match)[0],
-                "exact_match_std": _mean_std(exact_match)[1],
-                "seeds": [seed for seed, _ in having],
-                "unfinished_seeds": [seed for seed, runs in zip(seeds, selected) if (task, model) not in runs],
-                "paired": _paired_with_baselines(task, model, baselines, seeds, selected),
-                "learning_rates": [run["learning_rate"] for _, run in having],
-                "by_learning_rate": per_rate,
-                "by_m": by_m,
-                "stopped_by_patience": sum(
-                    run.get("stopped_by") == "patience"
-                    for results in results_per_seed
-                    for run in results["runs"]
-                    if run["task"] == task and run["model"] == model
-                ),
-                "runs": sum(
-                    run["task"] == task and run["model"] == model
-                    for results in results_per_seed
-                    for run in results["runs"]
-                ),
-            }
-            row = [task, describe_m(first["m"][task]), model]
-            for lr in learning_rates:
-                rate = per_rate.get(f"{lr:g}")
-                row.append("–" if rate is None else spread_cell(rate["seeds"], rate["test_accuracy"], seeds))
-            by_seed = {seed: 100 * run["test_accuracy"] for seed, run in having}
-            selected_cell = spread_cell(list(by_seed), list(by_seed.values()), seeds)
-            row += [f"**{selected_cell}**", *[f"{by_seed[seed]:.2f}" if seed in by_seed else "–" for seed in seeds]]
-            for name in baselines:
-                paired = summary[f"{task}/{model}"]["paired"].get(name, {}).get("accuracy")
-                row.append(paired_gap_cell(paired))
-            lines.append("| " + " | ".join(row) + " |")
-    add_holm_adjustment(summary)
+    for entry in summary.values():
+        row = [entry["task"], describe_m(entry["m"]), entry["model"]]
+        for lr in learning_rates:
+            rate = entry["by_learning_rate"].get(f"{lr:g}")
+            row.append("–" if rate is None else spread_cell(rate["seeds"], rate["test_accuracy"], seeds))
+        by_seed = dict(zip(entry["seeds"], entry["test_accuracy"]))
+        selected_cell = spread_cell(list(by_seed), list(by_seed.values()), seeds)
+        row += [f"**{selected_cell}**", *[f"{by_seed[seed]:.2f}" if seed in by_seed else "–" for seed in seeds]]
+        for name in baselines:
+            row.append(paired_gap_cell(entry["paired"].get(name, {}).get("accuracy")))
+        lines.append("| " + " | ".join(row) + " |")
     lines += saturation_lines(results_per_seed)
     lines += _exact_match_lines(first, summary, seeds)
     lines += _paired_lines(first, summary, baselines)
-    lines += equal_epoch_lines(results_per_seed)[0]
+    lines += equal_epoch_lines(results_per_seed)
     if relations is not None:
         lines += data_overlap_lines(relations) + relation_lines(relations)
     lines += ["", "Test accuracy per m, mean ± std over seeds (validation-selected learning rate):", ""]
@@ -666,14 +396,14 @@ def seed_summary(
             lines.append("| " + " | ".join([model, *cells]) + " |")
         lines.append("")
     lines.append(_stopping_line([run for results in results_per_seed for run in results["runs"]]))
-    lines += _in_progress_lines(results_per_seed, in_progress or [])
+    lines += in_progress_lines(results_per_seed, in_progress or [])
     unfinished = unfinished_runs(results_per_seed)
     if unfinished:
         total = len(first["tasks"]) * len(models) * len(seeds)
         finished = total - sum(len(missing) for _, _, missing in unfinished)
         lines = [
             f"**Partial results: {finished} of {total} runs finished.** Not finished, so not in the tables: "
-            f"{_unfinished_text(unfinished, in_progress or [])}.",
+            f"{unfinished_text(unfinished, in_progress or [])}.",
             "",
             *lines,
         ]

@@ -3,22 +3,28 @@
 from __future__ import annotations
 
 import copy
-import json
 import os
 import time
-from collections.abc import Collection, Iterator
-from contextlib import contextmanager
+from collections.abc import Collection
 from dataclasses import asdict
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from filelock import FileLock, Timeout
 from torch import nn
 from tqdm.auto import tqdm
 
-from ...utils.atomic_files import write_json_atomic
-from .config import SyntheticConfig, config_from_saved, describe_m
+from .checkpoints import (
+    claim,
+    config_as_saved,
+    epoch_state_path,
+    load_checkpoint,
+    run_key,
+    same_config,
+    save_run,
+    weights_path,
+)
+from .config import SyntheticConfig, describe_m, model_variants
 from .models import build_model, count_parameters
 from .states import load_epoch_state, save_epoch_state, save_run_weights
 from .task import CompositionData, fraction_seen_in, make_composition_data, split_seeds, valid_positions
@@ -208,151 +214,6 @@ def train_one(
     }
 
 
-def model_variants(config: SyntheticConfig) -> list[tuple[str, str, int | None]]:
-    """(name, attention, P) of every model the comparison trains."""
-    variants = [("MHA", "mha", None)]
-    if config.simplicial:
-        variants.append(("2-simplicial", "simplicial", None))
-    return variants + [(f"IHA P={p}", "iha", p) for p in config.pseudo_heads]
-
-
-def config_as_saved(config: SyntheticConfig) -> dict:
-    """The config as it reads back from a results file (JSON turns tuples into lists, int keys into strings), so
-    that a saved comparison can be matched against the one asked for."""
-    return json.loads(json.dumps(asdict(config)))
-
-
-def same_config(saved: dict | None, config: SyntheticConfig) -> bool:
-    """Whether a results file's or epoch state's config is `config` (fields it predates at their old values)."""
-    return saved is not None and config_as_saved(config_from_saved(saved)) == config_as_saved(config)
-
-
-def _load_checkpoint(path: Path | None, config: SyntheticConfig) -> list[dict]:
-    """Finished runs from an earlier, interrupted call with the same config (none if there is no checkpoint)."""
-    if path is None or not path.is_file():
-        return []
-    saved = json.loads(path.read_text(encoding="utf-8"))
-    if not same_config(saved.get("config"), config):
-        raise ValueError(
-            f"{path} holds runs of a different configuration. Delete it (or pass --fresh) to start over, or use "
-            "another output folder."
-        )
-    return saved["runs"]
-
-
-def run_key(run: dict) -> tuple[str, str, float]:
-    return run["task"], run["model"], run["learning_rate"]
-
-
-def run_file_name(key: tuple[str, str, float]) -> str:
-    """A file-name form of a run's key: ("ternary", "IHA P=2", 0.001) -> "ternary-IHAP2-lr0.001"."""
-    task, model, learning_rate = key
-    return f"{task}-{model}-lr{learning_rate:g}".replace(" ", "").replace("=", "")
-
-
-def epoch_state_path(checkpoint: Path, key: tuple[str, str, float]) -> Path:
-    """Where a run of `checkpoint` keeps its state between epochs (`train_one`'s `resume_path`), in a hidden
-    `.epochs` folder beside it. A pickled state of an older release (`.pt`) there is refused, not unpickled."""
-    path = checkpoint.parent / ".epochs" / f"{checkpoint.stem}.{run_file_name(key)}.safetensors"
-    pickled = path.with_suffix(".pt")
-    if pickled.exists():
-        raise ValueError(
-            f"{pickled} is an epoch state in the old pickle format, which is never unpickled: delete it to train "
-            "that run from its start (the runs already finished are kept)."
-        )
-    return path
-
-
-def weights_path(checkpoint: Path, key: tuple[str, str, float]) -> Path:
-    """Where a finished run of `checkpoint` keeps its best weights: `weights/<run>.safetensors` beside it."""
-    return checkpoint.parent / "weights" / f"{run_file_name(key)}.safetensors"
-
-
-def epoch_states(checkpoint: Path) -> list[Path]:
-    """The epoch states of `checkpoint`'s unfinished runs (`epoch_state_path`)."""
-    return sorted((checkpoint.parent / ".epochs").glob(f"{checkpoint.stem}.*.safetensors"))
-
-
-def runs_in_progress(config: SyntheticConfig, checkpoint: Path) -> list[dict]:
-    """The runs of `config` that are being trained (or were left unfinished) beside `checkpoint`, as far as they got:
-    from each one's epoch state (`epoch_state_path`), its task, model, learning rate, seed, epochs run, best
-    validation accuracy and its epoch, epochs since a gain, seconds and per-epoch history (the weights are not
-    returned). A run already in `checkpoint` is finished, even if its state is still there (a process stopped
-    between saving the result and deleting the state)."""
-    finished = {run_key(run) for run in _load_checkpoint(checkpoint, config)}
-    progress = []
-    for task in config.tasks:
-        for name, _, _ in model_variants(config):
-            for learning_rate in config.learning_rates:
-                key = (task, name, learning_rate)
-                if key in finished:
-                    continue
-                # States are replaced atomically (`save_epoch_state`): a file read while its run trains is whole,
-                # but it is deleted when the run finishes, which may happen between the listing and the reading.
-                try:
-                    state = load_epoch_state(epoch_state_path(checkpoint, key), with_tensors=False)
-                except FileNotFoundError:
-                    continue
-                if not same_config(state["config"], config):
-                    raise ValueError(
-                        f"{epoch_state_path(checkpoint, key)} holds an unfinished run of another configuration: give "
-                        "the preset and settings that made it."
-                    )
-                progress.append(
-                    {
-                        "task": task,
-                        "model": name,
-                        "learning_rate": learning_rate,
-                        "seed": config.seed,
-                        "epochs_run": len(state["history"]),
-                        "best_epoch": state["best_epoch"],
-                        "val_accuracy": state["best_accuracy"],
-                        "epochs_without_gain": state["epochs_without_gain"],
-                        "train_seconds": state["seconds"],
-                        "history": state["history"],
-                    }
-                )
-    return progress
-
-
-def lock_path(checkpoint: Path, name: str) -> Path:
-    """A lock file beside `checkpoint`, in a hidden `.locks` folder (the files stay; they are empty)."""
-    return checkpoint.parent / ".locks" / f"{checkpoint.name}.{name}.lock"
-
-
-@contextmanager
-def claim(checkpoint: Path | None, key: tuple[str, str, float], wait: bool) -> Iterator[bool]:
-    """Hold the run `key` of `checkpoint` for this process while the block trains it, so that another process
-    running the same comparison trains something else. Yields False when another process holds it and `wait` is
-    False; with `wait`, blocks until that process lets go (it has finished the run, or died).
-    """
-    if checkpoint is None:
-        yield True
-        return
-    path = lock_path(checkpoint, run_file_name(key))
-    path.parent.mkdir(parents=True, exist_ok=True)
-    lock = FileLock(path, timeout=-1 if wait else 0)
-    try:
-        lock.acquire()
-    except Timeout:
-        yield False
-        return
-    try:
-        yield True
-    finally:
-        lock.release()
-
-
-def save_run(checkpoint: Path, config: SyntheticConfig, run: dict) -> list[dict]:
-    """Add a finished run to the checkpoint, merged with what other processes wrote there meanwhile; returns the
-    checkpoint's runs."""
-    with FileLock(lock_path(checkpoint, "write")):
-        runs = [saved for saved in _load_checkpoint(checkpoint, config) if run_key(saved) != run_key(run)]
-        runs.append(run)
-        write_json_atomic({"config": asdict(config), "runs": runs}, checkpoint)
-    return runs
-
-
 def weights_description(run: dict, m: list[int], config: SyntheticConfig) -> dict:
     """What `models.build_model` needs to rebuild a run's model from its saved weights, and which run they are."""
     return {
@@ -414,7 +275,7 @@ def run_comparison(
     """
     device = torch.device(device) if device is not None else default_device()
     checkpoint = Path(checkpoint) if checkpoint is not None else None
-    finished = {run_key(run): run for run in _load_checkpoint(checkpoint, config)}
+    finished = {run_key(run): run for run in load_checkpoint(checkpoint, config)}
     runs = []
     baselines = {}
     variants = model_variants(config)
@@ -439,7 +300,7 @@ def run_comparison(
                     with claim(checkpoint, key, wait=wait_for_others) as claimed:
                         if checkpoint is not None and key not in finished:
                             # Another process may have finished it since this call started.
-                            finished = {run_key(run): run for run in _load_checkpoint(checkpoint, config)}
+                            finished = {run_key(run): run for run in load_checkpoint(checkpoint, config)}
                         if key in finished:
                             if checkpoint is not None:  # stopped between saving the result and deleting the state
                                 epoch_state_path(checkpoint, key).unlink(missing_ok=True)

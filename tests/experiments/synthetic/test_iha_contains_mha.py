@@ -15,7 +15,7 @@ Containment: IHA at identity mixing computes MHA exactly (tests/experiments/synt
 import pytest
 import torch
 
-from iha.experiments.synthetic import BidirectionalAttention
+from iha.experiments.synthetic.models import BidirectionalAttention
 
 
 HIDDEN, HEADS, TOKENS = 8, 2, 5

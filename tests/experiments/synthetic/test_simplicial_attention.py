@@ -5,7 +5,8 @@ import math
 import pytest
 import torch
 
-from iha.experiments.synthetic import build_model, count_parameters
+from iha.experiments.synthetic import build_model
+from iha.experiments.synthetic.models import count_parameters
 from iha.experiments.synthetic.simplicial_attention import TwoSimplicialAttention
 
 

@@ -9,14 +9,15 @@ import pytest
 
 from iha.cli.synthetic import main
 from iha.experiments.statistics import holm_adjusted, mcnemar_exact
-from iha.experiments.synthetic import TINY, run_comparison
+from iha.experiments.synthetic import run_comparison
+from iha.experiments.synthetic.config import TINY
 from iha.experiments.synthetic.relations import (
-    NO_WEIGHTS,
     exact_match_per_relation,
     load_run_model,
     relation_tests,
     seen_in,
 )
+from iha.experiments.synthetic.summary import NO_WEIGHTS
 from iha.experiments.synthetic.train import comparison_data, evaluate
 
 

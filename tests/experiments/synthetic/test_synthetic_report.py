@@ -165,7 +165,7 @@ def test_the_finished_comparison_replaces_a_report_of_runs_in_progress(tmp_path)
 
 def fake_results(seed: int, accuracies: dict[str, float], exact: dict[str, float] | None = None) -> dict:
     """One seed's results of the tiny preset's binary task with the given test accuracy (and exact match) per model."""
-    from iha.experiments.synthetic import TINY
+    from iha.experiments.synthetic.config import TINY
     from iha.experiments.synthetic.train import config_as_saved
 
     config = config_as_saved(replace(TINY, tasks=["binary"], seed=seed))
@@ -242,7 +242,7 @@ def history_of(accuracies: list[float]) -> list[dict]:
 
 def test_equal_epochs_say_when_the_stopping_rule_decides_the_order(tmp_path):
     from iha.experiments.synthetic.outputs import write_seed_summary
-    from iha.experiments.synthetic.report import best_so_far, equal_epoch_comparison
+    from iha.experiments.synthetic.summary import best_so_far, equal_epoch_comparison
 
     assert best_so_far(history_of([0.5, 0.7, 0.6, 0.8])) == [50.0, 70.0, 70.0, 80.0]
     # MHA ahead at every epoch it ran (1-4), then stopped by patience; IHA ran on to 6 and passed it.

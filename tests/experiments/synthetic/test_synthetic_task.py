@@ -5,16 +5,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from iha.experiments.synthetic import (
-    CompositionData,
-    build_model,
-    compose_relation,
-    count_parameters,
-    evaluate,
-    make_composition_data,
-    masked_loss,
-    valid_positions,
-)
+from iha.experiments.synthetic import build_model
+from iha.experiments.synthetic.models import count_parameters
+from iha.experiments.synthetic.task import CompositionData, compose_relation, make_composition_data, valid_positions
+from iha.experiments.synthetic.train import evaluate, masked_loss
 
 
 def brute_force_composition(relation: torch.Tensor, order: int) -> torch.Tensor:
@@ -81,7 +75,7 @@ def test_variable_m_data_draws_the_paper_ranges_and_right_pads(task, low, high):
 
 @pytest.mark.parametrize("group_by_m", [True, False])
 def test_epoch_batches_cover_every_example_once_and_group_by_m(group_by_m):
-    from iha.experiments.synthetic import epoch_batches
+    from iha.experiments.synthetic.train import epoch_batches
 
     data = make_composition_data("binary", [3, 6], 203, seed=5)
     batches = epoch_batches(data.sizes, 16, torch.Generator().manual_seed(0), group_by_m)
@@ -102,7 +96,7 @@ def test_epoch_batches_cover_every_example_once_and_group_by_m(group_by_m):
 
 def test_grouped_batches_train_on_the_loss_of_each_relation_alone():
     # A grouped batch is unpadded, and its loss is the mean over its relations computed one at a time.
-    from iha.experiments.synthetic import epoch_batches
+    from iha.experiments.synthetic.train import epoch_batches
 
     model = build_model(5, 16, 4, 2, seed=0).double()
     data = make_composition_data("ternary", [3, 5], 40, seed=2)
@@ -222,7 +216,7 @@ def relation_probabilities(m: int, density: float) -> list[float]:
 def test_independent_streams_share_no_draws_across_seeds_and_splits():
     from dataclasses import replace
 
-    from iha.experiments.synthetic import TINY
+    from iha.experiments.synthetic.config import TINY
     from iha.experiments.synthetic.relations import seen_in
     from iha.experiments.synthetic.task import split_seeds
     from iha.experiments.synthetic.train import comparison_data
@@ -255,7 +249,7 @@ def test_independent_streams_share_no_draws_across_seeds_and_splits():
 def test_shared_relations_at_small_m_are_the_natural_duplicates_of_the_relation_space():
     from dataclasses import replace
 
-    from iha.experiments.synthetic import TINY
+    from iha.experiments.synthetic.config import TINY
     from iha.experiments.synthetic.relations import seen_in
     from iha.experiments.synthetic.train import comparison_data
 

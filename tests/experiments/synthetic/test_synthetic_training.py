@@ -8,7 +8,9 @@ import pytest
 from safetensors import safe_open
 
 from iha.cli.synthetic import main
-from iha.experiments.synthetic import PRESET_SEEDS, PRESETS, TINY, run_comparison, write_seed_summary
+from iha.experiments.synthetic import PRESET_SEEDS, PRESETS, run_comparison, write_seed_summary
+from iha.experiments.synthetic.checkpoints import runs_in_progress
+from iha.experiments.synthetic.config import TINY
 from iha.experiments.synthetic.models import build_model
 from iha.experiments.synthetic.states import load_epoch_state, load_run_weights
 from iha.experiments.synthetic.task import make_composition_data, split_seeds
@@ -175,7 +177,7 @@ def test_a_run_interrupted_between_epochs_continues_to_the_result_of_an_uninterr
     monkeypatch.setattr(synthetic_training, "epoch_batches", real_epoch_batches)
     # The report shows the unfinished run as far as it got, beside a finished run of the same seed at the same epoch
     # (here the uninterrupted run itself: by epoch 2 it had what the interrupted one has).
-    (in_progress,) = synthetic_training.runs_in_progress(config, checkpoint)
+    (in_progress,) = runs_in_progress(config, checkpoint)
     assert (in_progress["model"], in_progress["epochs_run"], in_progress["seed"]) == ("MHA", 2, config.seed)
     assert in_progress["history"] == uninterrupted["history"][:2]
     best = max(point["val_accuracy"] for point in uninterrupted["history"][:2])
@@ -351,8 +353,8 @@ def test_two_processes_share_a_comparison_run_by_run(tmp_path, monkeypatch):
     from filelock import FileLock
 
     import iha.experiments.synthetic.train as synthetic_training
-    from iha.cli.synthetic import _train_cheap_models_first
-    from iha.experiments.synthetic.train import lock_path, save_run
+    from iha.experiments.synthetic.checkpoints import lock_path, save_run
+    from iha.experiments.synthetic.experiment import train_cheap_models_first
 
     config = replace(TINY, tasks=["binary"], max_epochs=1, simplicial=False)
     checkpoint = tmp_path / "seed-0" / "results.partial.json"
@@ -368,7 +370,7 @@ def test_two_processes_share_a_comparison_run_by_run(tmp_path, monkeypatch):
     monkeypatch.setattr(synthetic_training, "train_one", record)
     other_process = FileLock(claim_file, timeout=0)
     other_process.acquire()
-    _train_cheap_models_first(config, [0], tmp_path, "cpu")
+    train_cheap_models_first(config, [0], tmp_path, "cpu")
     assert trained == ["binary m=3..4 MHA lr=0.01"]
     # The other process finishes its run and lets go; this process's call then reuses it.
     their_run = run_comparison(config, progress=False, only={("binary", "IHA P=2")})["runs"][0]

@@ -1,11 +1,14 @@
-"""CPM-3, an order-sensitive counting task: one hard-attention IHA layer with ceil(sqrt(N_max)) heads (P = H) solves
-it exactly where multi-head attention needs N_max heads.
+"""A prefix-count task of our own, order-sensitive: one hard-attention IHA layer with ceil(sqrt(N_max)) heads (P = H)
+solves it exactly where multi-head attention with position-only patterns needs N_max heads.
 
-The paper states this separation for a task it calls CPM-3 ("order-sensitive", N_max MHA heads against
-ceil(sqrt(N_max)) IHA heads); the repository does not hold the paper's definition, so the task is defined here, from
-that statement, and is not claimed to be the paper's own:
+The paper states this separation for a task it calls CPM-3. This is not that task, and it is named CPM-3 in the code
+only for history. The paper's CPM-3 counts, at each position i, the ordered pairs (j1, j2) with
+x_i + G x_j1 + x_j2 = 0 (mod M), G > 2M (so the predicate is order-sensitive); its construction is a cyclic-permutation
+"workspace" (every position ends up holding all symbols in cyclic order: N_max MHA heads, or ceil(sqrt(N_max)) IHA
+heads with P = H and hard attention: the polynomial filter of `constructions` with A the cyclic permutation)
+followed by an MLP that enumerates the pairs. That MLP readout is not built or tested here.
 
-**CPM-3 (counting with position matching over 3 symbols), as defined here.** The input is a sequence of
+**The prefix-count task ("CPM-3" in the code).** The input is a sequence of
 n <= N_max symbols s_0 .. s_(n-1) from {0, 1, 2}, written into slots 0 .. n-1 of N_max slots (slots n .. N_max-1
 empty), followed by one readout token. The answer, at the readout token, is the N_max x 3 table of prefix counts
 
@@ -24,7 +27,7 @@ N_max MHA heads (`hand_set_mha_cpm`): head j attends to slots 0 .. j (every one 
 returns c[j, :] / (j + 1), and `o_proj` multiplies by j + 1.
 
 ceil(sqrt(N_max)) IHA heads (`hand_set_iha_cpm`): as in the polynomial filter
-(`iha.experiments.synthetic.polynomial_filter`), pseudo-query p of a head takes query head p and pseudo-key stream q key
+(`constructions`), pseudo-query p of a head takes query head p and pseudo-key stream q key
 head q, so their pattern is Q_p K_q^T. Let H = ceil(sqrt(N_max)); query head p at the readout is sum_{t <= p} e_t + e_H,
 and key head q at slot i is e_(i - H q) when 0 <= i - H q < H, e_H when i < H q, else 0: Q_p K_q^T = [i <= p + H q], a
 prefix of slots, for each of the H^2 >= N_max thresholds p + H q. Pseudo-query p attends evenly to all its matches over
@@ -52,7 +55,7 @@ from itertools import product
 
 import torch
 
-from .polynomial_filter import HARD_ATTENTION, FilterAttention, iha_heads_for_order
+from .constructions import HARD_ATTENTION, FilterAttention, iha_heads_for_order
 
 
 NUM_SYMBOLS = 3  # the "3" of CPM-3 as defined here

@@ -1,4 +1,4 @@
-"""CPM-3 as defined in `iha.experiments.synthetic.cpm` (prefix counts of a sequence of up to N_max symbols from
+"""The prefix-count task of `iha.experiments.synthetic.polynomial_filter.cpm` (our own, not the paper's CPM-3: prefix counts of a sequence of up to N_max symbols from
 {0, 1, 2}, at a readout token): ceil(sqrt(N_max)) hard-attention IHA heads answer it exactly, as do N_max MHA heads,
 and fewer than N_max MHA heads whose patterns read positions only cannot (float64, every input or thousands of drawn
 ones)."""
@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from iha.experiments.synthetic.cpm import (
+from iha.experiments.synthetic.polynomial_filter.cpm import (
     EMPTY,
     all_sequences,
     cpm_inputs,

@@ -11,15 +11,8 @@ from testing_utils import REPO_ROOT
 
 from iha.cli.polynomial_filter import main as polynomial_filter_main
 from iha.cli.polynomial_filter import reproducing_command
-from iha.experiments.synthetic.polynomial import (
-    PolynomialConfig,
-    render_markdown,
-    run_experiment,
-    summarize,
-    task_adjacency,
-    train_filter,
-)
-from iha.experiments.synthetic.polynomial_filter import (
+from iha.experiments.synthetic.polynomial_filter.config import PolynomialConfig, task_adjacency
+from iha.experiments.synthetic.polynomial_filter.constructions import (
     filter_target,
     hand_set_iha_filter,
     hand_set_mha_filter,
@@ -27,6 +20,10 @@ from iha.experiments.synthetic.polynomial_filter import (
     kronecker_rank,
     mha_error_floor,
 )
+from iha.experiments.synthetic.polynomial_filter.experiment import run_experiment
+from iha.experiments.synthetic.polynomial_filter.report import render_markdown
+from iha.experiments.synthetic.polynomial_filter.runs import train_filter
+from iha.experiments.synthetic.polynomial_filter.summary import summarize
 
 
 # These layers are tiny: one torch thread (conftest.py's `one_torch_thread`).

@@ -26,8 +26,7 @@ scaled by a large beta: each pseudo-query's H matching keys share the weight 1/H
 other key gets e^-beta of it; with hard attention (the beta -> infinity limit) it is exact.
 
 The trained comparisons (k = 4: MHA with 2 and 4 heads against IHA with 2; k = 9: MHA with 3 and 9 against IHA with
-3) are `iha.experiments.synthetic.polynomial`; the order-sensitive counting task CPM-3 is
-`iha.experiments.synthetic.cpm`.
+3) are `experiment` (this folder); the order-sensitive counting task is `cpm`.
 """
 
 from __future__ import annotations
@@ -37,7 +36,7 @@ import math
 import torch
 from torch import nn
 
-from ...models.iha.modeling_iha import IHAHeadMixing
+from ....models.iha.modeling_iha import IHAHeadMixing
 
 
 ATTENTION_KINDS = ("linear", "softmax")  # the kinds the trained comparison trains
