@@ -3,7 +3,7 @@
 from collections.abc import Sequence
 
 from ..data.gsm8k import gsm8k_file_to_openthoughts
-from ..data.messages import OPENTHOUGHTS_SYSTEM_PROMPT, DataFormatError, load_sft_dataset, write_jsonl
+from ..data.messages import OPENTHOUGHTS_SYSTEM_PROMPT, load_sft_dataset, write_jsonl
 from .arguments import ArgumentParser
 from .running import run_command
 
@@ -47,7 +47,7 @@ def write_rows(args) -> int:
 def main(argv: Sequence[str] | None = None, prog: str = "iha data") -> int:
     """`iha data` (see `make_parser`): bad rows end with one line and exit 2."""
     args = make_parser(prog).parse_args(argv)
-    return run_command(f"{prog} {args.command}", lambda: write_rows(args), errors=(DataFormatError,))
+    return run_command(f"{prog} {args.command}", lambda: write_rows(args))
 
 
 __all__ = ["main", "make_parser"]

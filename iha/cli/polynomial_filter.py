@@ -6,14 +6,12 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-import torch
-
 from ..experiments.synthetic.polynomial import (
     PolynomialConfig,
     render_markdown,
     run_experiment,
 )
-from .arguments import ArgumentParser, add_dataclass_arguments, dataclass_values
+from .arguments import ArgumentParser, add_dataclass_arguments, add_threads_argument, dataclass_values, set_threads
 from .running import run_command
 
 
@@ -46,7 +44,7 @@ def make_parser(prog: str = "iha polynomial-filter") -> argparse.ArgumentParser:
         action="store_true",
         help="train nothing: report the saved runs (the report says which runs are missing)",
     )
-    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
+    add_threads_argument(parser)
     return parser
 
 
@@ -68,8 +66,7 @@ def reproducing_command(prog: str, argv: Sequence[str]) -> str:
 def main(argv: Sequence[str] | None = None, prog: str = "iha polynomial-filter") -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = make_parser(prog).parse_args(argv)
-    if args.threads is not None:
-        torch.set_num_threads(args.threads)
+    set_threads(args.threads)
 
     def run() -> int:
         config = PolynomialConfig(**dataclass_values(args, PolynomialConfig))
@@ -86,6 +83,5 @@ def main(argv: Sequence[str] | None = None, prog: str = "iha polynomial-filter")
     return run_command(
         prog,
         run,
-        errors=(ValueError,),
         interrupted=f"the finished runs are in {args.output_dir}/runs.partial.json; the same command continues them",
     )

@@ -17,12 +17,13 @@ from pathlib import Path
 from transformers import AutoTokenizer
 from trl import ModelConfig, ScriptArguments, TrlParser, get_quantization_config
 
-from ..conversion import ConversionError, IHAConversionOptions
+from ..conversion import IHAConversionOptions
 from ..training.arguments import IHADataArguments, IHAModelArguments
 from ..training.config import IHASFTConfig
 from ..training.model import iha_lora_config
 from ..training.outputs import merge_lora
 from ..training.train import train_sft
+from ..utils.model_source import check_model_source
 from .arguments import HelpFormatter, version_text
 from .running import run_command
 
@@ -76,6 +77,9 @@ def check_arguments(arguments: SFTArguments) -> None:
             "--model_name_or_path is required: the IHA folder to fine-tune, or a Llama-style checkpoint to convert "
             "on the fly (on the command line or in the config file)."
         )
+    check_model_source(model.model_name_or_path)
+    if arguments.iha_model.tokenizer_name_or_path is not None:
+        check_model_source(arguments.iha_model.tokenizer_name_or_path)
     if script.dataset_name is None:
         raise ValueError(
             "--dataset_name is required: a Hub dataset id, or a local .json / .jsonl / .parquet file or folder (on "
@@ -188,6 +192,5 @@ def main(argv: Sequence[str] | None = None, prog: str = "iha-sft") -> int:
     return run_command(
         prog,
         sft,
-        errors=(ValueError, ConversionError),
         interrupted="the checkpoints saved so far stay in the output folder; the final model was not saved",
     )

@@ -48,7 +48,6 @@ _EXPORTS = {
     "SUPPORTED_ARCHITECTURES": "architectures",
     "plan_conversion": "plan",
     "llama_to_iha": "in_memory",
-    "looks_like_hub_id": "readers",
     "CODE_FILES": "writers",
     "VerificationResult": "verify",
     "verify_conversion": "verify",

@@ -275,6 +275,20 @@ def _local_builder(path: Path) -> tuple[str, list[str]]:
     return LOCAL_BUILDERS[path.suffix], [str(path)]
 
 
+def local_data_path(source: str | os.PathLike) -> Path | None:
+    """The local file or folder `source` names, or None when it names a Hub dataset (`org/name`, `gsm8k`).
+
+    A source that looks like a path (a data file's suffix, or starting with `.`, `/` or `~`) and names nothing that
+    exists raises FileNotFoundError saying so, instead of reaching the Hub or a reader with a missing file.
+    """
+    path = Path(source).expanduser()
+    if path.exists():
+        return path
+    if path.suffix in LOCAL_BUILDERS or str(source).startswith((".", "/", "~")):
+        raise FileNotFoundError(f"Data file {source} does not exist (and it does not look like a Hub dataset id).")
+    return None
+
+
 def load_sft_dataset(
     source: str | os.PathLike | Dataset | Sequence[dict],
     split: str = "train",
@@ -298,12 +312,10 @@ def load_sft_dataset(
     if isinstance(source, Dataset) or (isinstance(source, Sequence) and not isinstance(source, str)):
         dataset = source
     else:
-        path = Path(source).expanduser()
-        if path.exists():
+        path = local_data_path(source)
+        if path is not None:
             builder, files = _local_builder(path)
             dataset = load_dataset(builder, data_files=files, split="train")
-        elif path.suffix in LOCAL_BUILDERS or str(source).startswith((".", "/", "~")):
-            raise FileNotFoundError(f"Data file {source} does not exist (and it does not look like a Hub dataset id).")
         else:
             try:
                 dataset = load_dataset(str(source), config_name, split=split)

@@ -17,6 +17,7 @@ import iha  # noqa: F401  (registers IHAConfig / IHAForCausalLM with the Auto cl
 from .. import IHA_MODEL_TYPES
 from ..conversion import ConversionError, llama_to_iha, plan_conversion
 from ..conversion.plan import IGNORED_SOURCE_SUFFIXES
+from ..utils.model_source import check_model_source
 from .chat_template import has_generation_markers, training_chat_template
 from .config import DEFAULT_LORA_TARGET_MODULES, MIXING_MODULE_NAME
 
@@ -31,8 +32,8 @@ logger = logging.getLogger(__name__)
 
 def resolve_model_source(model_name_or_path: str | os.PathLike) -> str:
     """An existing local folder as an absolute path (what outputs record, so they reload from any working
-    directory); anything else, a Hub id, unchanged."""
-    path = Path(model_name_or_path).expanduser()
+    directory); a Hub id unchanged; anything else one error (`check_model_source`: the folder does not exist)."""
+    path = Path(check_model_source(model_name_or_path)).expanduser()
     return str(path.resolve()) if path.exists() else str(model_name_or_path)
 
 

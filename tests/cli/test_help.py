@@ -222,3 +222,11 @@ def test_a_command_run_from_the_console_script_has_the_classes_registered(tmp_pa
     assert outcome["status"] == 0, err[-2000:]
     result = json.loads((tmp_path / "eval" / "tiny_gsm8k.json").read_text())
     assert result["model"] == "tiny" and len(result["problems"]) == 1
+
+
+def test_a_yes_no_flag_and_its_no_flag_each_say_what_they_do(capsys, monkeypatch):
+    status, out = help_page("convert", "iha-convert", capsys=capsys, monkeypatch=monkeypatch)
+    assert status == 0
+    described = re.sub(r"\s+", " ", out)
+    assert "--verify run the source and the converted model on a fixed batch and compare their logits" in described
+    assert "--no_verify skip that check: write the converted folder unverified" in described

@@ -377,5 +377,5 @@ def test_push_to_hub_offline_keeps_the_folder_and_says_how_to_retry(tmp_path, ca
 def test_push_refuses_a_folder_that_is_not_iha(tmp_path, capsys):
     source = make_source("llama3", tmp_path / "source")
     # `iha-convert push` is routed to `iha push` by the dispatcher, as the console script runs it.
-    assert run("convert", ["push", str(source), "someone/x"]) == 1
+    assert run("convert", ["push", str(source), "someone/x"]) == 2
     assert "not an IHA checkpoint folder" in capsys.readouterr().err

@@ -181,7 +181,7 @@ def test_bad_tolerance_gets_one_line(tiny_source, tmp_path, capsys):
 
 def test_push_of_a_folder_with_a_damaged_config_gets_one_line(tmp_path, capsys):
     (tmp_path / "config.json").write_text("{not json")
-    assert run("convert", ["push", str(tmp_path), "someone/x"]) == 1  # `iha-convert push`
+    assert run("convert", ["push", str(tmp_path), "someone/x"]) == 2  # `iha-convert push`
     err = capsys.readouterr().err
     assert err.startswith("iha-convert push: error: ") and "is not an IHA checkpoint folder" in err
     assert "Traceback" not in err

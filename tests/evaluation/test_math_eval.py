@@ -35,8 +35,10 @@ def test_load_local_gsm8k_and_math500(test_data):
 
 
 def test_load_rejects_bad_sources(tmp_path):
-    with pytest.raises(FileNotFoundError, match="not a readable"):
+    with pytest.raises(FileNotFoundError, match=r"^Data file .*missing\.jsonl does not exist"):
         load_problems(str(tmp_path / "missing.jsonl"))
+    with pytest.raises(ValueError, match="is a folder: give the .json / .jsonl file"):
+        load_problems(str(tmp_path))
     bad = tmp_path / "rows.jsonl"
     bad.write_text('{"text": "hello"}\n')
     with pytest.raises(ValueError, match="Cannot tell the format"):

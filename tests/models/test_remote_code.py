@@ -212,5 +212,5 @@ def test_push_help_names_the_command_that_was_run(main, argv, usage, capsys):
 
 def test_push_refuses_a_folder_that_is_not_iha(tmp_path, capsys):
     (tmp_path / "config.json").write_text('{"model_type": "llama"}')
-    assert iha_main(["push", str(tmp_path), "someone/x"]) == 1
+    assert iha_main(["push", str(tmp_path), "someone/x"]) == 2
     assert "not an IHA checkpoint folder" in capsys.readouterr().err
