@@ -137,19 +137,38 @@ def load_quantized_conversion(
     return model
 
 
-def prepare_tokenizer(tokenizer, assistant_only_loss: bool, chat_template_path: str | None = None):
-    """Set a .jinja chat template if given, and `{% generation %}` markers when the loss is on assistant turns only.
+def prepare_tokenizer(tokenizer, assistant_only_loss: bool):
+    """What training needs of a tokenizer (`IHASFTTrainer` calls it): `{% generation %}` markers when the loss is on
+    assistant turns only, and a pad token.
 
     The marked template renders the same text (see `iha.training.chat_template`), so it is saved with the model and the
     output folder trains again with `trl sft --assistant_only_loss` as is.
     """
-    if chat_template_path is not None:
-        tokenizer.chat_template = Path(chat_template_path).read_text(encoding="utf-8")
     if assistant_only_loss and not has_generation_markers(tokenizer.chat_template):
         tokenizer.chat_template = training_chat_template(tokenizer)
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     return tokenizer
+
+
+def iha_peft_config(model_args):
+    """The LoRA config of TRL's `--use_peft` and `--lora_*` flags (TRL's `get_peft_config`; None without
+    `--use_peft`), for IHA: every projection adapted unless `--lora_target_modules` says otherwise, and the mixing
+    trained in full beside the adapters (`modules_to_save`), as `iha_lora_config` gives."""
+    from trl import get_peft_config
+
+    config = get_peft_config(model_args)
+    if config is None:
+        return None
+    target_modules = model_args.lora_target_modules
+    if target_modules is None:
+        config.target_modules = set(DEFAULT_LORA_TARGET_MODULES)
+    elif isinstance(target_modules, str) and target_modules.isidentifier():
+        # TRL turns a one-item list into a string (for "all-linear"), which PEFT would read as a regex of full names.
+        config.target_modules = {target_modules}
+    if MIXING_MODULE_NAME not in (config.modules_to_save or []):
+        config.modules_to_save = [*(config.modules_to_save or []), MIXING_MODULE_NAME]
+    return config
 
 
 def iha_lora_config(

@@ -1,7 +1,7 @@
 """Package attributes imported on first use (PEP 562 module `__getattr__`).
 
-The subpackages (`iha.conversion`, `iha.training`, `iha.evaluation`, `iha.experiments.synthetic`) name their public classes and
-functions in one table each; a name's module is imported when the name is first used. Importing a light module of
+`iha.experiments.synthetic` names its public classes and functions in one table (`iha.conversion`, `iha.training`
+and `iha.evaluation` import their short public lists plainly); a name's module is imported when the name is first used. Importing a light module of
 a subpackage (a command line's parser, the settings) then leaves the optional stacks it does not need unimported:
 TRL, peft and datasets for training, math-verify for scoring, matplotlib for plots. (`import iha` itself loads
 torch and transformers: it registers the IHA classes with the Auto classes.)

@@ -9,16 +9,8 @@ from transformers import AutoTokenizer
 from iha.cli.eval import main as eval_main
 from iha.conversion import llama_to_iha
 from iha.conversion.builtin import smollm2_dir
-from iha.evaluation import (
-    PRESETS,
-    Problem,
-    SamplingConfig,
-    build_prompt,
-    evaluate_math,
-    load_problems,
-    sampling_preset,
-    score_completions,
-)
+from iha.evaluation import PRESETS, SamplingConfig, sampling_preset
+from iha.evaluation.math_eval import Problem, build_prompt, evaluate_math, load_problems, score_completions
 
 
 # --- data -----------------------------------------------------------------------------------------------------------

@@ -81,7 +81,7 @@ def test_self_check_catches_a_model_that_ignores_the_cache(monkeypatch):
 
 
 def test_saved_folders_carry_the_compatibility_module(tmp_path):
-    from iha.conversion import CODE_FILES
+    from iha.conversion.writers import CODE_FILES
 
     iha.IHAForCausalLM(iha.IHAConfig(**TINY)).save_pretrained(tmp_path)
     for name in CODE_FILES:

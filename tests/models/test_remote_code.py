@@ -16,8 +16,7 @@ from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
 import iha
 from iha.cli.main import main as iha_main
 from iha.cli.main import run
-from iha.conversion import CODE_FILES
-from iha.conversion.writers import AUTO_MAPS, GEMMA3_CODE_FILES, MODEL_FOLDER, TRAVELLING_FILES
+from iha.conversion.writers import AUTO_MAPS, CODE_FILES, GEMMA3_CODE_FILES, MODEL_FOLDER, TRAVELLING_FILES
 from iha.hub.model_card import how_to_load_section, update_model_card
 from iha.hub.push import upload_operations
 
