@@ -421,3 +421,10 @@ def test_gsm8k_to_openthoughts_takes_a_hub_id_and_says_so_when_offline(tmp_path,
     err = capsys.readouterr().err
     assert "Could not load 'someone/not-a-cached-gsm8k' from the Hugging Face Hub" in err
     assert "pass a local GSM8K .jsonl file" in err and not output.exists()
+
+
+def test_the_openthoughts_alias_is_the_openthoughts_system_prompt_for_rows_without_one():
+    rows = [{"conversations": [{"from": "user", "value": "1 + 1?"}, {"from": "assistant", "value": "2"}]}]
+    messages = load_sft_dataset(rows, default_system_prompt="openthoughts")[0]["messages"]
+    assert messages[0] == {"role": "system", "content": OPENTHOUGHTS_SYSTEM_PROMPT}
+    assert load_sft_dataset(rows, default_system_prompt="Be brief.")[0]["messages"][0]["content"] == "Be brief."
