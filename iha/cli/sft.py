@@ -113,8 +113,8 @@ def run_cli(argv: Sequence[str] | None = None, prog: str = "iha-sft") -> "IHASFT
     `ModelConfig`, the LoRA config from TRL's `get_peft_config` (`iha_peft_config`), then `train_sft`."""
 
     model, iha_model, script, data, training = parse_args(argv, prog)
-    check_model_source(model.model_name_or_path)
     iha_options = asdict(IHAConversionOptions.from_json(iha_model.iha_options)) if iha_model.iha_options else None
+    check_model_source(model.model_name_or_path)
     logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s", level=logging.INFO)
     # As in TRL's script: the model flags, with the training config's own `model_init_kwargs` over them.
     training.model_init_kwargs = {
