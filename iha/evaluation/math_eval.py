@@ -101,8 +101,8 @@ def load_problems(
 
         try:
             dataset = load_dataset(hub_id, hub_config, split=split or (spec.split if spec else "test"))
-        except Exception as error:  # offline, unknown id, ...: say what to do instead
-            raise OSError(
+        except Exception as error:  # offline, unknown id, ...: the data named is not found from here (exit 2)
+            raise FileNotFoundError(
                 f"Could not load {hub_id!r} from the Hugging Face Hub ({type(error).__name__}: {error}). "
                 "Offline, pass a local .jsonl file with the same columns instead (--dataset gsm8k=FILE.jsonl)."
             ) from error
