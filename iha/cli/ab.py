@@ -18,12 +18,10 @@ import shlex
 import sys
 from collections.abc import Sequence
 
-import torch
-
-from ..conversion import ConversionError
 from ..evaluation.settings import SamplingConfig
 from ..experiments.ab.config import NESTED, PRESETS, ABConfig, ABTraining, preset_config
-from .arguments import ArgumentParser, add_dataclass_arguments, dataclass_values
+from ..utils.model_source import check_model_source
+from .arguments import ArgumentParser, add_dataclass_arguments, add_threads_argument, dataclass_values, set_threads
 from .running import run_command
 
 
@@ -32,9 +30,7 @@ def make_parser(prog: str = "iha ab") -> argparse.ArgumentParser:
     parser.add_argument("--preset", choices=sorted(PRESETS), default="cpu", help="starting settings (default: cpu)")
     parser.add_argument("--output-dir", default=None, help="where runs and report go (default: ab-PRESET)")
     parser.add_argument("--fresh", action="store_true", help="remove an earlier A/B run in OUTPUT_DIR and start over")
-    parser.add_argument(
-        "--threads", type=int, default=None, help="CPU threads of torch (default: torch's; 1 on cores other jobs share)"
-    )
+    add_threads_argument(parser)
     # The A/B's settings, then those it holds of two other kinds: TRL's SFT fields and the evaluation's sampling.
     add_dataclass_arguments(parser, ABConfig, from_preset=True, exclude=NESTED)
     add_dataclass_arguments(parser, ABTraining, "training (TRL's SFTConfig fields, both arms)", from_preset=True)
@@ -49,6 +45,8 @@ def config_from_args(args: argparse.Namespace) -> ABConfig:
     for kind in NESTED.values():
         settings.update(dataclass_values(args, kind))
     config = preset_config(args.preset, **settings)
+    if config.model is not None:
+        check_model_source(config.model)
     if args.preset == "tiny" and config.model is None:
         raise ValueError("the tiny preset is sized for a tiny model: pass one as --model (a Llama-style folder)")
     return config
@@ -64,10 +62,7 @@ def main(argv: Sequence[str] | None = None, prog: str = "iha ab") -> int:
         # Imported here: the experiment loads TRL, peft and datasets, which `iha ab --help` does not need.
         from ..experiments.ab.experiment import run_ab
 
-        if args.threads is not None:
-            if args.threads < 1:
-                raise ValueError(f"--threads must be >= 1, got {args.threads}")
-            torch.set_num_threads(args.threads)
+        set_threads(args.threads)
         config = config_from_args(args)
         run_ab(config, output_dir, fresh=args.fresh, command=shlex.join([*prog.split(), *argv]))
         return 0
@@ -75,6 +70,5 @@ def main(argv: Sequence[str] | None = None, prog: str = "iha ab") -> int:
     return run_command(
         prog,
         ab,
-        errors=(ValueError, ConversionError),
         interrupted=f"finished runs stay in {output_dir}; the same command resumes",
     )

@@ -21,6 +21,7 @@ import types
 import typing
 from collections.abc import Collection, Mapping
 
+import torch
 from transformers.hf_argparser import string_to_bool  # `--flag VALUE` of a yes/no setting, read as HF reads it
 
 from .. import __version__
@@ -136,8 +137,9 @@ def spell_options(name_or_flags) -> list[str]:
 
 
 # Field metadata that describes the command line but is no argument of `add_argument`: the argument group a flag is
-# listed in, and (`iha.conversion.options`) the `IHAConfig` field a setting fills.
-NOT_ARGPARSE_METADATA = ("group", "config_field")
+# listed in, the help of a yes/no setting's `--no_` flag, and (`iha.conversion.options`) the `IHAConfig` field a
+# setting fills.
+NOT_ARGPARSE_METADATA = ("group", "config_field", "no_help")
 
 
 def flag_type(annotation) -> tuple[type, bool]:
@@ -221,8 +223,9 @@ def add_dataclass_arguments(
                 kwargs["default"] = default
             else:
                 kwargs["required"] = True
-        # Help of a yes/no setting, as `HfArgumentParser` keeps it for its `--no_` flag: the metadata's own.
-        no_help = {key: value for key, value in setting.metadata.items() if key == "help"}
+        # Help of the `--no_` flag of a yes/no setting: the metadata's `no_help` where the field says what turning it
+        # off does, else its `help`, as `HfArgumentParser` keeps it.
+        no_help = {"help": setting.metadata.get("no_help", setting.metadata.get("help"))}
         group.add_argument(*options, **kwargs)
         if kind is bool and (setting.default is True or from_preset):
             group.add_argument(
@@ -239,3 +242,33 @@ def dataclass_values(args: argparse.Namespace, dataclass_type, exclude: Collecti
     those in `exclude`."""
     fields = [setting.name for setting in dataclasses.fields(dataclass_type) if setting.name not in exclude]
     return {name: getattr(args, name) for name in fields}
+
+
+def positive_int(value: str) -> int:
+    """A whole number of at least 1 (`--threads`); anything else is a usage error naming the value."""
+    try:
+        number = int(value)
+    except ValueError:
+        number = 0
+    if number < 1:
+        raise argparse.ArgumentTypeError(f"expected a whole number of at least 1, not {value!r}")
+    return number
+
+
+# Measured on this project's 2-core machine with other jobs on its cores: the demo took 1,249 s with torch's default
+# threads and 556 s with one; one `iha serve` chat 21.1 s and 1.8 s. A second thread waits for a core that is busy.
+THREADS_HELP = (
+    "CPU threads torch computes with (default: torch's, one per core); on cores that other jobs share, 1 is often "
+    "several times faster"
+)
+
+
+def add_threads_argument(parser) -> None:
+    """`--threads N` of every command that computes with torch on the CPU (`set_threads` applies it)."""
+    parser.add_argument("--threads", type=positive_int, default=None, metavar="N", help=THREADS_HELP)
+
+
+def set_threads(threads: int | None) -> None:
+    """`torch.set_num_threads(threads)`, unless `--threads` was not given (torch's default then)."""
+    if threads is not None:
+        torch.set_num_threads(threads)

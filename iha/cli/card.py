@@ -4,6 +4,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from ..training.card import rewrite_trainer_card
+from ..utils.model_source import check_model_source
 from .arguments import ArgumentParser
 from .running import run_command
 
@@ -25,10 +26,12 @@ def main(argv: Sequence[str] | None = None, prog: str = "iha card") -> int:
     args = make_parser(prog).parse_args(argv)
 
     def write_card() -> int:
+        check_model_source(args.folder, hub=False)
+        check_model_source(args.base_model)
         folder = Path(args.folder)
         if not (folder / "config.json").is_file() and not (folder / "adapter_config.json").is_file():
             raise ValueError(f"{args.folder} holds no model (no config.json or adapter_config.json).")
         print(f"Wrote {rewrite_trainer_card(args.folder, args.base_model)}")
         return 0
 
-    return run_command(prog, write_card, errors=(ValueError,))
+    return run_command(prog, write_card)

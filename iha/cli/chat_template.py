@@ -9,6 +9,7 @@ from ..training.chat_template import (
     training_chat_template,
     write_chat_template,
 )
+from ..utils.model_source import check_model_source
 from .arguments import ArgumentParser
 from .running import run_command
 
@@ -33,8 +34,8 @@ def main(argv: Sequence[str] | None = None, prog: str = "iha chat-template") -> 
         if args.tokenizer is None:
             template = SMOLLM2_TRAINING_CHAT_TEMPLATE
         else:
-            template = training_chat_template(AutoTokenizer.from_pretrained(args.tokenizer))
+            template = training_chat_template(AutoTokenizer.from_pretrained(check_model_source(args.tokenizer)))
         print(f"Wrote {write_chat_template(template, args.output)}")
         return 0
 
-    return run_command(prog, write, errors=(ValueError,))
+    return run_command(prog, write)

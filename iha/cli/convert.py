@@ -16,10 +16,9 @@ from collections.abc import Callable, Sequence
 from .. import conversion
 from ..conversion.architectures import SUPPORTED_DESCRIPTION
 from ..conversion.checkpoint import convert_checkpoint
-from ..conversion.errors import ConversionError, VerificationFailedError
 from ..conversion.options import CheckpointOptions, IHAConversionOptions
 from ..conversion.plan import describe_layers
-from ..hub.push import HubUploadError, push_to_hub
+from ..hub.push import push_to_hub
 from ..utils import atomic_folders
 from .arguments import ArgumentParser, add_dataclass_arguments, dataclass_values
 from .running import run_command
@@ -60,7 +59,8 @@ def print_report(report, write: Callable[[str], None]) -> None:
 
 
 def run_conversion(args: argparse.Namespace, prog: str) -> int:
-    """What `iha-convert SRC DST` does once its arguments are parsed; failures propagate to `run_command`."""
+    """What `iha-convert SRC DST` does once its arguments are parsed; failures propagate to `run_command`, which
+    gives them their exit status (a failed verification or upload: 1)."""
     options = IHAConversionOptions(**dataclass_values(args, IHAConversionOptions))
     checkpoint_options = CheckpointOptions(**dataclass_values(args, CheckpointOptions))
     handler = logging.StreamHandler(sys.stderr)
@@ -75,26 +75,19 @@ def run_conversion(args: argparse.Namespace, prog: str) -> int:
         report = convert_checkpoint(
             args.source, args.output_dir, options, checkpoint_options, show_progress=not args.quiet
         )
-    except VerificationFailedError as error:
-        print(f"{prog}: error: {error} Nothing was written to {args.output_dir}.", file=sys.stderr, flush=True)
-        return 1
     finally:
         for each, level in zip(loggers, previous_levels):
             each.removeHandler(handler)
             each.setLevel(level)
     print_report(report, lambda message: print(message, flush=True))
     if args.push_to_hub:
-        try:
-            url = push_to_hub(
-                report.output_dir,
-                args.push_to_hub,
-                private=args.private or None,
-                token=checkpoint_options.token,
-                retry_command=f"{prog} push",
-            )
-        except HubUploadError as error:
-            print(f"{prog}: error: {error}", file=sys.stderr, flush=True)
-            return 1
+        url = push_to_hub(
+            report.output_dir,
+            args.push_to_hub,
+            private=args.private or None,
+            token=checkpoint_options.token,
+            retry_command=f"{prog} push",
+        )
         print(f"Uploaded to {url}", flush=True)
     return 0
 
@@ -102,13 +95,12 @@ def run_conversion(args: argparse.Namespace, prog: str) -> int:
 def main(argv: Sequence[str] | None = None, prog: str = "iha-convert") -> int:
     """`iha-convert SRC DST [options]`: the exit status, 0 on success.
 
-    Bad input prints one line and exits 2 (1 when verification fails, or an upload does); Ctrl-C, SIGTERM and
-    SIGHUP remove everything the run wrote and exit with 128 + the signal number (130 for Ctrl-C).
+    Bad input prints one line and exits 2, a failed verification or upload 1 (`iha.cli.running`); Ctrl-C, SIGTERM
+    and SIGHUP remove everything the run wrote and exit with 128 + the signal number (130 for Ctrl-C).
     """
     args = make_parser(prog).parse_args(list(sys.argv[1:] if argv is None else argv))
     return run_command(
         prog,
         lambda: run_conversion(args, prog),
-        errors=(ConversionError, ValueError),
         interrupted=f"nothing was written to {args.output_dir}",
     )

@@ -3,7 +3,7 @@
 from collections.abc import Sequence
 
 from ..data.gsm8k import gsm8k_file_to_openthoughts
-from ..data.messages import OPENTHOUGHTS_SYSTEM_PROMPT, DataFormatError, load_sft_dataset, write_jsonl
+from ..data.messages import load_sft_dataset, write_jsonl
 from .arguments import ArgumentParser
 from .running import run_command
 
@@ -35,10 +35,7 @@ def write_rows(args) -> int:
     if args.command == "gsm8k-to-openthoughts":
         rows = gsm8k_file_to_openthoughts(args.source, limit=args.limit, split=args.split)
     else:
-        system = (
-            OPENTHOUGHTS_SYSTEM_PROMPT if args.default_system_prompt == "openthoughts" else args.default_system_prompt
-        )
-        dataset = load_sft_dataset(args.source, args.split, args.config_name, system, args.max_rows)
+        dataset = load_sft_dataset(args.source, args.split, args.config_name, args.default_system_prompt, args.max_rows)
         rows = ({"messages": row["messages"]} for row in dataset)
     print(f"Wrote {write_jsonl(rows, args.output)}")
     return 0
@@ -47,7 +44,7 @@ def write_rows(args) -> int:
 def main(argv: Sequence[str] | None = None, prog: str = "iha data") -> int:
     """`iha data` (see `make_parser`): bad rows end with one line and exit 2."""
     args = make_parser(prog).parse_args(argv)
-    return run_command(f"{prog} {args.command}", lambda: write_rows(args), errors=(DataFormatError,))
+    return run_command(f"{prog} {args.command}", lambda: write_rows(args))
 
 
 __all__ = ["main", "make_parser"]

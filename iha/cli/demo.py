@@ -3,12 +3,12 @@
 import inspect
 import os
 
-from ..conversion import ConversionError
 from ..demo import pipeline
 from ..demo.pipeline import (
     run_demo,
 )
-from .arguments import ArgumentParser, HelpFormatter
+from ..utils.model_source import check_model_source
+from .arguments import ArgumentParser, HelpFormatter, add_threads_argument, set_threads
 from .running import run_command
 
 
@@ -48,21 +48,24 @@ def make_parser(prog: str = "iha demo") -> ArgumentParser:
         "--num-pseudo-heads", type=int, default=defaults["num_pseudo_heads"], help="P, the pseudo-heads per head"
     )
     parser.add_argument("--seed", type=int, default=defaults["seed"], help="seed of the data and the training")
+    add_threads_argument(parser)
     return parser
 
 
 def main(argv: list[str] | None = None, prog: str = "iha demo") -> int:
     args = make_parser(prog).parse_args(argv)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    settings = {key.replace("-", "_"): value for key, value in vars(args).items()}
+    settings = {key.replace("-", "_"): value for key, value in vars(args).items() if key != "threads"}
 
     def demo() -> int:
+        set_threads(args.threads)
+        if args.model is not None:
+            check_model_source(args.model)
         run_demo(**settings)
         return 0
 
     return run_command(
         prog,
         demo,
-        errors=(ConversionError, ValueError),
         interrupted=f"nothing was written to {args.output_dir}",
     )

@@ -21,7 +21,15 @@ from ..evaluation.needle import evaluate_needle
 from ..evaluation.report import math_report, needle_report
 from ..evaluation.settings import BENCHMARKS, PRESETS, SamplingConfig, sampling_preset
 from ..utils.atomic_files import write_json_atomic, write_text_atomic
-from .arguments import ArgumentParser, HelpFormatter, add_dataclass_arguments, dataclass_values
+from ..utils.model_source import check_model_source
+from .arguments import (
+    ArgumentParser,
+    HelpFormatter,
+    add_dataclass_arguments,
+    add_threads_argument,
+    dataclass_values,
+    set_threads,
+)
 from .running import run_command
 
 
@@ -59,6 +67,7 @@ def _add_model_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--trust-remote-code", action="store_true", help="allow code from the model folder")
     parser.add_argument("--batch-size", type=int, default=8, help="prompts per generate call")
     parser.add_argument("--no-chat-template", action="store_true", help="plain 'Question: ... Answer:' prompts")
+    add_threads_argument(parser)
 
 
 def make_parser(prog: str = "iha-eval") -> argparse.ArgumentParser:
@@ -117,11 +126,20 @@ def make_parser(prog: str = "iha-eval") -> argparse.ArgumentParser:
     return parser
 
 
+def _named_models(args) -> list[tuple[str, str]]:
+    """(name, folder or Hub id) of every --model, each checked before any is loaded."""
+    models = [_named(spec, "model") for spec in args.model]
+    for _, path in models:
+        check_model_source(path)
+    return models
+
+
 def _run_math(args) -> int:
     # Imported here: scoring loads math-verify, which `iha eval compare` and `--help` do not need.
     from ..evaluation.math_eval import evaluate_math, load_model_and_tokenizer, load_problems
 
     sampling = sampling_preset(args.preset, **dataclass_values(args, SamplingConfig))
+    models = _named_models(args)
     datasets = []
     for spec in args.dataset:
         benchmark, _, source = spec.partition("=")
@@ -131,8 +149,7 @@ def _run_math(args) -> int:
         datasets.append((benchmark, source or BENCHMARKS[benchmark].hub_id, problems))
     output_dir = Path(args.output_dir)
     results = []
-    for model_spec in args.model:
-        name, path = _named(model_spec, "model")
+    for name, path in models:
         model, tokenizer = load_model_and_tokenizer(
             path, args.dtype, args.device, args.trust_remote_code, args.gguf_file
         )
@@ -166,6 +183,7 @@ def _run_needle(args) -> int:
     # Imported here: the loader's module loads math-verify, which `iha eval compare` and `--help` do not need.
     from ..evaluation.math_eval import load_model_and_tokenizer
 
+    models = _named_models(args)
     output_dir = Path(args.output_dir)
     print(
         f"needle: {args.num_examples} examples at each of {len(args.lengths)} context lengths "
@@ -173,8 +191,7 @@ def _run_needle(args) -> int:
         flush=True,
     )
     results = []
-    for model_spec in args.model:
-        name, path = _named(model_spec, "model")
+    for name, path in models:
         model, tokenizer = load_model_and_tokenizer(
             path, args.dtype, args.device, args.trust_remote_code, args.gguf_file
         )
@@ -224,9 +241,9 @@ def main(argv: list[str] | None = None, prog: str = "iha-eval") -> int:
     temporary name, then renamed), so an interrupted run leaves only complete ones."""
     args = make_parser(prog).parse_args(argv)
     run = {"math": _run_math, "needle": _run_needle, "compare": _run_compare}[args.command]
+    set_threads(getattr(args, "threads", None))  # `compare` computes nothing
     return run_command(
         f"{prog} {args.command}",
         lambda: run(args),
-        errors=(ValueError,),
         interrupted="the result files written so far are complete; no other file was written",
     )

@@ -4,7 +4,6 @@
 import argparse
 from collections.abc import Sequence
 
-from ..export.errors import ExportError
 from .arguments import ArgumentParser
 from .running import run_command
 
@@ -69,4 +68,4 @@ def main(argv: Sequence[str] | None = None, prog: str = "iha export") -> int:
         print(f"Wrote {path}; load with: mlx_lm.generate --model {args.folder} --trust-remote-code")
         return 0
 
-    return run_command(prog, export, errors=(ExportError,))
+    return run_command(prog, export)

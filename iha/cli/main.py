@@ -25,8 +25,9 @@ import sys
 from collections.abc import Sequence
 
 from ..conversion.architectures import SUPPORTED_FAMILIES
-from ..utils.optional_packages import missing_package_message
+from ..utils.optional_packages import quiet_bitsandbytes_kernels_notice
 from .arguments import version_text
+from .running import report_error
 
 
 # name -> one-line summary. Command NAME is the module `iha.cli.NAME` (dashes as underscores), with
@@ -64,20 +65,21 @@ def run(command: str, argv: Sequence[str], prog: str | None = None) -> int:
     end there), then does the work.
 
     `prog` is what usage lines call the command (`iha convert` when run through `iha`; the console script's own
-    name, `iha-convert`, otherwise). A missing optional package ends the command with one line naming the pip
-    command (`iha.utils.optional_packages`), not a traceback."""
+    name, `iha-convert`, otherwise). Its work runs in `iha.cli.running.run_command`, which decides the exit status of
+    every failure; a package missing when the command's module is imported ends it the same way (one line naming the
+    pip command, exit 2)."""
     argv, prog_kwargs = list(argv), {} if prog is None else {"prog": prog}
+    quiet_bitsandbytes_kernels_notice()
     if command == "convert" and argv[:1] == ["push"]:  # `iha-convert push` is `iha push`, with the other Hub code
         command, argv = "push", argv[1:]
         prog_kwargs = {"prog": f"{prog or 'iha-convert'} push"}
     try:
         result = importlib.import_module(command_module(command)).main(argv, **prog_kwargs)
     except ModuleNotFoundError as error:
-        message = missing_package_message(error)
-        if message is None:
+        status = report_error(prog or f"iha-{command}", error)
+        if status is None:
             raise
-        print(f"{prog or 'iha-' + command}: error: {message}", file=sys.stderr, flush=True)
-        return 2
+        return status
     # Commands return an exit status; a few return the object they built (a trainer) on success.
     return result if isinstance(result, int) else 0
 

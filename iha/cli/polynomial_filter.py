@@ -7,12 +7,10 @@ import shlex
 import sys
 from collections.abc import Sequence
 
-import torch
-
 from ..experiments.synthetic.polynomial_filter.config import PolynomialConfig
 from ..experiments.synthetic.polynomial_filter.experiment import run_experiment
 from ..experiments.synthetic.polynomial_filter.report import render_markdown
-from .arguments import ArgumentParser, add_dataclass_arguments, dataclass_values
+from .arguments import ArgumentParser, add_dataclass_arguments, add_threads_argument, dataclass_values, set_threads
 from .running import run_command
 
 
@@ -45,7 +43,7 @@ def make_parser(prog: str = "iha polynomial-filter") -> argparse.ArgumentParser:
         action="store_true",
         help="train nothing: report the saved runs (the report says which runs are missing)",
     )
-    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
+    add_threads_argument(parser)
     return parser
 
 
@@ -67,8 +65,7 @@ def reproducing_command(prog: str, argv: Sequence[str]) -> str:
 def main(argv: Sequence[str] | None = None, prog: str = "iha polynomial-filter") -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = make_parser(prog).parse_args(argv)
-    if args.threads is not None:
-        torch.set_num_threads(args.threads)
+    set_threads(args.threads)
 
     def run() -> int:
         config = PolynomialConfig(**dataclass_values(args, PolynomialConfig))
@@ -85,6 +82,5 @@ def main(argv: Sequence[str] | None = None, prog: str = "iha polynomial-filter")
     return run_command(
         prog,
         run,
-        errors=(ValueError,),
         interrupted=f"the finished runs are in {args.output_dir}/runs.partial.json; the same command continues them",
     )

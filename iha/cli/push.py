@@ -4,7 +4,6 @@ import argparse
 from collections.abc import Sequence
 
 from ..hub.push import (
-    HubUploadError,
     push_to_hub,
 )
 from .arguments import ArgumentParser
@@ -42,4 +41,4 @@ def main(argv: Sequence[str] | None = None, prog: str = "iha push") -> int:
         return 0
 
     # One line for a failed upload (exit 1) or Ctrl-C (130); the folder is never modified either way.
-    return run_command(prog, upload, errors=(HubUploadError,), error_status=1)
+    return run_command(prog, upload)

@@ -14,10 +14,10 @@ from ..serving.server import (
     DEFAULT_MAX_CONCURRENT_REQUESTS,
     DEFAULT_PORT,
     DEFAULT_REQUEST_TIMEOUT,
-    ServeError,
     serve,
 )
-from .arguments import ArgumentParser
+from ..utils.model_source import check_model_source
+from .arguments import ArgumentParser, add_threads_argument, set_threads
 from .running import run_command
 
 
@@ -92,6 +92,7 @@ def make_parser(prog: str = "iha serve") -> argparse.ArgumentParser:
         help="seconds a request may take from its arrival, waiting included; past it, it is cancelled (504)",
     )
     parser.add_argument("--log_level", default="warning", help="transformers' logging level (info, warning, ...)")
+    add_threads_argument(parser)
     return parser
 
 
@@ -101,7 +102,13 @@ def main(argv: Sequence[str] | None = None, prog: str = "iha serve") -> int:
     a forward would hold it longer, while a stopped server has nothing left to clean up."""
     args = make_parser(prog).parse_args(list(sys.argv[1:] if argv is None else argv))
     ran = []
-    status = run_command(prog, lambda: serve(args, prog, ran), errors=(ServeError, ValueError), error_status=1)
+    set_threads(args.threads)
+
+    def run() -> int:
+        check_model_source(args.model)
+        return serve(args, prog, ran)
+
+    status = run_command(prog, run)
     if ran:
         logging.shutdown()
         sys.stdout.flush()

@@ -17,12 +17,13 @@ from pathlib import Path
 from transformers import AutoTokenizer
 from trl import ModelConfig, ScriptArguments, TrlParser, get_quantization_config
 
-from ..conversion import ConversionError, IHAConversionOptions
+from ..conversion import IHAConversionOptions
 from ..training.arguments import IHADataArguments, IHAModelArguments
 from ..training.config import IHASFTConfig
-from ..training.model import iha_lora_config
+from ..training.model import iha_peft_config
 from ..training.outputs import merge_lora
 from ..training.train import train_sft
+from ..utils.model_source import check_model_source
 from .arguments import HelpFormatter, version_text
 from .running import run_command
 
@@ -106,44 +107,26 @@ def parse_args(argv: Sequence[str] | None = None, prog: str = "iha-sft") -> SFTA
     return arguments
 
 
-def lora_config_from_flags(model: ModelConfig):
-    """The LoRA config of TRL's LoRA flags, for IHA (`iha_lora_config`: the mixing trained in full, every projection
-    adapted unless --lora_target_modules says otherwise)."""
-    target_modules = model.lora_target_modules
-    if isinstance(target_modules, str) and target_modules.isidentifier():
-        # TRL turns a one-item list into a string (for "all-linear"), which PEFT would read as a regex of full names.
-        target_modules = [target_modules]
-    extra = {"target_parameters": model.lora_target_parameters} if model.lora_target_parameters else {}
-    return iha_lora_config(
-        r=model.lora_r,
-        lora_alpha=model.lora_alpha,
-        lora_dropout=model.lora_dropout,
-        target_modules=target_modules,
-        modules_to_save=model.lora_modules_to_save,
-        task_type=model.lora_task_type,
-        use_rslora=model.use_rslora,
-        use_dora=model.use_dora,
-        **extra,
-    )
-
-
 def run_cli(argv: Sequence[str] | None = None, prog: str = "iha-sft") -> "IHASFTTrainer":
     """What `iha-sft` runs, returning the trainer: the flags of `ARGUMENT_DATACLASSES`, or one .yaml / .json file
-    holding them."""
+    holding them. It reads as TRL's `scripts/sft.py`: the configs parsed, the model's loading settings from
+    `ModelConfig`, the LoRA config from TRL's `get_peft_config` (`iha_peft_config`), then `train_sft`."""
 
     model, iha_model, script, data, training = parse_args(argv, prog)
     iha_options = asdict(IHAConversionOptions.from_json(iha_model.iha_options)) if iha_model.iha_options else None
+    check_model_source(model.model_name_or_path)
     logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s", level=logging.INFO)
+    # As in TRL's script: the model flags, with the training config's own `model_init_kwargs` over them.
     training.model_init_kwargs = {
-        **(training.model_init_kwargs or {}),
         "dtype": model.dtype,
         "attn_implementation": model.attn_implementation,
         "revision": model.model_revision,
+        **(training.model_init_kwargs or {}),
     }
     tokenizer = None
     if iha_model.tokenizer_name_or_path is not None:
         tokenizer = AutoTokenizer.from_pretrained(
-            iha_model.tokenizer_name_or_path, trust_remote_code=training.trust_remote_code
+            check_model_source(iha_model.tokenizer_name_or_path), trust_remote_code=training.trust_remote_code
         )
     trainer = train_sft(
         model.model_name_or_path,
@@ -151,7 +134,7 @@ def run_cli(argv: Sequence[str] | None = None, prog: str = "iha-sft") -> "IHASFT
         training,
         processing_class=tokenizer,
         eval_dataset=data.eval_dataset_name if training.eval_strategy != "no" else None,
-        peft_config=lora_config_from_flags(model) if model.use_peft else None,
+        peft_config=iha_peft_config(model),
         quantization_config=get_quantization_config(model),
         convert_to_iha=iha_model.convert_to_iha,
         iha_options=iha_options,
@@ -188,6 +171,5 @@ def main(argv: Sequence[str] | None = None, prog: str = "iha-sft") -> int:
     return run_command(
         prog,
         sft,
-        errors=(ValueError, ConversionError),
         interrupted="the checkpoints saved so far stay in the output folder; the final model was not saved",
     )

@@ -6,11 +6,9 @@ from __future__ import annotations
 import argparse
 from dataclasses import replace
 
-import torch
-
 from ..experiments.synthetic.config import PRESET_SEEDS, PRESETS, SyntheticConfig
 from ..experiments.synthetic.experiment import report_so_far, run_seeds, summarize_results
-from .arguments import ArgumentParser, add_dataclass_arguments, dataclass_values
+from .arguments import ArgumentParser, add_dataclass_arguments, add_threads_argument, dataclass_values, set_threads
 from .running import run_command
 
 
@@ -72,7 +70,7 @@ def make_parser(prog: str = "iha synthetic") -> argparse.ArgumentParser:
         "(default: the preset's seeds, 0 1 2 for cpu and paper)",
     )
     parser.add_argument("--device", default=None, help="torch device (default: cuda when there is one, else cpu)")
-    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
+    add_threads_argument(parser)
     parser.add_argument(
         "--summarize",
         nargs="+",
@@ -101,7 +99,6 @@ def main(argv: list[str] | None = None, prog: str = "iha synthetic") -> int:
     return run_command(
         prog,
         lambda: _run(args),
-        errors=(ValueError,),
         interrupted=f"the runs finished so far are kept in {args.output_dir}: the same command resumes from them",
     )
 
@@ -119,8 +116,7 @@ def _run(args: argparse.Namespace) -> int:
     if overrides["m"] is not None:
         overrides["m"] = {**preset.m, **overrides["m"]}
     config = replace(preset, **{key: value for key, value in overrides.items() if value is not None})
-    if args.threads is not None:
-        torch.set_num_threads(args.threads)
+    set_threads(args.threads)
     seeds = args.seeds or ([args.seed] if args.seed is not None else PRESET_SEEDS[args.preset])
     if len(set(seeds)) != len(seeds):
         raise SystemExit(f"--seeds must be distinct, got {seeds}.")

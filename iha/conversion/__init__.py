@@ -12,7 +12,7 @@ Three entry points:
 - `llama_to_iha(model, options)`: an already loaded model, in memory.
 - `convert_checkpoint(source, output_dir, options)`: a local folder or Hub id to a Hub-ready folder, streaming
   the weights tensor by tensor (never two models in memory), verified against the source, written atomically.
-- `iha-convert SRC DST [options]` (`main`).
+- `iha-convert SRC DST [options]` (`iha.cli.convert`).
 
 One job per module:
 
@@ -28,39 +28,28 @@ One job per module:
     report.py           ConversionReport: what a conversion did and measured (iha_conversion.json)
     card.py             the model card of a converted folder
     checkpoint.py       convert_checkpoint
-    cli.py              the command line
 """
 
-from ..utils.lazy_imports import lazy_attributes
+from .architectures import SUPPORTED_ARCHITECTURES
+from .checkpoint import convert_checkpoint
+from .errors import ConversionError, UnsupportedArchitectureError, VerificationFailedError
+from .in_memory import llama_to_iha
+from .options import CheckpointOptions, IHAConversionOptions
+from .plan import plan_conversion
+from .report import ConversionReport
+from .verify import verify_conversion
 
 
-# Public name -> the module that defines it, imported on first use: importing one module of the package (the command
-# line's parser, the errors) does not import the others (readers, writers, verification).
-_EXPORTS = {
-    "CheckpointOptions": "options",
-    "EXACT_ATOL": "options",
-    "IHAConversionOptions": "options",
-    "NOISE_MULTIPLE": "options",
-    "ConversionError": "errors",
-    "UnsupportedArchitectureError": "errors",
-    "VerificationFailedError": "errors",
-    "ConversionPlan": "plan",
-    "SUPPORTED_ARCHITECTURES": "architectures",
-    "plan_conversion": "plan",
-    "llama_to_iha": "in_memory",
-    "looks_like_hub_id": "readers",
-    "CODE_FILES": "writers",
-    "VerificationResult": "verify",
-    "verify_conversion": "verify",
-    "REPORT_NAME": "report",
-    "ConversionReport": "report",
-    "function_change_warning": "report",
-    "write_conversion_card": "card",
-    "convert_checkpoint": "checkpoint",
-}
-
-
-__getattr__, __dir__ = lazy_attributes(__name__, _EXPORTS)
-
-
-__all__ = sorted(_EXPORTS)
+__all__ = [
+    "SUPPORTED_ARCHITECTURES",
+    "CheckpointOptions",
+    "ConversionError",
+    "ConversionReport",
+    "IHAConversionOptions",
+    "UnsupportedArchitectureError",
+    "VerificationFailedError",
+    "convert_checkpoint",
+    "llama_to_iha",
+    "plan_conversion",
+    "verify_conversion",
+]

@@ -174,7 +174,9 @@ def convert_checkpoint(
                 base_model=checkpoint_options.base_model or hub_id or builtin_base_model(source_dir),
             )
             if verification is not None and not verification.passed:
-                raise VerificationFailedError(f"Verification failed: {verification.message}.", report)
+                raise VerificationFailedError(
+                    f"Verification failed: {verification.message}. Nothing was written to {output_dir}.", report
+                )
 
             write_conversion_card(staging, report, source_dir)
             report.seconds = round(time.perf_counter() - started, 2)

@@ -154,7 +154,8 @@ class CheckpointOptions:
     verify: bool = grouped_setting(
         "verification",
         True,
-        "skip running both models on a fixed batch and comparing their logits (done by default)",
+        "run the source and the converted model on a fixed batch and compare their logits (on by default)",
+        no_help="skip that check: write the converted folder unverified",
     )
     tolerance: float | None = grouped_setting(
         "verification",

@@ -3,7 +3,6 @@ tensor by tensor (safetensors, or pickle weights only when allowed)."""
 
 import json
 import os
-import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -17,6 +16,7 @@ from huggingface_hub.errors import (
 )
 from transformers import AutoConfig
 
+from ..utils.model_source import check_model_source
 from .errors import ConversionError
 from .safetensors_file import copy_bytes, read_header
 
@@ -178,10 +178,6 @@ def open_weight_files(kind: str, weight_files: list[Path]) -> tuple[list, dict[s
     return readers, sources
 
 
-def looks_like_hub_id(source: str) -> bool:
-    return bool(re.fullmatch(r"[A-Za-z0-9][\w.\-]*/[\w.\-]+", source)) and not source.startswith((".", "/"))
-
-
 def resolve_source(
     source: str | os.PathLike,
     *,
@@ -193,14 +189,13 @@ def resolve_source(
     """(local folder, Hub id or None): a local folder as is; a Hub id is downloaded with huggingface_hub's
     `snapshot_download` (config, tokenizer, safetensors; pickle weights only with `allow_pickle`), which also
     serves it from the local Hugging Face cache when offline."""
+    try:
+        source = check_model_source(source)
+    except ValueError as error:
+        raise ConversionError(str(error)) from None
     path = Path(source).expanduser()
     if path.is_dir():
         return path, None
-    if path.exists():
-        raise ConversionError(f"{source} is a file; give the checkpoint folder (with config.json) or a Hub id.")
-    source = str(source)
-    if not looks_like_hub_id(source):
-        raise ConversionError(f"{source} is neither an existing folder nor a Hub id like 'org/name'.")
 
     def download(patterns):
         return Path(

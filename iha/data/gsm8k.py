@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import os
 import re
-from pathlib import Path
 
 from .messages import (
     BEGIN_OF_SOLUTION,
@@ -19,6 +18,7 @@ from .messages import (
     END_OF_THOUGHT,
     OPENTHOUGHTS_SYSTEM_PROMPT,
     DataFormatError,
+    local_data_path,
     read_jsonl,
 )
 
@@ -78,10 +78,11 @@ def gsm8k_to_openthoughts(row: dict, index: int = 0) -> dict:
 
 def read_gsm8k_rows(source: str | os.PathLike, split: str = "train", limit: int | None = None) -> list[dict]:
     """GSM8K rows (question, answer) from a local .jsonl file, or from a Hub dataset such as `openai/gsm8k`."""
-    if Path(source).is_file():
-        return read_jsonl(source, limit)
-    if Path(source).suffix in (".json", ".jsonl") or Path(source).exists():
-        raise DataFormatError(f"{source} is not a readable GSM8K .jsonl file.")
+    path = local_data_path(source)
+    if path is not None and path.is_file():
+        return read_jsonl(path, limit)
+    if path is not None:
+        raise DataFormatError(f"{source} is a folder: give the GSM8K .jsonl file in it.")
     from datasets import load_dataset
 
     # openai/gsm8k has two configs with the same rows ("main" and "socratic"); "main" is the usual one.

@@ -38,6 +38,8 @@ logger = logging.getLogger(__name__)
 
 # The system prompt of OpenThoughts-114k (inherited from Sky-T1 / Bespoke-Stratos), verbatim: the typos and the
 # literal backslash-n characters are part of the dataset, and a model fine-tuned on it expects exactly this text.
+# The name `default_system_prompt` takes for OpenThoughts' own system prompt (`load_sft_dataset`).
+OPENTHOUGHTS_ALIAS = "openthoughts"
 OPENTHOUGHTS_SYSTEM_PROMPT = (
     "Your role as an assistant involves thoroughly exploring questions through a systematic long thinking process "
     "before providing the final precise and accurate solutions. This requires engaging in a comprehensive cycle of "
@@ -275,6 +277,20 @@ def _local_builder(path: Path) -> tuple[str, list[str]]:
     return LOCAL_BUILDERS[path.suffix], [str(path)]
 
 
+def local_data_path(source: str | os.PathLike) -> Path | None:
+    """The local file or folder `source` names, or None when it names a Hub dataset (`org/name`, `gsm8k`).
+
+    A source that looks like a path (a data file's suffix, or starting with `.`, `/` or `~`) and names nothing that
+    exists raises FileNotFoundError saying so, instead of reaching the Hub or a reader with a missing file.
+    """
+    path = Path(source).expanduser()
+    if path.exists():
+        return path
+    if path.suffix in LOCAL_BUILDERS or str(source).startswith((".", "/", "~")):
+        raise FileNotFoundError(f"Data file {source} does not exist (and it does not look like a Hub dataset id).")
+    return None
+
+
 def load_sft_dataset(
     source: str | os.PathLike | Dataset | Sequence[dict],
     split: str = "train",
@@ -284,26 +300,28 @@ def load_sft_dataset(
     num_proc: int | None = None,
 ) -> Dataset:
     """Load SFT rows from a Hub id, a local .json / .jsonl / .parquet file (or a folder of them), a `Dataset` or a list
-    of dicts, and return a dataset with one `messages` column (system prompt kept).
+    of dicts, and return a dataset with one `messages` column (system prompt kept). `default_system_prompt` is given
+    to rows without one; `"openthoughts"` stands for `OPENTHOUGHTS_SYSTEM_PROMPT` (the alias every command takes).
 
     ```python
     >>> train = load_sft_dataset("open-thoughts/OpenThoughts-114k")            # system + conversations (user/assistant)
     >>> train = load_sft_dataset("open-thoughts/OpenThoughts3-1.2M",           # human/gpt, no system column
-    ...                          default_system_prompt=OPENTHOUGHTS_SYSTEM_PROMPT)
+    ...                          default_system_prompt="openthoughts")
     >>> train = load_sft_dataset("gsm8k_openthoughts.jsonl")
     ```
     """
     from datasets import Dataset, load_dataset
 
+    if default_system_prompt == OPENTHOUGHTS_ALIAS:
+        default_system_prompt = OPENTHOUGHTS_SYSTEM_PROMPT
+
     if isinstance(source, Dataset) or (isinstance(source, Sequence) and not isinstance(source, str)):
         dataset = source
     else:
-        path = Path(source).expanduser()
-        if path.exists():
+        path = local_data_path(source)
+        if path is not None:
             builder, files = _local_builder(path)
             dataset = load_dataset(builder, data_files=files, split="train")
-        elif path.suffix in LOCAL_BUILDERS or str(source).startswith((".", "/", "~")):
-            raise FileNotFoundError(f"Data file {source} does not exist (and it does not look like a Hub dataset id).")
         else:
             try:
                 dataset = load_dataset(str(source), config_name, split=split)

@@ -25,7 +25,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig, 
 
 import iha  # noqa: F401  (registers IHAConfig / IHAForCausalLM with the Auto classes)
 
-from ..data.messages import read_jsonl
+from ..data.messages import local_data_path, read_jsonl
 from .answers import majority_vote, parse_answer, parsed_equivalent, read_answer
 from .settings import BENCHMARKS, PRESETS, BenchmarkSpec, SamplingConfig, sampling_preset
 
@@ -86,11 +86,11 @@ def load_problems(
     """
     if benchmark is not None and benchmark not in BENCHMARKS:
         raise ValueError(f"Unknown benchmark {benchmark!r}: choose one of {sorted(BENCHMARKS)}.")
-    path = Path(source)
-    if path.is_file():
+    path = local_data_path(source)
+    if path is not None and path.is_file():
         rows = _read_local_rows(path)
-    elif path.suffix in (".json", ".jsonl") or path.exists():
-        raise FileNotFoundError(f"{source} is not a readable .json/.jsonl file.")
+    elif path is not None:
+        raise ValueError(f"{source} is a folder: give the .json / .jsonl file of the problems in it.")
     elif source in BENCHMARKS or source.count("/") == 1:
         # A benchmark's short name or its Hub id: either way the Hub config it needs (`openai/gsm8k` has "main").
         spec = BENCHMARKS.get(source) or next((spec for spec in BENCHMARKS.values() if spec.hub_id == source), None)
@@ -101,8 +101,8 @@ def load_problems(
 
         try:
             dataset = load_dataset(hub_id, hub_config, split=split or (spec.split if spec else "test"))
-        except Exception as error:  # offline, unknown id, ...: say what to do instead
-            raise OSError(
+        except Exception as error:  # offline, unknown id, ...: the data named is not found from here (exit 2)
+            raise FileNotFoundError(
                 f"Could not load {hub_id!r} from the Hugging Face Hub ({type(error).__name__}: {error}). "
                 "Offline, pass a local .jsonl file with the same columns instead (--dataset gsm8k=FILE.jsonl)."
             ) from error

@@ -17,11 +17,13 @@ from pathlib import Path
 from huggingface_hub import CommitOperationAdd, HfApi
 
 from .. import IHA_MODEL_TYPES
+from ..utils.errors import WorkFailedError
+from ..utils.model_source import check_model_source
 from .model_card import MODEL_CARD_NAME, how_to_load_section, read_model_card, render_model_card
 
 
-class HubUploadError(Exception):
-    """The folder cannot be uploaded, or the upload failed; the message says why and what to do."""
+class HubUploadError(WorkFailedError):
+    """The upload failed; the message says why and how to retry. (A folder that cannot be uploaded is a ValueError.)"""
 
 
 def check_iha_folder(folder: Path) -> None:
@@ -31,7 +33,7 @@ def check_iha_folder(folder: Path) -> None:
     except (OSError, ValueError):
         config = None
     if not isinstance(config, dict) or config.get("model_type") not in IHA_MODEL_TYPES:
-        raise HubUploadError(
+        raise ValueError(
             f"{folder} is not an IHA checkpoint folder (no config.json with model_type "
             f"{' or '.join(map(repr, IHA_MODEL_TYPES))})."
         )
@@ -86,7 +88,7 @@ def push_to_hub(
     The uploaded model card loads the model from `repo_id`; the folder itself is not modified. On failure the
     error says to retry with `retry_command FOLDER REPO_ID`.
     """
-    folder = Path(folder)
+    folder = Path(check_model_source(folder, hub=False))
     check_iha_folder(folder)
 
     api = HfApi(token=token)

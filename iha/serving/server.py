@@ -33,6 +33,7 @@ from transformers.utils import logging as transformers_logging
 from transformers.utils.import_utils import is_serve_available
 
 from ..models.iha.compat_iha import supported_requirement
+from ..utils.errors import WorkFailedError
 
 
 DEFAULT_HOST = "localhost"
@@ -50,8 +51,9 @@ GRACEFUL_STOP_SECONDS = 5
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
 
-class ServeError(Exception):
-    """A server that cannot start (or go on) as asked: one line naming the problem and the fix."""
+class ServeError(WorkFailedError):
+    """A server that could not start or listen, or stopped on a failure: one line naming the problem and the fix.
+    (Flags it cannot run with are ValueErrors, found before the model loads.)"""
 
 
 def runs_on_cpu(device: str) -> bool:
@@ -71,7 +73,7 @@ def model_dtype(dtype: str):
         return "auto"
     resolved = getattr(torch, dtype, None)
     if not isinstance(resolved, torch.dtype):
-        raise ServeError(f"--dtype {dtype} is not a torch dtype; give auto, float32, bfloat16 or float16")
+        raise ValueError(f"--dtype {dtype} is not a torch dtype; give auto, float32, bfloat16 or float16")
     return resolved
 
 
@@ -110,7 +112,7 @@ def continuous_batching_config(args, sampling: bool):
     engine's, `iha.serving.engines.BatchingEngine`)."""
     # What the server drives of the engine: result handlers called on the event loop, and cancellation.
     if not all(hasattr(ContinuousBatchingManager, name) for name in ("register_result_handler", "cancel_request")):
-        raise ServeError(
+        raise ValueError(
             f"the continuous batching of transformers {transformers.__version__} lacks what iha serve drives "
             f"(result handlers, cancellation); upgrade (pip install '{supported_requirement('5.23')}') or serve without "
             "--continuous_batching"
@@ -118,7 +120,7 @@ def continuous_batching_config(args, sampling: bool):
     if sampling and "per_request_processors" not in {
         field.name for field in dataclasses.fields(ContinuousBatchingConfig)
     }:
-        raise ServeError(
+        raise ValueError(
             f"sampling under continuous batching needs per-request sampling settings, which the continuous batching "
             f"of transformers {transformers.__version__} does not have; upgrade (pip install "
             f"'{supported_requirement('5.23')}'), or serve greedily (without --cb_sampling)"
@@ -128,11 +130,11 @@ def continuous_batching_config(args, sampling: bool):
 
 def check_flags(args) -> None:
     if args.max_concurrent_requests < 1:
-        raise ServeError(f"--max_concurrent_requests must be at least 1, not {args.max_concurrent_requests}")
+        raise ValueError(f"--max_concurrent_requests must be at least 1, not {args.max_concurrent_requests}")
     if not args.request_timeout > 0:
-        raise ServeError(f"--request_timeout must be a positive number of seconds, not {args.request_timeout}")
+        raise ValueError(f"--request_timeout must be a positive number of seconds, not {args.request_timeout}")
     if args.max_model_len is not None and args.max_model_len < 2:
-        raise ServeError(f"--max_model_len must be at least 2 (a prompt token and a new one), not {args.max_model_len}")
+        raise ValueError(f"--max_model_len must be at least 2 (a prompt token and a new one), not {args.max_model_len}")
 
 
 def load_model(args):
@@ -202,7 +204,7 @@ def uvicorn_server_class():
 
 def serve(args, prog: str, ran: list) -> int:
     if not is_serve_available():
-        raise ServeError(
+        raise ValueError(
             "serving needs fastapi, uvicorn, pydantic and openai: pip install -e '.[serve]' "
             "(or pip install fastapi uvicorn openai)"
         )

@@ -25,50 +25,30 @@ accelerate launch --config_file examples/accelerate/fsdp.yaml -m iha.cli sft ...
 ```
 """
 
-from ..utils.lazy_imports import lazy_attributes
+from .config import BASE_RECORD_NAME, IHASFTConfig, bf16_supported_here, is_mixing_parameter
+from .model import iha_lora_config, iha_peft_config, load_model_for_sft
+from .outputs import load_sft_output, merge_lora
+from .parameter_groups import IHAMixingMixin, refuse_mixed_dtypes_under_fsdp, with_iha_mixing
+from .rewards import boxed_answer_reward, math_prompt_rows
+from .train import train_sft
+from .trainer import IHASFTTrainer
 
 
-# Public name -> the module that defines it, imported on first use (`import iha.training` does not import TRL).
-_EXPORTS = {
-    "DEFAULT_LORA_TARGET_MODULES": "arguments",
-    "IHADataArguments": "arguments",
-    "IHAModelArguments": "arguments",
-    "IHATrainingArguments": "arguments",
-    "BASE_RECORD_NAME": "config",
-    "MIXING_MODULE_NAME": "config",
-    "MIXING_PARAMETER_PATTERN": "config",
-    "IHASFTConfig": "config",
-    "bf16_supported_here": "config",
-    "is_mixing_parameter": "config",
-    "has_iha_layers": "model",
-    "iha_lora_config": "model",
-    "is_iha_model": "model",
-    "load_model_for_sft": "model",
-    "prepare_tokenizer": "model",
-    "resolve_model_source": "model",
-    "load_adapter_base": "outputs",
-    "load_sft_output": "outputs",
-    "merge_lora": "outputs",
-    "training_card_section": "card",
-    "write_merged_card": "card",
-    "write_training_card": "card",
-    "boxed_answer_reward": "rewards",
-    "completion_text": "rewards",
-    "math_prompt_rows": "rewards",
-    "save_final_model": "train",
-    "train_sft": "train",
-    "IHAMixingMixin": "parameter_groups",
-    "iha_parameter_groups": "parameter_groups",
-    "keep_mixing_in_fp32": "parameter_groups",
-    "refuse_mixed_dtypes_under_fsdp": "parameter_groups",
-    "with_iha_mixing": "parameter_groups",
-    "IHASFTTrainer": "trainer",
-    "enable_fsdp_on_cpu": "trainer",
-    "own_class_while_saving": "trainer",
-}
-
-
-__getattr__, __dir__ = lazy_attributes(__name__, _EXPORTS)
-
-
-__all__ = sorted(_EXPORTS)
+__all__ = [
+    "BASE_RECORD_NAME",
+    "IHAMixingMixin",
+    "IHASFTConfig",
+    "IHASFTTrainer",
+    "bf16_supported_here",
+    "boxed_answer_reward",
+    "iha_lora_config",
+    "iha_peft_config",
+    "is_mixing_parameter",
+    "load_model_for_sft",
+    "load_sft_output",
+    "math_prompt_rows",
+    "merge_lora",
+    "refuse_mixed_dtypes_under_fsdp",
+    "train_sft",
+    "with_iha_mixing",
+]

@@ -10,7 +10,6 @@ import os
 from pathlib import Path
 
 from ..conversion.builtin import builtin_base_model
-from ..conversion.readers import looks_like_hub_id
 from ..hub.licenses import license_card_parts, write_code_license
 from ..hub.model_card import (
     DEFAULT_TAGS,
@@ -21,6 +20,7 @@ from ..hub.model_card import (
     read_model_card,
     write_model_card,
 )
+from ..utils.model_source import looks_like_hub_id
 from .config import is_mixing_parameter  # imports TRL: not at the top (see the module's docstring)
 
 

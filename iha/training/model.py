@@ -17,6 +17,7 @@ import iha  # noqa: F401  (registers IHAConfig / IHAForCausalLM with the Auto cl
 from .. import IHA_MODEL_TYPES
 from ..conversion import ConversionError, llama_to_iha, plan_conversion
 from ..conversion.plan import IGNORED_SOURCE_SUFFIXES
+from ..utils.model_source import check_model_source
 from .chat_template import has_generation_markers, training_chat_template
 from .config import DEFAULT_LORA_TARGET_MODULES, MIXING_MODULE_NAME
 
@@ -31,8 +32,8 @@ logger = logging.getLogger(__name__)
 
 def resolve_model_source(model_name_or_path: str | os.PathLike) -> str:
     """An existing local folder as an absolute path (what outputs record, so they reload from any working
-    directory); anything else, a Hub id, unchanged."""
-    path = Path(model_name_or_path).expanduser()
+    directory); a Hub id unchanged; anything else one error (`check_model_source`: the folder does not exist)."""
+    path = Path(check_model_source(model_name_or_path)).expanduser()
     return str(path.resolve()) if path.exists() else str(model_name_or_path)
 
 
@@ -136,19 +137,38 @@ def load_quantized_conversion(
     return model
 
 
-def prepare_tokenizer(tokenizer, assistant_only_loss: bool, chat_template_path: str | None = None):
-    """Set a .jinja chat template if given, and `{% generation %}` markers when the loss is on assistant turns only.
+def prepare_tokenizer(tokenizer, assistant_only_loss: bool):
+    """What training needs of a tokenizer (`IHASFTTrainer` calls it): `{% generation %}` markers when the loss is on
+    assistant turns only, and a pad token.
 
     The marked template renders the same text (see `iha.training.chat_template`), so it is saved with the model and the
     output folder trains again with `trl sft --assistant_only_loss` as is.
     """
-    if chat_template_path is not None:
-        tokenizer.chat_template = Path(chat_template_path).read_text(encoding="utf-8")
     if assistant_only_loss and not has_generation_markers(tokenizer.chat_template):
         tokenizer.chat_template = training_chat_template(tokenizer)
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     return tokenizer
+
+
+def iha_peft_config(model_args):
+    """The LoRA config of TRL's `--use_peft` and `--lora_*` flags (TRL's `get_peft_config`; None without
+    `--use_peft`), for IHA: every projection adapted unless `--lora_target_modules` says otherwise, and the mixing
+    trained in full beside the adapters (`modules_to_save`), as `iha_lora_config` gives."""
+    from trl import get_peft_config
+
+    config = get_peft_config(model_args)
+    if config is None:
+        return None
+    target_modules = model_args.lora_target_modules
+    if target_modules is None:
+        config.target_modules = set(DEFAULT_LORA_TARGET_MODULES)
+    elif isinstance(target_modules, str) and target_modules.isidentifier():
+        # TRL turns a one-item list into a string (for "all-linear"), which PEFT would read as a regex of full names.
+        config.target_modules = {target_modules}
+    if MIXING_MODULE_NAME not in (config.modules_to_save or []):
+        config.modules_to_save = [*(config.modules_to_save or []), MIXING_MODULE_NAME]
+    return config
 
 
 def iha_lora_config(

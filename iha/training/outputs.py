@@ -10,8 +10,8 @@ from transformers import AutoModelForCausalLM, BitsAndBytesConfig, PreTrainedMod
 
 import iha  # noqa: F401  (registers IHAConfig / IHAForCausalLM with the Auto classes)
 
-from ..conversion.readers import looks_like_hub_id
 from ..utils.atomic_folders import staged_folder
+from ..utils.model_source import looks_like_hub_id
 from .card import write_merged_card
 from .config import BASE_RECORD_NAME
 from .model import load_model_for_sft

@@ -105,15 +105,18 @@ class IHASFTTrainer(IHAMixingMixin, SFTTrainer):
 
     Reads `mixing_learning_rate` / `mixing_weight_decay` from `IHASFTConfig`; with a plain `SFTConfig` the mixing
     parameters take `learning_rate` and no weight decay. With `assistant_only_loss`, a tokenizer whose chat template
-    lacks `{% generation %}` markers gets the same template with markers (`iha.training.chat_template`).
+    lacks `{% generation %}` markers gets the same template with markers (`iha.training.chat_template`), and one
+    without a pad token pads with its end-of-sequence token. `card_details` (base, converted, train_source, num_rows,
+    quantization) say what the IHA model card it writes (`create_model_card`) tells about the run.
     """
 
-    def __init__(self, model, args: SFTConfig | None = None, **kwargs):
+    def __init__(self, model, args: SFTConfig | None = None, *, card_details: dict | None = None, **kwargs):
         processing_class = kwargs.get("processing_class")
-        if args is not None and args.assistant_only_loss and processing_class is not None:
-            kwargs["processing_class"] = prepare_tokenizer(processing_class, assistant_only_loss=True)
+        if processing_class is not None:
+            assistant_only_loss = args is not None and args.assistant_only_loss
+            kwargs["processing_class"] = prepare_tokenizer(processing_class, assistant_only_loss)
         super().__init__(model, args, **kwargs)
-        # What the model card says about the run (`write_training_card`); `train_sft` fills it in.
+        # What the model card says about the run (`write_training_card`): `card_details` over what the trainer knows.
         self.card_details = {
             "base": getattr(getattr(self.model, "config", None), "_name_or_path", None) or None,
             "converted": False,
@@ -121,6 +124,7 @@ class IHASFTTrainer(IHAMixingMixin, SFTTrainer):
             "num_rows": None,
             "peft_config": kwargs.get("peft_config"),
             "quantization": None,
+            **(card_details or {}),
         }
 
     def create_accelerator_and_postprocess(self):

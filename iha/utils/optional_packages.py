@@ -9,6 +9,7 @@ installs a release inside the supported range.
 
 import importlib.metadata
 import importlib.util
+import logging
 
 from packaging.requirements import Requirement
 
@@ -71,3 +72,23 @@ def missing_package_message(error: ModuleNotFoundError) -> str | None:
 
 
 __all__ = ["MissingPackageError", "missing_package_message", "pip_command", "require"]
+
+
+# bitsandbytes' CPU backend, imported by peft (and so by transformers' Trainer) whenever bitsandbytes is installed,
+# logs at import, on CPUs with AVX512-BF16, that the optional `kernels` package is missing: a faster 4-bit matmul it
+# would download from the Hub. No command but QLoRA on CPU uses 4-bit layers, and that falls back to bitsandbytes'
+# own kernel, so every command would open with a warning about a package it does not need.
+BITSANDBYTES_CPU_LOGGER = "bitsandbytes.backends.cpu.ops"
+BITSANDBYTES_KERNELS_NOTICE = "Failed to load CPU gemm_4bit_forward from kernels-community"
+
+
+def _not_the_kernels_notice(record) -> bool:
+    return not str(record.msg).startswith(BITSANDBYTES_KERNELS_NOTICE)
+
+
+def quiet_bitsandbytes_kernels_notice() -> None:
+    """Drop that one message from bitsandbytes' CPU backend logger (its other messages still show). Call it before
+    bitsandbytes is imported: the logger exists from here on and bitsandbytes' module logs through it."""
+    logger = logging.getLogger(BITSANDBYTES_CPU_LOGGER)
+    if _not_the_kernels_notice not in logger.filters:
+        logger.addFilter(_not_the_kernels_notice)

@@ -1,8 +1,10 @@
 """Every long option of an `iha` parser parses as --snake_case and as --kebab-case, wherever it was declared."""
 
 import argparse
+import importlib
 
 import pytest
+import torch
 
 from iha.cli.arguments import ArgumentParser
 
@@ -75,3 +77,45 @@ def test_every_parser_and_subparser_answers_version_under_the_prog_it_was_given(
         assert exit_info.value.code == 0
         assert capsys.readouterr().out.startswith(f"{prog} {__version__} (transformers ")
     assert parser.format_usage().startswith("usage: iha tool ")
+
+
+THREADED_COMMANDS = [
+    ["demo"],
+    ["serve", "folder"],
+    ["eval", "math", "--model", "m", "--dataset", "gsm8k"],
+    ["eval", "needle", "--model", "m"],
+    ["ab"],
+    ["synthetic"],
+    ["polynomial-filter"],
+]
+
+
+@pytest.mark.parametrize("argv", THREADED_COMMANDS, ids=lambda argv: " ".join(argv[:2]))
+def test_every_command_computing_with_torch_takes_the_one_threads_flag(argv, capsys):
+    from iha.cli.main import command_module
+
+    parser = importlib.import_module(command_module(argv[0])).make_parser()
+    assert parser.parse_args([*argv[1:], "--threads", "1"]).threads == 1
+    assert parser.parse_args(argv[1:]).threads is None
+    with pytest.raises(SystemExit) as exit_info:
+        parser.parse_args([*argv[1:], "--threads", "0"])
+    assert exit_info.value.code == 2
+    assert "argument --threads: expected a whole number of at least 1, not '0'" in capsys.readouterr().err
+
+
+def test_threads_reach_torch_before_the_work(tmp_path, capsys):
+    # The demo and eval set the threads before they read their input: a bad input still leaves torch at --threads.
+    from iha.cli.main import main as iha_main
+
+    before = torch.get_num_threads()
+    try:
+        for argv in (
+            ["demo", "--model", str(tmp_path / "missing"), "--output-dir", str(tmp_path / "demo")],
+            ["eval", "math", "--model", "m", "--dataset", f"gsm8k={tmp_path / 'missing.jsonl'}"],
+        ):
+            torch.set_num_threads(2)
+            assert iha_main([*argv, "--threads", "1"]) == 2
+            assert torch.get_num_threads() == 1, argv
+    finally:
+        torch.set_num_threads(before)
+    capsys.readouterr()

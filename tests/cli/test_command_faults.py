@@ -61,9 +61,7 @@ def test_interrupted_demo_leaves_nothing_and_keeps_an_old_folder(
 def test_demo_bad_input_is_one_line_and_leaves_nothing(tmp_path, capsys):
     assert iha_main(["demo", "--model", str(tmp_path / "missing"), "--output-dir", str(tmp_path / "new" / "d")]) == 2
     err = capsys.readouterr().err
-    assert err.strip().splitlines() == [
-        f"iha demo: error: {tmp_path / 'missing'} is neither an existing folder nor a Hub id like 'org/name'."
-    ]
+    assert err.strip().splitlines() == [f"iha demo: error: The folder {tmp_path / 'missing'} does not exist."]
     (tmp_path / "taken").mkdir()
     (tmp_path / "taken" / "notes.txt").write_text("mine")
     assert iha_main(["demo", "--output-dir", str(tmp_path / "taken")]) == 2
@@ -160,3 +158,37 @@ def test_synthetic_summarize_bad_input_is_one_line(tmp_path, capsys):
     assert capsys.readouterr().err == (
         f"iha synthetic: error: {tmp_path / 'results.json'} is not a results.json written by `iha synthetic`.\n"
     )
+
+
+# Every command that takes a model, given a folder that does not exist: (argv with MISSING for the folder).
+MISSING_FOLDER_COMMANDS = [
+    ["convert", "MISSING", "OUT"],
+    ["demo", "--model", "MISSING", "--output-dir", "OUT"],
+    ["sft", "--model_name_or_path", "MISSING", "--dataset_name", "rows.jsonl", "--output_dir", "OUT"],
+    ["sft", "--model_name_or_path", "org/name", "--tokenizer_name_or_path", "MISSING", "--dataset_name", "d"],
+    ["eval", "math", "--model", "MISSING", "--dataset", "gsm8k", "--output-dir", "OUT"],
+    ["eval", "needle", "--model", "base=org/name", "--model", "MISSING", "--output-dir", "OUT"],
+    ["serve", "MISSING"],
+    ["chat-template", "OUT", "--tokenizer", "MISSING"],
+    ["card", "MISSING", "--base-model", "org/name"],
+    ["card", "FOLDER", "--base-model", "MISSING"],
+    ["push", "MISSING", "org/name"],
+    ["convert", "push", "MISSING", "org/name"],
+    ["ab", "--model", "MISSING", "--output_dir", "OUT"],
+]
+
+
+@pytest.mark.parametrize("argv", MISSING_FOLDER_COMMANDS, ids=lambda argv: " ".join(argv[:3]))
+def test_a_missing_model_folder_is_one_line_saying_so_and_exit_2(argv, tmp_path, capsys, monkeypatch):
+    # Relative paths, as a user types them: huggingface_hub would read `./missing` as a malformed repository id.
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "FOLDER").mkdir()
+    (tmp_path / "FOLDER" / "config.json").write_text("{}")
+    words = ["./missing" if word == "MISSING" else word for word in argv]
+    assert iha_main(words) == 2
+    captured = capsys.readouterr()
+    prog = "iha " + " ".join(argv[:2] if argv[0] == "eval" else argv[:1])
+    if argv[:2] == ["convert", "push"]:
+        prog = "iha convert push"
+    assert captured.err.strip().splitlines() == [f"{prog}: error: The folder ./missing does not exist."]
+    assert "Traceback" not in captured.err and sorted(path.name for path in tmp_path.iterdir()) == ["FOLDER"]

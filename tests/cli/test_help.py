@@ -15,6 +15,8 @@ from iha.cli import main as cli
 from iha.cli import sft as sft_cli
 from iha.conversion import options
 from iha.models.iha import configuration_iha
+from iha.training.config import DEFAULT_LORA_TARGET_MODULES
+from iha.training.model import iha_peft_config
 
 
 # Runs a console script of iha.cli.main (argv: FUNCTION PROG ARGS...) and prints its exit status as the last line of
@@ -132,7 +134,13 @@ def test_sft_command_line_accepts_trl_flags_and_checks_its_own(tmp_path, capsys)
     # TRL turns one module into a string (PEFT's regex of full names): it still names that module.
     one_module = sft_cli.parse_args([*argv[:-6], "--lora_target_modules", "v_proj", "--use_peft", "--output_dir", "o"])
     assert one_module.model.lora_target_modules == "v_proj"
-    assert sft_cli.lora_config_from_flags(one_module.model).target_modules == {"v_proj"}
+    assert iha_peft_config(one_module.model).target_modules == {"v_proj"}
+    # TRL's own LoRA config of the flags, with the mixing trained in full and every projection adapted by default.
+    lora = iha_peft_config(arguments.model)
+    assert (lora.target_modules, lora.modules_to_save, lora.r) == ({"q_proj", "k_proj"}, ["head_mixing"], 16)
+    default = iha_peft_config(sft_cli.parse_args([*argv[:-8], "--use_peft", "--output_dir", "o"]).model)
+    assert default.target_modules == set(DEFAULT_LORA_TARGET_MODULES)
+    assert iha_peft_config(sft_cli.parse_args(argv[:-3] + ["--output_dir", "o"]).model) is None  # no --use_peft
     config = tmp_path / "run.yaml"
     config.write_text("model_name_or_path: m\ndataset_name: d\noutput_dir: o\nmixing_learning_rate: 0.01\nlora_r: 4\n")
     from_file = sft_cli.parse_args([str(config)])
@@ -222,3 +230,11 @@ def test_a_command_run_from_the_console_script_has_the_classes_registered(tmp_pa
     assert outcome["status"] == 0, err[-2000:]
     result = json.loads((tmp_path / "eval" / "tiny_gsm8k.json").read_text())
     assert result["model"] == "tiny" and len(result["problems"]) == 1
+
+
+def test_a_yes_no_flag_and_its_no_flag_each_say_what_they_do(capsys, monkeypatch):
+    status, out = help_page("convert", "iha-convert", capsys=capsys, monkeypatch=monkeypatch)
+    assert status == 0
+    described = re.sub(r"\s+", " ", out)
+    assert "--verify run the source and the converted model on a fixed batch and compare their logits" in described
+    assert "--no_verify skip that check: write the converted folder unverified" in described

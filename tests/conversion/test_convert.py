@@ -22,6 +22,7 @@ from iha import conversion as convert
 from iha.cli import convert as convert_command
 from iha.cli.main import run
 from iha.conversion import writers
+from iha.conversion.options import EXACT_ATOL
 from iha.hub.model_card import read_model_card
 
 
@@ -53,10 +54,10 @@ def test_random_models_convert_exactly(kind, tmp_path):
 
     assert report.exact and report.function_changes == []
     assert report.verification.passed, report.verification.message
-    assert report.verification.max_abs_diff <= convert.EXACT_ATOL
+    assert report.verification.max_abs_diff <= EXACT_ATOL
     assert report.verification.top1_agreement == 1.0
     # An independent check on another batch, loading the output the way users do.
-    assert max_logit_difference(source, tmp_path / "iha") <= convert.EXACT_ATOL
+    assert max_logit_difference(source, tmp_path / "iha") <= EXACT_ATOL
 
     source_config = json.loads((source / "config.json").read_text())
     config = json.loads((tmp_path / "iha" / "config.json").read_text())
@@ -135,7 +136,7 @@ def test_sharded_source_and_sharded_output(tmp_path):
     assert names_in_files == set(index["weight_map"])
     assert "model.layers.2.self_attn.head_mixing.alpha_q" in names_in_files
     assert "lm_head.weight" not in names_in_files  # tied
-    assert max_logit_difference(source, output) <= convert.EXACT_ATOL
+    assert max_logit_difference(source, output) <= EXACT_ATOL
 
 
 def test_head_mixing_is_written_at_identity(tmp_path):
@@ -157,7 +158,7 @@ def test_explicit_layer_list_keeps_the_others_standard_and_stays_exact(tmp_path)
     source = make_source("qwen2_sliding", tmp_path / "source")
     report = convert.convert_checkpoint(source, tmp_path / "iha", layers="0,2", show_progress=False)
     assert report.attention_types == ["iha_full_attention", "sliding_attention", "iha_sliding_attention"]
-    assert report.exact and report.verification.max_abs_diff <= convert.EXACT_ATOL
+    assert report.exact and report.verification.max_abs_diff <= EXACT_ATOL
 
 
 def test_bfloat16_output_is_reported_as_a_change(tmp_path):
@@ -165,7 +166,7 @@ def test_bfloat16_output_is_reported_as_a_change(tmp_path):
     report = convert.convert_checkpoint(source, tmp_path / "iha", dtype="bfloat16", show_progress=False)
     assert report.function_changes == ["weights are rounded from float32 to bfloat16"]
     assert report.verification.passed and report.verification.tolerance is None
-    assert report.verification.max_abs_diff > convert.EXACT_ATOL
+    assert report.verification.max_abs_diff > EXACT_ATOL
     with safe_open(tmp_path / "iha" / "model.safetensors", framework="pt") as weights:
         assert weights.get_tensor("model.norm.weight").dtype == torch.bfloat16
         assert weights.get_tensor("model.layers.0.self_attn.head_mixing.collapse").dtype == torch.float32
@@ -183,7 +184,7 @@ def test_llama_to_iha_in_memory():
         expected = source(**batch).logits[valid]
         for model in (copied, shared):
             assert isinstance(model, iha.IHAForCausalLM)
-            assert (model(**batch).logits[valid] - expected).abs().max() <= convert.EXACT_ATOL
+            assert (model(**batch).logits[valid] - expected).abs().max() <= EXACT_ATOL
     q_proj = "model.layers.0.self_attn.q_proj.weight"
     assert shared.get_parameter(q_proj).data_ptr() == source.get_parameter(q_proj).data_ptr()
     assert copied.get_parameter(q_proj).data_ptr() != source.get_parameter(q_proj).data_ptr()
@@ -222,7 +223,7 @@ def test_collapse_mean_with_flat_mask_is_flagged_but_token_mask_is_exact(tmp_pat
     report = convert.convert_checkpoint(
         source, tmp_path / "iha", collapse_init="mean", mask_mode="token_causal", show_progress=False
     )
-    assert report.exact and report.verification.max_abs_diff <= convert.EXACT_ATOL
+    assert report.exact and report.verification.max_abs_diff <= EXACT_ATOL
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -238,7 +239,7 @@ def test_cli_success(tmp_path, capsys):
     assert "P=3" in out
     expected_files = {"config.json", "configuration_iha.py", "modeling_iha.py", "model.safetensors"}
     assert expected_files <= set(folder_listing(tmp_path / "iha"))
-    assert max_logit_difference(source, tmp_path / "iha") <= convert.EXACT_ATOL
+    assert max_logit_difference(source, tmp_path / "iha") <= EXACT_ATOL
 
 
 def test_cli_unsupported_architecture(tmp_path, capsys):
@@ -267,7 +268,7 @@ def test_cli_refuses_pickle_unless_allowed(tmp_path, capsys):
 
     assert convert_command.main([str(source), str(tmp_path / "out"), "--allow-pickle", "--quiet"]) == 0
     assert "verification: exact" in capsys.readouterr().out
-    assert max_logit_difference(source, tmp_path / "out") <= convert.EXACT_ATOL
+    assert max_logit_difference(source, tmp_path / "out") <= EXACT_ATOL
 
 
 class _RunsCodeWhenUnpickled:
@@ -406,5 +407,5 @@ def test_push_to_hub_offline_keeps_the_folder_and_says_how_to_retry(tmp_path, ca
 def test_push_refuses_a_folder_that_is_not_iha(tmp_path, capsys):
     source = make_source("llama3", tmp_path / "source")
     # `iha-convert push` is routed to `iha push` by the dispatcher, as the console script runs it.
-    assert run("convert", ["push", str(source), "someone/x"]) == 1
+    assert run("convert", ["push", str(source), "someone/x"]) == 2
     assert "not an IHA checkpoint folder" in capsys.readouterr().err

@@ -26,6 +26,7 @@ from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 import iha
 from iha import conversion as convert
 from iha.cli import convert as convert_command
+from iha.conversion.options import EXACT_ATOL
 
 
 # SmolLM3's default special tokens lie outside a tiny vocabulary: every source gets these.
@@ -131,7 +132,7 @@ def test_tiny_models_convert_exactly_and_generate_the_same(kind, tmp_path):
     source_dir = make_source(kind, tmp_path / "source")
     report = convert.convert_checkpoint(source_dir, tmp_path / "iha", num_pseudo_heads=3, show_progress=False)
     assert report.exact and report.verification.passed, report.verification.message
-    assert report.verification.max_abs_diff <= convert.EXACT_ATOL
+    assert report.verification.max_abs_diff <= EXACT_ATOL
 
     config = json.loads((tmp_path / "iha" / "config.json").read_text())
     for name, value in EXPECTED_CONFIG[kind].items():
@@ -148,7 +149,7 @@ def test_tiny_models_convert_exactly_and_generate_the_same(kind, tmp_path):
     valid = batch["attention_mask"].bool()
     greedy = dict(max_new_tokens=12, do_sample=False, pad_token_id=0)
     with torch.no_grad():
-        assert (converted(**batch).logits - source(**batch).logits)[valid].abs().max() <= convert.EXACT_ATOL
+        assert (converted(**batch).logits - source(**batch).logits)[valid].abs().max() <= EXACT_ATOL
         assert torch.equal(converted.generate(**batch, **greedy), source.generate(**batch, **greedy))
 
 
@@ -156,7 +157,7 @@ def test_gemma3_layer_list_keeps_the_other_layers_standard_with_their_rope_base(
     source = make_source("gemma3", tmp_path / "source")
     report = convert.convert_checkpoint(source, tmp_path / "iha", layers="0,2", show_progress=False)
     assert report.attention_types == ["iha_sliding_attention", "sliding_attention", "iha_full_attention"]
-    assert report.exact and report.verification.max_abs_diff <= convert.EXACT_ATOL
+    assert report.exact and report.verification.max_abs_diff <= EXACT_ATOL
 
 
 # --- every rope type ------------------------------------------------------------------------------------------------
@@ -228,7 +229,7 @@ def test_every_rope_type_converts_exactly(architecture, rope_type):
     valid = batch["attention_mask"].bool()
     greedy = dict(max_new_tokens=6, do_sample=False, pad_token_id=0)
     with torch.no_grad():
-        assert (converted(**batch).logits - source(**batch).logits)[valid].abs().max() <= convert.EXACT_ATOL
+        assert (converted(**batch).logits - source(**batch).logits)[valid].abs().max() <= EXACT_ATOL
         assert torch.equal(converted.generate(**batch, **greedy), source.generate(**batch, **greedy))
 
 
@@ -277,7 +278,7 @@ def test_converted_folders_load_through_remote_code_in_a_process_without_iha(tmp
         "IHAGemma3ForCausalLM",
     ]
     for folder, _, difference, tokens_equal in results:
-        assert float(difference) <= convert.EXACT_ATOL and tokens_equal == "True", folder
+        assert float(difference) <= EXACT_ATOL and tokens_equal == "True", folder
 
 
 # --- refusals -------------------------------------------------------------------------------------------------------

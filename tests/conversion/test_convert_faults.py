@@ -13,6 +13,7 @@ from iha import conversion as convert
 from iha.cli import convert as convert_command
 from iha.cli.main import run
 from iha.conversion.builtin import smollm2_dir
+from iha.conversion.report import REPORT_NAME, function_change_warning
 
 
 # Where the kill tests stop a conversion: before the third tensor copied into the weights file (mid-write), and
@@ -181,7 +182,7 @@ def test_bad_tolerance_gets_one_line(tiny_source, tmp_path, capsys):
 
 def test_push_of_a_folder_with_a_damaged_config_gets_one_line(tmp_path, capsys):
     (tmp_path / "config.json").write_text("{not json")
-    assert run("convert", ["push", str(tmp_path), "someone/x"]) == 1  # `iha-convert push`
+    assert run("convert", ["push", str(tmp_path), "someone/x"]) == 2  # `iha-convert push`
     err = capsys.readouterr().err
     assert err.startswith("iha-convert push: error: ") and "is not an IHA checkpoint folder" in err
     assert "Traceback" not in err
@@ -221,7 +222,7 @@ def test_a_changed_window_is_measured_past_the_window(tiny_source, tmp_path, cap
     args = [str(tiny_source), str(output), "--layers", "hybrid", "--training-length", "64", "--quiet"]
     assert convert_command.main(args) == 0
     err = capsys.readouterr().err
-    report = json.loads((output / convert.REPORT_NAME).read_text())
+    report = json.loads((output / REPORT_NAME).read_text())
     by_length = {entry["tokens"]: entry for entry in report["verification"]["by_length"]}
     # tiny_source has no tokenizer: the short batch is random tokens, the long input 512 random tokens (the
     # model's 256 positions cap it at 256).
@@ -262,4 +263,4 @@ def test_smollm2_hybrid_2048_change_is_measured_past_its_256_token_window(tmp_pa
     assert by_length["1-256"]["max_abs_diff"] < 1e-3
     assert by_length["257-512"]["max_abs_diff"] > 1.0 and by_length["257-512"]["top1_agreement"] < 0.95
     assert report.verification.max_abs_diff == by_length["257-512"]["max_abs_diff"]
-    assert "past the 256-token window (tokens 257-512)" in convert.function_change_warning(report)
+    assert "past the 256-token window (tokens 257-512)" in function_change_warning(report)

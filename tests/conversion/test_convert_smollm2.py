@@ -13,6 +13,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, pipeline
 import iha
 from iha import conversion as convert
 from iha.conversion.builtin import smollm2_dir
+from iha.conversion.options import EXACT_ATOL, NOISE_MULTIPLE
+from iha.conversion.report import REPORT_NAME
 from iha.hub.model_card import read_model_card
 
 
@@ -75,7 +77,7 @@ def test_smollm2_default_conversion_is_exact_and_hub_ready(smollm2):
     assert "| top-1 agreement | 100.00% |" in card.sections["Verification"]
     assert "trust_remote_code=True" in card.sections["How to load"]
     assert "Supported: transformers >= 5.4.0 (tested up to 5.25.x)" in card.sections["How to load"]
-    assert json.loads((output / convert.REPORT_NAME).read_text())["verification"]["passed"] is True
+    assert json.loads((output / REPORT_NAME).read_text())["verification"]["passed"] is True
 
 
 @torch.no_grad()
@@ -93,7 +95,7 @@ def test_smollm2_logits_equal_in_fp32(smollm2):
     # The difference is rounding, as large as the source's own difference between two attention kernels (about
     # 1e-4 for these 30 layers, whose massive activations amplify any change of summation order, in float64 too).
     difference = float((converted_logits - source_logits).abs().max())
-    assert difference <= max(convert.EXACT_ATOL, convert.NOISE_MULTIPLE * noise)
+    assert difference <= max(EXACT_ATOL, NOISE_MULTIPLE * noise)
 
 
 def test_smollm2_greedy_generation_identical_through_iha(smollm2):

@@ -11,7 +11,7 @@ from datasets import Dataset
 from trl.data_utils import maybe_convert_to_chatml
 
 from iha.cli.data import main
-from iha.data.gsm8k import gsm8k_file_to_openthoughts, gsm8k_final_answer, gsm8k_to_openthoughts
+from iha.data.gsm8k import gsm8k_file_to_openthoughts, gsm8k_final_answer, gsm8k_to_openthoughts, read_gsm8k_rows
 from iha.data.messages import (
     BEGIN_OF_SOLUTION,
     BEGIN_OF_THOUGHT,
@@ -224,6 +224,9 @@ def test_unknown_schema_and_missing_file_errors(tmp_path):
         to_messages_dataset(Dataset.from_list([{"question": "q", "answer": "a"}]))
     with pytest.raises(FileNotFoundError, match="does not exist"):
         load_sft_dataset(tmp_path / "missing.jsonl")
+    # A missing GSM8K file is reported as missing, not as a file of the wrong kind.
+    with pytest.raises(FileNotFoundError, match=r"^Data file .*missing\.jsonl does not exist"):
+        read_gsm8k_rows(tmp_path / "missing.jsonl")
     # Offline (the tests run with HF_HUB_OFFLINE=1), a Hub id says that a local file works instead.
     with pytest.raises(ConnectionError, match=r"someone/not-a-cached-dataset.*a local \.jsonl / \.json / \.parquet"):
         load_sft_dataset("someone/not-a-cached-dataset")
@@ -418,3 +421,10 @@ def test_gsm8k_to_openthoughts_takes_a_hub_id_and_says_so_when_offline(tmp_path,
     err = capsys.readouterr().err
     assert "Could not load 'someone/not-a-cached-gsm8k' from the Hugging Face Hub" in err
     assert "pass a local GSM8K .jsonl file" in err and not output.exists()
+
+
+def test_the_openthoughts_alias_is_the_openthoughts_system_prompt_for_rows_without_one():
+    rows = [{"conversations": [{"from": "user", "value": "1 + 1?"}, {"from": "assistant", "value": "2"}]}]
+    messages = load_sft_dataset(rows, default_system_prompt="openthoughts")[0]["messages"]
+    assert messages[0] == {"role": "system", "content": OPENTHOUGHTS_SYSTEM_PROMPT}
+    assert load_sft_dataset(rows, default_system_prompt="Be brief.")[0]["messages"][0]["content"] == "Be brief."

@@ -9,16 +9,8 @@ from transformers import AutoTokenizer
 from iha.cli.eval import main as eval_main
 from iha.conversion import llama_to_iha
 from iha.conversion.builtin import smollm2_dir
-from iha.evaluation import (
-    PRESETS,
-    Problem,
-    SamplingConfig,
-    build_prompt,
-    evaluate_math,
-    load_problems,
-    sampling_preset,
-    score_completions,
-)
+from iha.evaluation import PRESETS, SamplingConfig, sampling_preset
+from iha.evaluation.math_eval import Problem, build_prompt, evaluate_math, load_problems, score_completions
 
 
 # --- data -----------------------------------------------------------------------------------------------------------
@@ -35,8 +27,10 @@ def test_load_local_gsm8k_and_math500(test_data):
 
 
 def test_load_rejects_bad_sources(tmp_path):
-    with pytest.raises(FileNotFoundError, match="not a readable"):
+    with pytest.raises(FileNotFoundError, match=r"^Data file .*missing\.jsonl does not exist"):
         load_problems(str(tmp_path / "missing.jsonl"))
+    with pytest.raises(ValueError, match="is a folder: give the .json / .jsonl file"):
+        load_problems(str(tmp_path))
     bad = tmp_path / "rows.jsonl"
     bad.write_text('{"text": "hello"}\n')
     with pytest.raises(ValueError, match="Cannot tell the format"):

@@ -6,7 +6,7 @@ How it runs: `accelerate launch --config_file examples/accelerate/fsdp.yaml` (th
 accelerate 1.15 does not refuse FSDP on CPU, it drops it without a word: `--use_cpu` makes its state `MULTI_CPU`
 (gloo), and it switches to FSDP only from a GPU-family state, so the processes train plain data parallel. torchrun
 with the Trainer's `fsdp` / `fsdp_config` goes through the same accelerate state and does the same. iha-sft switches
-the state to FSDP there (`iha.training.enable_fsdp_on_cpu`), so both routes shard with torch's `fully_shard`; this test
+the state to FSDP there (`iha.training.trainer.enable_fsdp_on_cpu`), so both routes shard with torch's `fully_shard`; this test
 checks that they do (the model is an `FSDPModule`, its parameters and checkpoint are split in two).
 
 Same data, same global batch: 2 processes x 2 rows against 1 process x 2 rows x 2 accumulation steps, so each

@@ -1,5 +1,6 @@
 """A missing optional package is one line that names the pip command, with the version the package pins."""
 
+import logging
 import sys
 
 import pytest
@@ -38,3 +39,18 @@ def test_the_builtin_model_without_gguf_says_how_to_install_it(monkeypatch, tmp_
     ):
         smollm2_dir(cache_dir=tmp_path)
     assert list(tmp_path.iterdir()) == []
+
+
+def test_commands_drop_bitsandbytes_kernels_notice_and_keep_its_other_messages(tmp_path, caplog, capsys):
+    # The notice shows only on CPUs with AVX512-BF16, so it is sent here by hand, through the logger bitsandbytes uses.
+    from iha.cli.main import main as iha_main
+    from iha.utils.optional_packages import BITSANDBYTES_CPU_LOGGER, BITSANDBYTES_KERNELS_NOTICE
+
+    # Every command installs the filter before its module (and so bitsandbytes) is imported.
+    assert iha_main(["card", str(tmp_path / "missing"), "--base-model", "x"]) == 2
+    capsys.readouterr()
+    logger = logging.getLogger(BITSANDBYTES_CPU_LOGGER)
+    with caplog.at_level(logging.WARNING, logger=BITSANDBYTES_CPU_LOGGER):
+        logger.warning(BITSANDBYTES_KERNELS_NOTICE + ": %s. Please make sure ...", "No module named 'kernels'")
+        logger.warning("another bitsandbytes warning")
+    assert [record.getMessage() for record in caplog.records] == ["another bitsandbytes warning"]

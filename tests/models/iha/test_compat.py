@@ -153,7 +153,7 @@ def test_importing_the_model_files_on_an_untested_release_builds_no_model():
 
 
 def test_saved_folders_carry_the_compatibility_module(tmp_path):
-    from iha.conversion import CODE_FILES
+    from iha.conversion.writers import CODE_FILES
 
     iha.IHAForCausalLM(iha.IHAConfig(**TINY)).save_pretrained(tmp_path)
     for name in CODE_FILES:

@@ -16,8 +16,7 @@ from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
 import iha
 from iha.cli.main import main as iha_main
 from iha.cli.main import run
-from iha.conversion import CODE_FILES
-from iha.conversion.writers import AUTO_MAPS, GEMMA3_CODE_FILES, MODEL_FOLDER, TRAVELLING_FILES
+from iha.conversion.writers import AUTO_MAPS, CODE_FILES, GEMMA3_CODE_FILES, MODEL_FOLDER, TRAVELLING_FILES
 from iha.hub.model_card import how_to_load_section, update_model_card
 from iha.hub.push import upload_operations
 
@@ -212,5 +211,5 @@ def test_push_help_names_the_command_that_was_run(main, argv, usage, capsys):
 
 def test_push_refuses_a_folder_that_is_not_iha(tmp_path, capsys):
     (tmp_path / "config.json").write_text('{"model_type": "llama"}')
-    assert iha_main(["push", str(tmp_path), "someone/x"]) == 1
+    assert iha_main(["push", str(tmp_path), "someone/x"]) == 2
     assert "not an IHA checkpoint folder" in capsys.readouterr().err
