@@ -379,6 +379,8 @@ def keep_virtual_windows_in_paged_cache(manager, config) -> None:
     """
     if not has_virtual_window_layers(config):
         return
+    # Before 5.16 no sliding pages read back the right tokens, widened or not: that refusal names the fix.
+    check_paged_sliding_window()
     create_batch_processor = getattr(manager, "_create_batch_processor", None)
     if create_batch_processor is None:
         raise ValueError(virtual_window_paged_refusal(config))
