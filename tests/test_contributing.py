@@ -38,6 +38,6 @@ def test_every_command_contributing_times_is_a_make_target():
 
 
 def test_the_changelog_has_the_version_and_an_unreleased_section():
-    version = re.search(r'^\s+version="([^"]+)",$', setup_text(), re.M)[1]
+    version = re.search(r'^__version__ = "([^"]+)"$', (REPO_ROOT / "iha" / "__init__.py").read_text(), re.M)[1]
     headings = re.findall(r"^## \[([^\]]+)\]", (REPO_ROOT / "CHANGELOG.md").read_text(encoding="utf-8"), re.M)
     assert headings[0] == "Unreleased" and version in headings

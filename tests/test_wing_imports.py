@@ -26,6 +26,7 @@ WING_ORDER = [
     "experiments.ab",
     "serving",
     "serving.vllm",
+    "export",
     "demo",
     "cli",
 ]

@@ -5,7 +5,7 @@ together), for P = 2 and 3, GQA and MHA, shared and virtual positions, per-head 
 causal masks, sliding IHA layers with the window in tokens or virtual tokens, the paper's hybrid layout, standard
 layers among IHA ones, Qwen3's q/k norm, SmolLM3's NoPE layers and Llama 3's RoPE scaling. Gemma 3 is refused in one
 line. The real SmolLM2-135M-Instruct converted with the defaults gives the source's greedy tokens through mlx-lm
-(tests/mlx/test_mlx_smollm2.py)."""
+(tests/models/mlx/test_mlx_smollm2.py)."""
 
 import json
 
