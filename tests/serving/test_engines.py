@@ -86,10 +86,11 @@ def test_an_engine_calling_the_layers_is_refused(engine, layout, engine_register
         options = dict(num_hidden_layers=5, **iha.paper_hybrid_layout(5, 2, training_length=24))
     model = tiny_iha_model(num_pseudo_heads=2, **options)
     layers = engine_layers(model.config)
-    model.set_attn_implementation(engine)
     input_ids = torch.arange(3, 10)[None]  # one packed row, as the engines send it
     engine_kwargs = {"forward_batch": object()} if engine == "sglang" else {}
+    # Refused where the implementation is chosen (set_attn_implementation), before any forward.
     with torch.no_grad(), pytest.raises(ValueError, match=ENGINES[engine]):
+        model.set_attn_implementation(engine)
         model(input_ids, position_ids=torch.arange(7)[None], attention_instances=layers, **engine_kwargs)
     iha_layers = model.config.iha_layer_indices
     assert all(layers[index].calls == 0 for index in iha_layers), "an IHA layer ran under the engine's kernel"
@@ -111,8 +112,8 @@ def test_an_unknown_attention_implementation_is_refused():
     AttentionInterface.register("my_kernel", engine_attention_forward)
     try:
         model = tiny_iha_model(num_pseudo_heads=2)
-        model.set_attn_implementation("my_kernel")
         with torch.no_grad(), pytest.raises(ValueError, match="not 'my_kernel'"):
+            model.set_attn_implementation("my_kernel")
             model(torch.arange(3, 8)[None])
     finally:
         ALL_ATTENTION_FUNCTIONS._global_mapping.pop("my_kernel", None)
