@@ -103,7 +103,7 @@ def test_both_window_units_convert_a_sliding_source_exactly_and_the_card_names_t
     )
     assert report.exact and report.verification.passed, report.verification.message
     assert report.window_unit == window_unit
-    assert max_logit_difference(source, tmp_path / "iha") <= convert.EXACT_ATOL
+    assert max_logit_difference(source, tmp_path / "iha") <= EXACT_ATOL
     config = json.loads((tmp_path / "iha" / "config.json").read_text())
     assert config["iha_window_unit"] == window_unit
     card = (tmp_path / "iha" / "README.md").read_text()
