@@ -28,6 +28,7 @@ from ..models.iha.configuration_iha import is_iha_layer, is_sliding_layer
 from ..serving.vllm.folding import fold_collapse_into_output, fold_mixing_into_projection
 from ..utils.atomic_folders import staged_folder
 from .errors import ExportError
+from .folders import read_iha_config
 
 
 logger = logging.getLogger(__name__)
@@ -88,20 +89,10 @@ class ExportReport:
     notes: list[str] = field(default_factory=list)
 
 
-def read_iha_config(folder: Path) -> dict:
-    config_path = folder / "config.json"
-    if not config_path.is_file():
-        raise ExportError(f"{folder} has no config.json: give the folder of a converted or trained IHA model.")
-    config = json.loads(config_path.read_text(encoding="utf-8"))
-    model_type = config.get("model_type")
-    if model_type == "iha_gemma3":
-        raise ExportError(
-            "Gemma 3 IHA folders cannot be folded into a stock model: Gemma 3 normalises each query and key head "
-            "(q_norm, k_norm) before the head mixing, and a per-head norm does not commute with mixing heads."
-        )
-    if model_type != "iha":
-        raise ExportError(f"{folder} is not an IHA folder (model_type {model_type!r}, expected 'iha').")
-    return config
+GEMMA3_REFUSAL = (
+    "Gemma 3 IHA folders cannot be folded into a stock model: Gemma 3 normalises each query and key head "
+    "(q_norm, k_norm) before the head mixing, and a per-head norm does not commute with mixing heads."
+)
 
 
 def source_architecture(folder: Path, config: dict) -> str:
@@ -326,7 +317,7 @@ def export_llama(
         raise ExportError(
             f"The output folder {output_dir} exists and is not empty; choose another, or pass --overwrite."
         )
-    config = read_iha_config(folder)
+    config = read_iha_config(folder, GEMMA3_REFUSAL)
     architecture = source_architecture(folder, config)
     check_foldable(config, architecture)
     target = stock_config(config, architecture)

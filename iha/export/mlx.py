@@ -6,34 +6,29 @@ import json
 import shutil
 from pathlib import Path
 
-from .errors import ExportError
+from .folders import read_iha_config
 
 
 MLX_MODEL_FILE = "modeling_iha_mlx.py"
 MLX_MODEL_SOURCE = Path(__file__).resolve().parent.parent / "models" / "mlx" / MLX_MODEL_FILE
 
 
+GEMMA3_REFUSAL = (
+    "Gemma 3 IHA folders do not run on MLX yet: the MLX model file writes the Llama-family block, not Gemma "
+    "3's (four norms per layer, scaled embeddings, a RoPE base per layer type); serve them with transformers "
+    "or vLLM."
+)
+
+
 def add_mlx_model_file(folder: str | Path) -> Path:
     """Copy the MLX model file into `folder` and name it in its config.json; returns the file's path."""
     folder = Path(folder)
-    config_path = folder / "config.json"
-    if not config_path.is_file():
-        raise ExportError(f"{folder} has no config.json: give the folder of a converted or trained IHA model.")
-    config = json.loads(config_path.read_text(encoding="utf-8"))
-    model_type = config.get("model_type")
-    if model_type == "iha_gemma3":
-        raise ExportError(
-            "Gemma 3 IHA folders do not run on MLX yet: the MLX model file writes the Llama-family block, not Gemma "
-            "3's (four norms per layer, scaled embeddings, a RoPE base per layer type); serve them with transformers "
-            "or vLLM."
-        )
-    if model_type != "iha":
-        raise ExportError(f"{folder} is not an IHA folder (model_type {model_type!r}, expected 'iha').")
+    config = read_iha_config(folder, GEMMA3_REFUSAL)
     target = folder / MLX_MODEL_FILE
     shutil.copyfile(MLX_MODEL_SOURCE, target)
     if config.get("model_file") != MLX_MODEL_FILE:
         config["model_file"] = MLX_MODEL_FILE
-        config_path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+        (folder / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n", encoding="utf-8")
     return target
 
 
