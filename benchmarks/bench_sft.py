@@ -33,7 +33,8 @@ import iha
 from iha.cli.arguments import ArgumentParser  # noqa: E402
 from iha.conversion import llama_to_iha
 from iha.data.gsm8k import gsm8k_file_to_openthoughts
-from iha.training import IHASFTConfig, train_sft
+from iha.training import IHAScriptArguments, IHASFTConfig, IHASFTTrainer
+from iha.training.train import sft_rows
 from iha.utils.atomic_files import write_text_atomic
 
 
@@ -75,10 +76,13 @@ def measure(name, model, tokenizer, rows, args, warmup: int) -> dict:
     """Train `model` for `args.max_steps` steps; tokens per second (wall and CPU) over the steps after `warmup`."""
     timer = StepTimer()
     started = time.perf_counter()
-    # convert_to_iha=False: the base model must train as it is (train_sft would otherwise convert it).
-    trainer = train_sft(
-        model, rows, args, processing_class=tokenizer, callbacks=[timer], save=False, convert_to_iha=False
+    # TRL's Python route, as `train_sft` builds it but with no conversion (the base model trains as it is) and no
+    # final save: the rows as `messages` with the long ones dropped (`sft_rows`), then the trainer.
+    train_rows = sft_rows(rows, "train", tokenizer, IHAScriptArguments(), args)
+    trainer = IHASFTTrainer(
+        model=model, args=args, train_dataset=train_rows, processing_class=tokenizer, callbacks=[timer]
     )
+    trainer.train()
     expected_type = "iha" if name.startswith("iha") else model.config.model_type
     if trainer.model.config.model_type != expected_type:
         raise RuntimeError(f"{name}: trained a {trainer.model.config.model_type} model, expected {expected_type}.")

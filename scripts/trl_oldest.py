@@ -44,6 +44,8 @@ TESTS = [
     "tests/training/test_sft.py::test_optimizer_gives_mixing_parameters_their_own_lr_and_weight_decay",
     "tests/training/test_sft.py::test_lora_adapter_saves_mixing_reloads_and_merges",
     "tests/training/test_qlora.py::test_qlora_4bit_on_a_llama_converted_on_the_fly_saves_reloads_and_merges",
+    # train_sft's configs: TRL's ModelConfig and ScriptArguments with the IHA settings added, TRL's own taken as they are.
+    "tests/training/test_sft.py::test_configs_take_trls_own_and_refuse_what_no_run_can_do",
     "tests/training/test_dpo_grpo.py",
     # iha-sft's command line: TRL's own dataclasses, parsed by TRL's parser.
     "tests/cli/test_help.py::test_sft_parses_trls_model_and_script_flags_as_trl_declares_them",

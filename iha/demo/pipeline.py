@@ -161,7 +161,7 @@ def run_demo(
         log(f"{output_dir} holds an earlier demo's output: it is replaced once this run has finished")
         overwrite = True
     require(*DEMO_PACKAGES, *([] if model else ["gguf"]), purpose="iha demo")
-    from ..training import IHASFTConfig, train_sft
+    from ..training import IHAModelConfig, IHAScriptArguments, IHASFTConfig, train_sft
 
     # Everything is written in a staging folder renamed into place at the end: an error, Ctrl-C or SIGTERM leaves
     # nothing, and a folder replaced with --overwrite is replaced only by a finished run.
@@ -215,7 +215,8 @@ def run_demo(
             dataloader_num_workers=0,
         )
         tic = time.perf_counter()
-        trainer = train_sft(str(converted_dir), training_rows, args)
+        model_args = IHAModelConfig(model_name_or_path=str(converted_dir))
+        trainer = train_sft(IHAScriptArguments(), args, model_args, train_dataset=training_rows)
         timings["train_s"] = time.perf_counter() - tic
         loss_curve = plot_loss_curve(trainer.state.log_history, staging / "loss_curve.png")
         losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]

@@ -1,8 +1,9 @@
-"""The arguments `iha-sft` adds to TRL's own: to `ModelConfig` (`IHAModelArguments`), to `ScriptArguments`
-(`IHADataArguments`) and to `SFTConfig` (`IHATrainingArguments`, which `IHASFTConfig` adds to it).
+"""The arguments the package adds to TRL's own: to `ModelConfig` (`IHAModelArguments`, in `IHAModelConfig`), to
+`ScriptArguments` (`IHADataArguments`, in `IHAScriptArguments`) and to `SFTConfig` (`IHATrainingArguments`, in
+`IHASFTConfig`); the three configs are `iha.training.config`'s.
 
 TRL owns the flags it declares (`--model_name_or_path`, `--dtype`, `--use_peft`, `--lora_r`, `--load_in_4bit`,
-`--dataset_name`, `--learning_rate`, ...): `iha.cli.sft` parses TRL's dataclasses with TRL's parser, beside these.
+`--dataset_name`, `--learning_rate`, ...); each setting added here says "(iha)" first in `iha-sft --help`.
 """
 
 from dataclasses import dataclass, field
@@ -20,70 +21,78 @@ class IHATrainingArguments:
     mixing_learning_rate: float | None = field(
         default=None,
         metadata={
-            "help": "Learning rate of the IHA mixing coefficients and collapse weights (default: learning_rate)."
+            "help": "(iha) Learning rate of the IHA mixing coefficients and collapse weights (default: learning_rate)."
         },
     )
     mixing_weight_decay: float = field(
         default=0.0,
-        metadata={"help": "Weight decay of the IHA mixing parameters (decay pulls them to zero, not to identity)."},
+        metadata={
+            "help": "(iha) Weight decay of the IHA mixing parameters (decay pulls them to zero, not to identity)."
+        },
     )
     assistant_only_loss: bool = field(
         default=True,
         metadata={
-            "help": "Compute the loss on the assistant turns only (needs {%% generation %%} markers, added here)."
+            "help": "(iha default: true; TRL's: false) Compute the loss on the assistant turns only (needs "
+            "{%% generation %%} markers, added here)."
         },
     )
     bf16: bool | None = field(
         default=None,
         metadata={
-            "help": "bf16 mixed precision. Not set: on (TRL's default) on a bf16-capable GPU/XPU/NPU or with "
-            "--use_cpu true; off where TRL's default would fail (no such accelerator, no --use_cpu)."
+            "help": "(iha default) bf16 mixed precision. Not set: on (TRL's default) on a bf16-capable GPU/XPU/NPU "
+            "or with --use_cpu true; off where TRL's default would fail (no such accelerator, no --use_cpu)."
         },
     )
 
 
 @dataclass
 class IHAModelArguments:
-    """What `iha-sft` adds to TRL's `ModelConfig` (the model, its dtype and attention, the LoRA and quantization
-    flags are TRL's)."""
+    """What `IHAModelConfig` adds to TRL's `ModelConfig` (the model, its dtype and attention, the LoRA and
+    quantization settings are TRL's)."""
 
-    _argument_group_name = "model (iha)"
-
-    tokenizer_name_or_path: str | None = field(default=None, metadata={"help": "Tokenizer (default: the model's)."})
+    tokenizer_name_or_path: str | None = field(
+        default=None, metadata={"help": "(iha) Tokenizer (default: the model's)."}
+    )
     convert_to_iha: bool = field(
         default=True,
-        metadata={"help": "Convert a non-IHA (Llama-style) checkpoint to IHA before training. False trains it as is."},
+        metadata={
+            "help": "(iha) Convert a non-IHA (Llama-style) checkpoint to IHA before training. False trains it as is."
+        },
     )
-    iha_options: str | None = field(
+    # A dict from Python, its JSON text from the command line (`IHAModelConfig` reads the text into a dict).
+    iha_options: dict | str | None = field(
         default=None,
-        metadata={"help": "JSON object of iha.conversion.IHAConversionOptions, e.g. '{\"num_pseudo_heads\": 2}'."},
+        metadata={
+            "help": "(iha) JSON object of iha.conversion.IHAConversionOptions, e.g. '{\"num_pseudo_heads\": 2}'."
+        },
     )
     merge_adapter: bool = field(
         default=False,
         metadata={
-            "help": "After LoRA training, also write the merged full model to <output_dir>/merged (merged into the "
-            "base loaded unquantized, also after QLoRA)."
+            "help": "(iha) After LoRA training, also write the merged full model to <output_dir>/merged (merged into "
+            "the base loaded unquantized, also after QLoRA)."
         },
     )
 
 
 @dataclass
 class IHADataArguments:
-    """What `iha-sft` adds to TRL's `ScriptArguments`. Any schema of `iha.data.messages` (OpenThoughts-114k, OpenThoughts3,
-    messages, prompt/completion)."""
+    """What `IHAScriptArguments` adds to TRL's `ScriptArguments`. Any schema of `iha.data.messages`
+    (OpenThoughts-114k, OpenThoughts3, messages, prompt/completion)."""
 
-    _argument_group_name = "data (iha)"
-
-    eval_dataset_name: str | None = field(default=None, metadata={"help": "Evaluation rows (Hub id or local file)."})
+    eval_dataset_name: str | None = field(
+        default=None, metadata={"help": "(iha) Evaluation rows (Hub id or local file), with --eval_strategy."}
+    )
     default_system_prompt: str | None = field(
         default=None,
         metadata={
-            "help": "System prompt for rows that have none; 'openthoughts' means the OpenThoughts-114k prompt "
+            "help": "(iha) System prompt for rows that have none; 'openthoughts' means the OpenThoughts-114k prompt "
             "(useful for OpenThoughts3, which has no system column)."
         },
     )
-    max_train_rows: int | None = field(default=None, metadata={"help": "Use only the first N rows."})
+    max_train_rows: int | None = field(default=None, metadata={"help": "(iha) Use only the first N rows."})
     filter_long_rows: bool = field(
         default=True,
-        metadata={"help": "Drop rows longer than max_length tokens instead of truncating their reasoning."},
+        metadata={"help": "(iha) Drop rows longer than max_length tokens instead of truncating their reasoning."},
     )

@@ -107,14 +107,18 @@ def trained_dtypes(model) -> str:
 
 
 def quantization_description(quantization_config) -> str | None:
-    """How a bitsandbytes config quantizes the base, in words ("4-bit nf4, compute dtype float32"); None for none."""
+    """How a model's quantization config (a `model.config.quantization_config`: the object, or its dict) quantizes
+    the base, in words ("4-bit nf4, compute dtype float32"); None for none."""
     if quantization_config is None:
         return None
-    if quantization_config.load_in_4bit:
-        compute_dtype = str(quantization_config.bnb_4bit_compute_dtype).removeprefix("torch.")
-        nested = ", nested" if quantization_config.bnb_4bit_use_double_quant else ""
-        return f"4-bit {quantization_config.bnb_4bit_quant_type}{nested}, compute dtype {compute_dtype}"
-    return "8-bit (LLM.int8)"
+    settings = quantization_config if isinstance(quantization_config, dict) else quantization_config.to_dict()
+    if settings.get("load_in_4bit"):
+        compute_dtype = str(settings.get("bnb_4bit_compute_dtype")).removeprefix("torch.")
+        nested = ", nested" if settings.get("bnb_4bit_use_double_quant") else ""
+        return f"4-bit {settings.get('bnb_4bit_quant_type')}{nested}, compute dtype {compute_dtype}"
+    if settings.get("load_in_8bit"):
+        return "8-bit (LLM.int8)"
+    return str(settings.get("quant_method", "quantized"))
 
 
 def training_card_section(
@@ -132,7 +136,7 @@ def training_card_section(
     scheduler = getattr(args.lr_scheduler_type, "value", args.lr_scheduler_type)  # an enum in TrainingArguments
     rows = [
         ("base model", f"`{base}`" + (" (converted to IHA on the fly)" if converted else "")),
-        ("data", f"`{source}`" + (f", {num_rows} rows after length filtering" if num_rows is not None else "")),
+        ("data", f"`{source}`" + (f", {num_rows} rows" if num_rows is not None else "")),
         ("method", f"{method} with TRL's `SFTTrainer`"),
         ("steps / epochs", f"{trainer.state.global_step} steps, {trainer.state.epoch or 0:.2f} epochs"),
         (

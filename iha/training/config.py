@@ -1,16 +1,18 @@
-"""`IHASFTConfig`: TRL's `SFTConfig` plus the IHA training arguments (`iha.training.arguments`), and the names of the
-mixing parameters."""
+"""The parsed configs of an SFT run, TRL's with the IHA arguments (`iha.training.arguments`) added: `IHASFTConfig`
+(TRL's `SFTConfig`), `IHAModelConfig` (TRL's `ModelConfig`) and `IHAScriptArguments` (TRL's `ScriptArguments`), the
+three `train_sft` takes as TRL's `scripts/sft.py` takes its own; and the names of the mixing parameters."""
 
 import logging
 import re
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, fields
 
 from transformers.utils import is_torch_bf16_gpu_available
-from trl import SFTConfig
+from trl import ModelConfig, ScriptArguments, SFTConfig
 
 import iha  # noqa: F401  (registers IHAConfig / IHAForCausalLM with the Auto classes)
 
-from .arguments import DEFAULT_LORA_TARGET_MODULES, IHATrainingArguments
+from ..conversion import IHAConversionOptions
+from .arguments import DEFAULT_LORA_TARGET_MODULES, IHADataArguments, IHAModelArguments, IHATrainingArguments
 
 
 logger = logging.getLogger(__name__)
@@ -64,6 +66,8 @@ class IHASFTConfig(IHATrainingArguments, SFTConfig):
         such an accelerator and without `use_cpu`. `--bf16 true|false` decides.
     """
 
+    _argument_group_name = "training"  # the group of `iha-sft --help` its flags are listed in
+
     def __post_init__(self):
         if self.bf16 is None and not self.fp16:
             self.bf16 = bf16_supported_here(self.use_cpu)
@@ -74,12 +78,75 @@ class IHASFTConfig(IHATrainingArguments, SFTConfig):
         super().__post_init__()
 
 
+@dataclass
+class IHAModelConfig(IHAModelArguments, ModelConfig):
+    r"""TRL's `ModelConfig` (the model, `dtype`, `attn_implementation`, the LoRA and quantization settings) plus the
+    IHA conversion settings, the tokenizer and the merge of a LoRA output (`IHAModelArguments`).
+
+    iha_options (`dict` or `str`, *optional*):
+        The settings of the conversion on the fly (`iha.conversion.IHAConversionOptions`): a dict, or its JSON text
+        (`--iha_options '{"num_pseudo_heads": 2}'`), read into a dict here; an unknown setting is refused.
+    load_in_4bit / load_in_8bit:
+        A quantized base is frozen: they need `use_peft` (QLoRA; the mixing is trained in full beside the adapters).
+    """
+
+    _argument_group_name = "model"  # the group of `iha-sft --help` its flags are listed in
+
+    def __post_init__(self):
+        super().__post_init__()
+        if isinstance(self.iha_options, str):
+            self.iha_options = asdict(IHAConversionOptions.from_json(self.iha_options))
+        if (self.load_in_4bit or self.load_in_8bit) and not self.use_peft:
+            raise ValueError(
+                "--load_in_4bit / --load_in_8bit freeze the base in a quantized form: train LoRA adapters on it "
+                "with --use_peft (the IHA mixing is trained in full beside them)."
+            )
+
+
+@dataclass
+class IHAScriptArguments(IHADataArguments, ScriptArguments):
+    """TRL's `ScriptArguments` (`dataset_name`, `dataset_config`, the train and test splits) plus how the rows are
+    read (`IHADataArguments`: the evaluation rows, a default system prompt, the first N rows, the length filter)."""
+
+    _argument_group_name = "data"  # the group of `iha-sft --help` its flags are listed in
+
+    def __post_init__(self):
+        if self.dataset_streaming:
+            raise ValueError(
+                "--dataset_streaming is not supported: iha-sft reads the rows first to check their schema and drop "
+                "those longer than --max_length; use --max_train_rows N to train on the first N rows."
+            )
+        if self.ignore_bias_buffers:
+            raise ValueError(
+                "--ignore_bias_buffers has no effect in iha-sft (TRL reads it in its DDP preference scripts)."
+            )
+
+
+def as_iha_config(config, iha_class: type):
+    """`config` as `iha_class` (`IHAModelConfig` or `IHAScriptArguments`): TRL's own `ModelConfig` /
+    `ScriptArguments` are taken with the IHA settings at their defaults."""
+    if isinstance(config, iha_class):
+        return config
+    trl_class = iha_class.__bases__[-1]  # the IHA arguments first, TRL's class last
+    if not isinstance(config, trl_class):
+        raise TypeError(
+            f"Expected an {iha_class.__name__} (or TRL's {trl_class.__name__}), got {type(config).__name__}. "
+            "train_sft takes the parsed configs as TRL's scripts/sft.py does: "
+            "train_sft(IHAScriptArguments(dataset_name=...), IHASFTConfig(...), IHAModelConfig(model_name_or_path=...)); "
+            "a model or rows in memory go in as model= / train_dataset=."
+        )
+    return iha_class(**{field.name: getattr(config, field.name) for field in fields(trl_class)})
+
+
 __all__ = [
     "BASE_RECORD_NAME",
     "DEFAULT_LORA_TARGET_MODULES",
     "MIXING_MODULE_NAME",
     "MIXING_PARAMETER_PATTERN",
+    "IHAModelConfig",
     "IHASFTConfig",
+    "IHAScriptArguments",
+    "as_iha_config",
     "bf16_supported_here",
     "is_mixing_parameter",
 ]

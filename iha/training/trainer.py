@@ -11,7 +11,7 @@ from trl import SFTConfig, SFTTrainer
 import iha  # noqa: F401  (registers IHAConfig / IHAForCausalLM with the Auto classes)
 
 from ..utils.atomic_files import write_text_atomic
-from .card import write_training_card
+from .card import quantization_description, write_training_card
 from .model import prepare_tokenizer
 from .parameter_groups import IHAMixingMixin
 
@@ -99,32 +99,51 @@ def training_arguments_as_json(folder: str | os.PathLike, args) -> None:
     Path(folder, TRAINING_ARGUMENTS_PICKLE).unlink(missing_ok=True)
 
 
+def training_tokenizer(tokenizer, args: SFTConfig | None):
+    """The tokenizer as training uses it, prepared in this one place: `IHASFTTrainer` calls it, and `train_sft` before
+    its length filter (which must count the tokens of the template training uses; a second call changes nothing).
+
+    A `.jinja` / `.j2` file given as `args.chat_template_path` becomes the chat template, and the path is cleared:
+    TRL's `SFTTrainer` would read it again and replace the `{% generation %}` markers added next. Then what training
+    needs (`prepare_tokenizer`): the markers when the loss is on the assistant turns only, and a pad token.
+    """
+    template_path = getattr(args, "chat_template_path", None)
+    if template_path is not None and str(template_path).endswith((".jinja", ".j2")):
+        tokenizer.chat_template = Path(template_path).read_text(encoding="utf-8")
+        args.chat_template_path = None
+    return prepare_tokenizer(tokenizer, assistant_only_loss=args is not None and args.assistant_only_loss)
+
+
 class IHASFTTrainer(IHAMixingMixin, SFTTrainer):
     """`SFTTrainer` whose optimizer gives the IHA mixing parameters their own learning rate and weight decay
-    (`iha.training.parameter_groups`), keeping them in fp32.
+    (`iha.training.parameter_groups`), keeping them in fp32; the one owner of the tokenizer's preparation and of the
+    model card.
 
     Reads `mixing_learning_rate` / `mixing_weight_decay` from `IHASFTConfig`; with a plain `SFTConfig` the mixing
-    parameters take `learning_rate` and no weight decay. With `assistant_only_loss`, a tokenizer whose chat template
-    lacks `{% generation %}` markers gets the same template with markers (`iha.training.chat_template`), and one
-    without a pad token pads with its end-of-sequence token. `card_details` (base, converted, train_source, num_rows,
-    quantization) say what the IHA model card it writes (`create_model_card`) tells about the run.
+    parameters take `learning_rate` and no weight decay. The tokenizer is prepared for training by
+    `training_tokenizer`. The IHA model card it writes (`create_model_card`) tells what the trainer knows (the
+    model's folder, the rows, LoRA, the quantization of the base) and what `card_details` adds: where the rows came
+    from (`train_source`), the base the model was loaded from (`base`) and whether it was converted to IHA on the way
+    (`converted`).
     """
 
     def __init__(self, model, args: SFTConfig | None = None, *, card_details: dict | None = None, **kwargs):
-        processing_class = kwargs.get("processing_class")
-        if processing_class is not None:
-            assistant_only_loss = args is not None and args.assistant_only_loss
-            kwargs["processing_class"] = prepare_tokenizer(processing_class, assistant_only_loss)
+        if kwargs.get("processing_class") is not None:
+            kwargs["processing_class"] = training_tokenizer(kwargs["processing_class"], args)
+        train_dataset = kwargs.get("train_dataset")
         super().__init__(model, args, **kwargs)
-        # What the model card says about the run (`write_training_card`): `card_details` over what the trainer knows.
+        config = getattr(self.model, "config", None)
+        # What the model card says about the run (`write_training_card`): what the trainer knows, with what
+        # `card_details` gives over it.
         self.card_details = {
-            "base": getattr(getattr(self.model, "config", None), "_name_or_path", None) or None,
+            "base": getattr(config, "_name_or_path", None) or None,
             "converted": False,
-            "train_source": self.train_dataset,
-            "num_rows": None,
+            "train_source": train_dataset,
+            # The rows as given, before tokenizing and packing (an iterable dataset has no length).
+            "num_rows": len(train_dataset) if hasattr(train_dataset, "__len__") else None,
             "peft_config": kwargs.get("peft_config"),
-            "quantization": None,
-            **(card_details or {}),
+            "quantization": quantization_description(getattr(config, "quantization_config", None)),
+            **{key: value for key, value in (card_details or {}).items() if value is not None},
         }
 
     def create_accelerator_and_postprocess(self):

@@ -67,7 +67,7 @@ HELP_PAGES = [
     ("main", ["iha", "demo"], ["--output_dir", "--model", "--num_pseudo_heads"]),
     ("main", ["iha", "convert"], ["source", "output_dir", "--num_pseudo_heads", "--layers", "--dtype", "--no_verify"]),
     ("main", ["iha", "convert", "push"], ["folder", "repo_id", "--private"]),
-    ("main", ["iha", "sft"], ["--model_name_or_path", "--dataset_name", "--learning_rate", "--convert_to_iha"]),
+    ("main", ["iha", "sft"], ["--model_name_or_path", "--convert_to_iha", "--dataset_name", "--learning_rate"]),
     ("main", ["iha", "eval"], ["math", "needle", "compare"]),
     ("main", ["iha", "eval", "math"], ["--model", "--dataset", "--preset", "--temperature"]),
     ("main", ["iha", "ab"], ["--preset", "--output_dir", "--model"]),
@@ -97,13 +97,27 @@ def test_help_lists_the_commands_flags_in_order(function, words, flags, capsys, 
             assert f"  {name:<17} {summary}" in out
 
 
-def test_sft_help_lists_trl_flags_and_the_packages_in_their_own_groups(capsys, monkeypatch):
+def test_sft_help_lists_trl_flags_in_the_groups_of_its_configs_and_marks_the_packages(capsys, monkeypatch):
     status, out = help_page("sft", "iha-sft", capsys=capsys, monkeypatch=monkeypatch)
     assert status == 0
     for flag in ("--model_name_or_path", "--lora_r", "--load_in_4bit", "--learning_rate", "--packing", "--max_length"):
         assert f"  {flag} " in out, flag
-    for group, flag in (("model (iha)", "--iha_options"), ("data (iha)", "--default_system_prompt")):
-        assert out.index(f"\n{group}:") < out.index(f"  {flag} ")
+    # One group per config `train_sft` takes (IHAModelConfig, IHAScriptArguments, IHASFTConfig), in that order, each
+    # holding TRL's flags and the package's own.
+    groups = [out.index(f"\n{group}:\n") for group in ("model", "data", "training")]
+    assert groups == sorted(groups)
+    for group, flags in (
+        (0, ("--model_name_or_path", "--load_in_4bit", "--iha_options")),
+        (1, ("--dataset_name", "--default_system_prompt")),
+        (2, ("--learning_rate", "--mixing_learning_rate")),
+    ):
+        end = groups[group + 1] if group + 1 < len(groups) else len(out)
+        assert all(groups[group] < out.index(f"  {flag} ") < end for flag in flags), flags
+    # The package's own flags say so first; TRL's do not.
+    described = re.sub(r"\s+", " ", out)
+    for flag in ("--iha_options IHA_OPTIONS", "--default_system_prompt DEFAULT_SYSTEM_PROMPT"):
+        assert f"{flag} (iha) " in described, flag
+    assert "--lora_r LORA_R (iha)" not in described and "--lora_r LORA_R LoRA R value." in described
 
 
 def hf_declaration(action: argparse.Action) -> dict:

@@ -26,8 +26,9 @@ from iha.data.messages import write_jsonl
 from iha.hub.model_card import read_model_card
 from iha.training import (
     BASE_RECORD_NAME,
+    IHAModelConfig,
+    IHAScriptArguments,
     IHASFTConfig,
-    iha_lora_config,
     is_mixing_parameter,
     load_sft_output,
     train_sft,
@@ -134,8 +135,6 @@ def test_qlora_4bit_on_a_llama_converted_on_the_fly_saves_reloads_and_merges(tmp
 
 
 def test_8bit_lora_trains_an_iha_folder(tmp_path):
-    from transformers import BitsAndBytesConfig
-
     base_dir = tmp_path / "base"
     tokenizer = build_tiny_tokenizer(base_dir)
     tiny_iha_model(seed=1, randomize=False, **TRAINING_MODEL, **tokenizer_settings(tokenizer)).save_pretrained(base_dir)
@@ -145,15 +144,10 @@ def test_8bit_lora_trains_an_iha_folder(tmp_path):
         save_strategy="no", logging_steps=1, disable_tqdm=True,
     )  # fmt: skip
     rows = gsm8k_message_rows(16)
-    with pytest.raises(ValueError, match="pass `peft_config`"):
-        train_sft(str(base_dir), rows, args, quantization_config=BitsAndBytesConfig(load_in_8bit=True))
-    trainer = train_sft(
-        str(base_dir),
-        rows,
-        args,
-        peft_config=iha_lora_config(r=8),
-        quantization_config=BitsAndBytesConfig(load_in_8bit=True),
-    )
+    with pytest.raises(ValueError, match="with --use_peft"):
+        IHAModelConfig(model_name_or_path=str(base_dir), load_in_8bit=True)
+    model_args = IHAModelConfig(model_name_or_path=str(base_dir), use_peft=True, lora_r=8, load_in_8bit=True)
+    trainer = train_sft(IHAScriptArguments(), args, model_args, train_dataset=rows)
     assert base_layer_class(trainer.model) == "Linear8bitLt"
     assert_mixing_trained_in_fp32(trainer.model)
     assert "8-bit" in read_model_card(tmp_path / "out").sections["Training"]

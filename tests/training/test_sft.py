@@ -30,6 +30,8 @@ from iha.hub.licenses import package_license_text
 from iha.hub.model_card import read_model_card
 from iha.training import (
     BASE_RECORD_NAME,
+    IHAModelConfig,
+    IHAScriptArguments,
     IHASFTConfig,
     IHASFTTrainer,
     bf16_supported_here,
@@ -127,7 +129,10 @@ def _messages(rows):
 def test_full_sft_loss_decreases_mixing_moves_and_saves_hub_ready(tokenizer, rows, tmp_path):
     model = tiny_iha_model(randomize=False, **TRAINING_MODEL, **tokenizer_settings(tokenizer))
     output_dir = tmp_path / "full"
-    trainer = train_sft(model, rows, sft_config(output_dir), processing_class=tokenizer)
+    trainer = train_sft(
+        IHAScriptArguments(), sft_config(output_dir), IHAModelConfig(), model=model, train_dataset=rows,
+        processing_class=tokenizer,
+    )  # fmt: skip
 
     history = losses(trainer)
     assert len(history) == 30 and all(math.isfinite(loss) for loss in history)
@@ -280,18 +285,17 @@ def test_activation_checkpointing_keeps_trls_default_under_its_current_name_with
 def test_resume_from_checkpoint_continues_the_same_run(tokenizer, rows, tmp_path):
     overrides = dict(max_steps=6, save_strategy="steps", save_steps=3, lr_scheduler_type="linear", warmup_steps=2)
     uninterrupted = tiny_iha_model(seed=2, randomize=False, **TRAINING_MODEL, **tokenizer_settings(tokenizer))
-    full = train_sft(uninterrupted, rows, sft_config(tmp_path / "a", **overrides), processing_class=tokenizer)
+    in_memory = dict(train_dataset=rows, processing_class=tokenizer)
+    full = train_sft(
+        IHAScriptArguments(), sft_config(tmp_path / "a", **overrides), IHAModelConfig(), model=uninterrupted,
+        **in_memory,
+    )  # fmt: skip
     assert (tmp_path / "a" / "checkpoint-3" / "optimizer.pt").is_file()
 
     resumed_model = tiny_iha_model(seed=2, randomize=False, **TRAINING_MODEL, **tokenizer_settings(tokenizer))
-    resumed = train_sft(
-        resumed_model,
-        rows,
-        sft_config(tmp_path / "a", **overrides),
-        processing_class=tokenizer,
-        resume_from_checkpoint=str(tmp_path / "a" / "checkpoint-3"),
-        save=False,
-    )
+    # As `--resume_from_checkpoint`: the training config's own setting.
+    resume = sft_config(tmp_path / "b", resume_from_checkpoint=str(tmp_path / "a" / "checkpoint-3"), **overrides)
+    resumed = train_sft(IHAScriptArguments(), resume, IHAModelConfig(), model=resumed_model, **in_memory)
     assert resumed.state.global_step == 6
     by_step = {entry["step"]: entry["loss"] for entry in full.state.log_history if "loss" in entry}
     resumed_by_step = {entry["step"]: entry["loss"] for entry in resumed.state.log_history if "loss" in entry}
@@ -320,7 +324,9 @@ def test_converts_a_llama_checkpoint_on_the_fly(tokenizer, rows, tmp_path):
     LlamaForCausalLM(llama_config).save_pretrained(llama_dir)
     tokenizer.save_pretrained(llama_dir)
     args = sft_config(tmp_path / "converted", max_steps=3)
-    trainer = train_sft(str(llama_dir), rows[:16], args, iha_options={"num_pseudo_heads": 2})
+    model_args = IHAModelConfig(model_name_or_path=str(llama_dir), iha_options='{"num_pseudo_heads": 2}')
+    assert model_args.iha_options["num_pseudo_heads"] == 2  # the flag's JSON, read into the dict Python passes
+    trainer = train_sft(IHAScriptArguments(), args, model_args, train_dataset=rows[:16])
     assert isinstance(trainer.model, iha.IHAForCausalLM)
     assert trainer.model.config.num_pseudo_heads == 2
     assert json.loads((tmp_path / "converted" / "config.json").read_text())["model_type"] == "iha"
@@ -330,7 +336,10 @@ def test_converts_a_llama_checkpoint_on_the_fly(tokenizer, rows, tmp_path):
     assert "base_model" not in card.metadata  # a local folder is no Hub id
 
     baseline = train_sft(
-        str(llama_dir), rows[:16], sft_config(tmp_path / "baseline", max_steps=2), convert_to_iha=False
+        IHAScriptArguments(),
+        sft_config(tmp_path / "baseline", max_steps=2),
+        IHAModelConfig(model_name_or_path=str(llama_dir), convert_to_iha=False),
+        train_dataset=rows[:16],
     )
     assert type(baseline.model).__name__ == "LlamaForCausalLM"
 
@@ -356,7 +365,10 @@ def test_converts_a_gemma3_checkpoint_on_the_fly_trains_and_saves_it_hub_ready(t
     tokenizer.save_pretrained(gemma3_dir)
     output_dir = tmp_path / "converted"
     trainer = train_sft(
-        str(gemma3_dir), rows[:32], sft_config(output_dir, max_steps=12), iha_options={"num_pseudo_heads": 2}
+        IHAScriptArguments(),
+        sft_config(output_dir, max_steps=12),
+        IHAModelConfig(model_name_or_path=str(gemma3_dir), iha_options={"num_pseudo_heads": 2}),
+        train_dataset=rows[:32],
     )
     assert type(trainer.model) is iha.IHAGemma3ForCausalLM
     assert trainer.model.config.attention_types == ["iha_sliding_attention", "iha_full_attention"]
@@ -391,11 +403,42 @@ def test_launch_without_use_cpu_is_refused(tokenizer, rows, tmp_path, monkeypatc
     monkeypatch.setenv("WORLD_SIZE", "2")
     with pytest.raises(ValueError, match="pass `--use_cpu true`"):
         train_sft(
-            tiny_iha_model(randomize=False, **TRAINING_MODEL, **tokenizer_settings(tokenizer)),
-            rows[:4],
+            IHAScriptArguments(),
             sft_config(tmp_path),
+            IHAModelConfig(),
+            model=tiny_iha_model(randomize=False, **TRAINING_MODEL, **tokenizer_settings(tokenizer)),
+            train_dataset=rows[:4],
             processing_class=tokenizer,
         )
+
+
+def test_the_old_call_is_refused_with_its_migration(tokenizer, rows, tmp_path):
+    model = tiny_iha_model(randomize=False, **TRAINING_MODEL, **tokenizer_settings(tokenizer))
+    with pytest.raises(TypeError, match=r"train_sft\(IHAScriptArguments\(dataset_name=\.\.\.\), IHASFTConfig"):
+        train_sft(model, rows, sft_config(tmp_path), processing_class=tokenizer)
+    with pytest.raises(ValueError, match="give one"):  # an object and a path: which one trains is not guessed
+        train_sft(
+            IHAScriptArguments(), sft_config(tmp_path), IHAModelConfig(model_name_or_path="elsewhere"), model=model,
+            train_dataset=rows,
+        )  # fmt: skip
+
+
+def test_configs_take_trls_own_and_refuse_what_no_run_can_do(tmp_path):
+    from trl import ModelConfig, ScriptArguments
+
+    from iha.training.config import as_iha_config
+
+    # TRL's own configs, as `trl sft` parses them: the same settings, the IHA ones at their defaults.
+    model_args = as_iha_config(ModelConfig(model_name_or_path="m", use_peft=True, lora_r=4), IHAModelConfig)
+    assert (model_args.model_name_or_path, model_args.lora_r, model_args.convert_to_iha) == ("m", 4, True)
+    script_args = as_iha_config(ScriptArguments(dataset_name="d", dataset_train_split="t"), IHAScriptArguments)
+    assert (script_args.dataset_name, script_args.dataset_train_split, script_args.filter_long_rows) == ("d", "t", True)
+    with pytest.raises(ValueError, match="with --use_peft"):
+        IHAModelConfig(model_name_or_path="m", load_in_8bit=True)
+    with pytest.raises(ValueError, match="Unknown IHAConversionOptions setting"):
+        IHAModelConfig(iha_options='{"num_pseudo_head": 2}')
+    with pytest.raises(ValueError, match="--dataset_streaming is not supported"):
+        IHAScriptArguments(dataset_name="d", dataset_streaming=True)
 
 
 def test_command_line_help_lists_the_iha_flags():

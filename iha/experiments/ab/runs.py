@@ -38,7 +38,7 @@ from ...evaluation.math_eval import (
     load_model_and_tokenizer,
     score_completions,
 )
-from ...training.config import IHASFTConfig
+from ...training.config import IHAModelConfig, IHAScriptArguments, IHASFTConfig
 from ...training.train import train_sft
 from ...utils.atomic_files import write_json_atomic
 from .config import ARM_A, ARM_B, ABConfig
@@ -173,16 +173,15 @@ def train_run(
     if checkpoint is not None:
         log(f"{run_dir.name}: resuming from {Path(checkpoint).name}")
     args = sft_config(config, training_dir, seed, mixing_learning_rate, settings)
-    started = time.perf_counter()
-    trainer = train_sft(
-        source,
-        train_rows,
-        args,
+    args.resume_from_checkpoint = checkpoint
+    model_args = IHAModelConfig(
+        model_name_or_path=source,
         convert_to_iha=arm == ARM_B,
         iha_options={"num_pseudo_heads": config.num_pseudo_heads} if arm == ARM_B else None,
-        callbacks=[StepTrace()],
-        resume_from_checkpoint=checkpoint,
     )
+    started = time.perf_counter()
+    # The rows are the harness's own split (data/train.jsonl), given as they are.
+    trainer = train_sft(IHAScriptArguments(), args, model_args, train_dataset=train_rows, callbacks=[StepTrace()])
     train_seconds = time.perf_counter() - started
     trace = find_step_trace(trainer).steps
     started = time.perf_counter()
