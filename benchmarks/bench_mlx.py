@@ -2,6 +2,7 @@
 
     python benchmarks/bench_mlx.py --iha-folder iha-demo/model   # writes benchmarks/results/mlx.md and mlx.json
     python benchmarks/bench_mlx.py --quick                       # a smoke run: results/mlx_quick.{md,json}
+    python benchmarks/bench_mlx.py --skip speed --perturb-mixing 0.05 --predictions-dir DIR  # resumable
 
 The source is the built-in SmolLM2-135M-Instruct (float32; `iha.conversion.builtin`), copied with its RoPE base also
 under the key `rope_theta`: stock mlx-lm 0.32 reads only that key, not transformers 5's `rope_parameters`, and would
@@ -84,42 +85,110 @@ def texts(count: int) -> list[str]:
     return [f"Question: {row['question']}\nAnswer: {row['answer']}" for row in rows[:count]]
 
 
-def next_token_logprobs(model, token_ids: list[int]) -> np.ndarray:
-    logits = model(mx.array([token_ids]))[0].astype(mx.float32)
-    return np.array(logits - mx.logsumexp(logits, axis=-1, keepdims=True))
+def next_token_predictions(model, token_ids: list[int]) -> tuple[np.ndarray, np.ndarray]:
+    """(top-1 prediction, log-probability of the text's next token) at each position but the last."""
+    logits = model(mx.array([token_ids]))[0, :-1].astype(mx.float32)
+    targets = mx.array(token_ids[1:])
+    target_logits = mx.take_along_axis(logits, targets[:, None], axis=-1)[:, 0]
+    logprobs = target_logits - mx.logsumexp(logits, axis=-1)
+    return np.array(logits.argmax(-1)), np.array(logprobs)
 
 
-def agreement(float_model, quantized_model, encoded: list[list[int]]) -> dict:
-    """Top-1 agreement and mean |log p gap| of the text's next tokens, quantized against float, over all texts."""
-    same, gaps = [], []
-    for token_ids in encoded:
-        reference, quantized = (
-            next_token_logprobs(float_model, token_ids),
-            next_token_logprobs(quantized_model, token_ids),
-        )
-        same.append(reference[:-1].argmax(-1) == quantized[:-1].argmax(-1))
-        targets = np.array(token_ids[1:])
-        rows = np.arange(len(targets))
-        gaps.append(np.abs(reference[rows, targets] - quantized[rows, targets]))
-    same, gaps = np.concatenate(same), np.concatenate(gaps)
-    return {"tokens": int(same.size), "top1_agreement": float(same.mean()), "mean_logprob_gap": float(gaps.mean())}
+def agreement(reference: list[tuple], quantized: list[tuple]) -> tuple[dict, np.ndarray, np.ndarray]:
+    """Top-1 agreement and mean |log p gap| of the text's next tokens, quantized against float, over all texts; and
+    the per-token agreement and gaps, for the paired comparison of the two models."""
+    same = np.concatenate([r[0] == q[0] for r, q in zip(reference, quantized)])
+    gaps = np.concatenate([np.abs(r[1] - q[1]) for r, q in zip(reference, quantized)])
+    entry = {"tokens": int(same.size), "top1_agreement": float(same.mean()), "mean_logprob_gap": float(gaps.mean())}
+    return entry, same, gaps
 
 
-def quantization_part(source: Path, iha_folder: Path, work: Path, num_texts: int) -> dict:
-    results = {}
-    for name, folder in (("source Llama (stock mlx-lm)", source), ("IHA (MLX model file)", iha_folder)):
+def paired(source: tuple[np.ndarray, np.ndarray], iha: tuple[np.ndarray, np.ndarray]) -> dict:
+    """The two models on the same tokens: where only one quantized model keeps its float model's top-1, and the mean
+    per-token difference of the log-prob gaps (IHA - source) with its standard error."""
+    (source_same, source_gaps), (iha_same, iha_gaps) = source, iha
+    difference = iha_gaps - source_gaps
+    return {
+        "only_source_agrees": int((source_same & ~iha_same).sum()),
+        "only_iha_agrees": int((iha_same & ~source_same).sum()),
+        "gap_difference_mean": float(difference.mean()),
+        "gap_difference_standard_error": float(difference.std(ddof=1) / np.sqrt(difference.size)),
+    }
+
+
+def predictions(model, encoded: list[list[int]], label: str, store: Path | None, start: float) -> list[tuple]:
+    """`next_token_predictions` of each text; with a `store` (`--predictions-dir`) each text's are saved there as
+    they come and read back by a rerun instead of being computed again."""
+    found = []
+    for index, token_ids in enumerate(encoded):
+        saved = store / f"{label.replace(' ', '_')}-text{index}.npz" if store is not None else None
+        if saved is not None and saved.is_file():
+            with np.load(saved) as data:
+                found.append((data["top1"], data["logprobs"]))
+            print(f"{label}, text {index + 1}/{len(encoded)}: read from {saved}", flush=True)
+            continue
+        top1, logprobs = next_token_predictions(model, token_ids)
+        if saved is not None:
+            np.savez(saved.with_suffix(".partial.npz"), top1=top1, logprobs=logprobs)
+            saved.with_suffix(".partial.npz").rename(saved)  # whole files only: a run killed mid-write leaves none
+        found.append((top1, logprobs))
+        print(f"{time.perf_counter() - start:.0f} s: {label}, text {index + 1}/{len(encoded)}", flush=True)
+    return found
+
+
+def quantization_part(
+    source: Path, iha_folder: Path, work: Path, num_texts: int, store: Path | None = None
+) -> tuple[dict, dict]:
+    """Each float32 model's predictions are computed once and compared with both of its quantizations: on MLX's Linux
+    CPU build every forward pass is slow (see `--num-texts`), so none is repeated, and with `store` none is repeated
+    by a rerun either."""
+    results, per_token = {}, {}
+    start = time.perf_counter()
+    source_encoded = None
+    models = (("source Llama (stock mlx-lm)", source), ("IHA (MLX model file)", iha_folder))
+    for (name, folder), short in zip(models, ("source", "iha")):
         float_model, tokenizer = load(str(folder), trust_remote_code=True)
         encoded = [tokenizer.encode(text) for text in texts(num_texts)]
+        # The IHA folder carries the source's tokenizer: both models are measured on the same tokens.
+        assert source_encoded is None or encoded == source_encoded, "the two folders tokenize the texts differently"
+        source_encoded = encoded
+        reference = predictions(float_model, encoded, f"{short} float32", store, start)
+        del float_model
+        # How sure the float model is of the text: a less sure model has smaller top-1 margins for quantization to flip.
+        float_logprob = float(np.concatenate([logprobs for _, logprobs in reference]).mean())
         for bits in (8, 4):
             quantized_folder = work / f"{folder.name}-q{bits}"
             convert(str(folder), str(quantized_folder), quantize=True, q_bits=bits, trust_remote_code=True)
             quantized_model, _ = load(str(quantized_folder), trust_remote_code=True)
-            entry = agreement(float_model, quantized_model, encoded)
+            quantized = predictions(quantized_model, encoded, f"{short} {bits}-bit", store, start)
+            entry, same, gaps = agreement(reference, quantized)
             mixing = {str(v.dtype) for k, v in tree_flatten(quantized_model.parameters()) if ".head_mixing." in k}
             entry["mixing_dtypes"] = sorted(mixing)
+            entry["float32_mean_logprob"] = float_logprob
             results[f"{name}, {bits}-bit"] = entry
+            per_token[name, bits] = (same, gaps)
             print(name, bits, entry, flush=True)
-    return results
+    (source_name, _), (iha_name, _) = models
+    comparison = {f"{bits}-bit": paired(per_token[source_name, bits], per_token[iha_name, bits]) for bits in (8, 4)}
+    print(comparison, flush=True)
+    return results, comparison
+
+
+def prediction_store(directory: str | None, settings: dict) -> Path | None:
+    """`--predictions-dir`: the folder, which must hold predictions of the same IHA folder and texts if any (its
+    settings.json says which)."""
+    if directory is None:
+        return None
+    store = Path(directory)
+    store.mkdir(parents=True, exist_ok=True)
+    written = store / "settings.json"
+    if written.is_file() and json.loads(written.read_text()) != settings:
+        raise SystemExit(
+            f"--predictions-dir {store} holds predictions of other settings ({written.read_text().strip()}, now "
+            f"{json.dumps(settings)}): pass an empty folder, or the flags of the run that wrote it"
+        )
+    written.write_text(json.dumps(settings) + "\n")
+    return store
 
 
 def decode_rate(model, prompt: list[int], decode_tokens: int, **model_kwargs) -> tuple[float, int]:
@@ -186,31 +255,83 @@ def speed_part(source: Path, iha_folder: Path, prompt_tokens: int, decode_tokens
     return results
 
 
-def report(results: dict) -> str:
-    regime = results["regime"]
+def measured_on(results: dict, part: str) -> tuple[str, dict]:
+    """When and on what a part was measured (a part skipped in this run keeps its earlier run's regime)."""
+    regime = results.get("regime_of_skipped", {}).get(part, {"date": results["date"], **results["regime"]})
+    return (
+        f"Measured {regime['date']} on {regime['machine']} ({regime['processor']}), mlx {regime['mlx']}, mlx-lm "
+        f"{regime['mlx_lm']}, MLX's CPU build (mlx[cpu]), a shared 2-core machine (other jobs running; nice). Source: "
+        f"the built-in SmolLM2-135M-Instruct, float32. IHA folder: {regime['iha_folder']}."
+    ), regime
+
+
+def quantization_report(results: dict) -> list[str]:
+    when, regime = measured_on(results, "quantization")
+    entries = results["quantization"]
+    tokens = next(iter(entries.values()))["tokens"] if entries else 0
+    took = f" The part took {regime['quantization_seconds']} s." if "quantization_seconds" in regime else ""
     lines = [
-        "# IHA on MLX against stock mlx-lm on the source Llama (`benchmarks/bench_mlx.py`)",
-        "",
-        f"Measured {results['date']} on {regime['machine']} ({regime['processor']}), mlx {regime['mlx']}, "
-        f"mlx-lm {regime['mlx_lm']}, MLX's CPU build, a shared machine (other jobs running; nice). Source: the "
-        f"built-in SmolLM2-135M-Instruct, float32. IHA folder: {regime['iha_folder']}.",
-        "",
         "## Quantization (`mlx_lm.convert -q`), each model against its own float32 version",
         "",
-        f"Teacher-forced on {regime['num_texts']} GSM8K questions with answers (tests/fixtures/data).",
-        "",
-        "| model | tokens | top-1 agreement | mean abs log-prob gap | mixing dtype |",
-        "|---|---:|---:|---:|---|",
+        when,
+        f"Teacher-forced on {regime['num_texts']} GSM8K questions with answers (tests/fixtures/data), {tokens} "
+        f"next-token predictions per model, the same tokens for both (the IHA folder carries the source's "
+        f"tokenizer). Default group size (64); the float32 predictions computed once per model.{took}",
     ]
-    for name, entry in results["quantization"].items():
-        lines.append(
-            f"| {name} | {entry['tokens']} | {100 * entry['top1_agreement']:.2f}% | {entry['mean_logprob_gap']:.4f} | "
-            f"{', '.join(entry['mixing_dtypes']) or '(none)'} |"
-        )
+    source, iha = "source Llama (stock mlx-lm)", "IHA (MLX model file)"
+    comparison = results.get("quantization_paired", {})
+    if not comparison:
+        return lines
     lines += [
         "",
+        "Side by side, source / IHA: top-1 agreement of the next-token predictions with the model's own float32 "
+        "version, the tokens where only one of the two keeps its float model's top-1, the mean absolute gap of the "
+        "text's next-token log-probability, and the paired per-token difference of those gaps (IHA - source; > 0: "
+        "IHA's quantization moves its log-probs more) with its standard error.",
+        "",
+        "| bits | top-1 agreement, source / IHA | only the source keeps / only IHA keeps | mean abs log-prob gap, "
+        "source / IHA | gap difference (IHA - source) | IHA mixing dtype |",
+        "|---|---:|---:|---:|---:|---|",
+    ]
+    verdicts, mixing_dtypes = [], set()
+    for bits, pair in comparison.items():
+        plain, ours = entries[f"{source}, {bits}"], entries[f"{iha}, {bits}"]
+        mixing_dtypes.update(ours["mixing_dtypes"])
+        difference, error = pair["gap_difference_mean"], pair["gap_difference_standard_error"]
+        lines.append(
+            f"| {bits} | {100 * plain['top1_agreement']:.2f}% / {100 * ours['top1_agreement']:.2f}% | "
+            f"{pair['only_source_agrees']} / {pair['only_iha_agrees']} | {plain['mean_logprob_gap']:.4f} / "
+            f"{ours['mean_logprob_gap']:.4f} | {difference:+.4f} +- {error:.4f} | "
+            f"{', '.join(ours['mixing_dtypes']) or '(none)'} |"
+        )
+        points = 100 * (ours["top1_agreement"] - plain["top1_agreement"])
+        within = "within" if abs(difference) <= 2 * error else "beyond"
+        verdicts.append(
+            f"{bits}: IHA's top-1 agreement is {points:+.2f} points from the source's, its mean log-prob gap "
+            f"{difference:+.4f} from the source's ({within} two standard errors of zero)."
+        )
+    float_logprobs = [entries[f"{name}, 8-bit"]["float32_mean_logprob"] for name in (source, iha)]
+    lines += ["", " ".join(verdicts)]
+    lines.append(
+        f"The float32 models' mean log-probability of the texts' tokens: source {float_logprobs[0]:.3f}, IHA "
+        f"{float_logprobs[1]:.3f}. "
+        + (
+            "The IHA folder's mixing stays float32 after `mlx_lm.convert -q` at both widths (read off the loaded "
+            "quantized model); only its linear layers and embeddings are quantized."
+            if mixing_dtypes == {"float32"}
+            else f"The IHA folder's mixing after `mlx_lm.convert -q`: {sorted(mixing_dtypes) or 'not found'}."
+        )
+    )
+    return lines
+
+
+def speed_report(results: dict) -> list[str]:
+    when, regime = measured_on(results, "speed")
+    lines = [
         f"## Decode speed, batch 1, float32: prompt {regime['prompt_tokens']} tokens, {regime['decode_tokens']} new "
         f"tokens, {regime['repeats']} rounds (median, range)",
+        "",
+        when,
         "",
         "| model | tok/s | tok/s ratio | FLOP ratio (IHA / base) | ratio x FLOP ratio (target >= 0.8) | cache bytes/token |",
         "|---|---:|---:|---:|---:|---:|",
@@ -223,6 +344,12 @@ def report(results: dict) -> str:
             f"| {name} | {entry['tok_s_median']:.1f} ({entry['tok_s_min']:.1f}-{entry['tok_s_max']:.1f}) | {ratio} | "
             f"{flop} | {target} | {entry['cache_bytes_per_token']} |"
         )
+    return lines
+
+
+def report(results: dict) -> str:
+    lines = ["# IHA on MLX against stock mlx-lm on the source Llama (`benchmarks/bench_mlx.py`)", ""]
+    lines += quantization_report(results) + [""] + speed_report(results)
     return "\n".join(lines) + "\n"
 
 
@@ -240,7 +367,20 @@ def main(argv=None) -> int:
     parser.add_argument("--prompt-tokens", type=int, default=256)
     parser.add_argument("--decode-tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--num-texts", type=int, default=8)
+    parser.add_argument(
+        "--num-texts",
+        type=int,
+        default=4,
+        help="GSM8K texts of the quantization part (the first 4: 568 next-token predictions). MLX's Linux CPU wheel "
+        "(mlx[cpu] 0.32) bundles the reference BLAS: its float32 matmul runs at about 2 GFLOP/s and its quantized "
+        "matmul at about 1, so one forward pass of SmolLM2-135M over one text takes 10-70 s on this project's shared "
+        "machine, and the part (6 passes per text) about 15 minutes with 4 texts",
+    )
+    parser.add_argument(
+        "--predictions-dir",
+        help="keep each text's predictions of the quantization part here: a run stopped part-way and started again "
+        "with the same flags and folder computes only what is missing",
+    )
     parser.add_argument("--skip", choices=["quantization", "speed"], action="append", default=[])
     args = parser.parse_args(argv)
     if args.quick:
@@ -276,7 +416,13 @@ def main(argv=None) -> int:
             "speed": {},
         }
         if "quantization" not in args.skip:
-            results["quantization"] = quantization_part(source, trained, work, args.num_texts)
+            start = time.perf_counter()
+            settings = {"iha_folder": results["regime"]["iha_folder"], "mlx": mx.__version__, "texts": "gsm8k"}
+            store = prediction_store(args.predictions_dir, settings)
+            results["quantization"], results["quantization_paired"] = quantization_part(
+                source, trained, work, args.num_texts, store
+            )
+            results["regime"]["quantization_seconds"] = round(time.perf_counter() - start)
         if "speed" not in args.skip:
             results["speed"] = speed_part(source, converted, args.prompt_tokens, args.decode_tokens, args.repeats)
     name = "mlx_quick" if args.quick else "mlx"
@@ -285,7 +431,9 @@ def main(argv=None) -> int:
         previous = json.loads(earlier.read_text())
         for part in args.skip:
             results[part] = previous.get(part, {})
-            results.setdefault("regime_of_skipped", {})[part] = {"date": previous["date"], **previous["regime"]}
+            # The regime of the run that measured it: the previous run's, unless that run had skipped it too.
+            measured = previous.get("regime_of_skipped", {}).get(part, {"date": previous["date"], **previous["regime"]})
+            results.setdefault("regime_of_skipped", {})[part] = measured
     (RESULTS / f"{name}.json").write_text(json.dumps(results, indent=2) + "\n")
     (RESULTS / f"{name}.md").write_text(report(results))
     print(report(results))
