@@ -2,6 +2,7 @@
 
     python benchmarks/bench_mlx.py --iha-folder iha-demo/model   # writes benchmarks/results/mlx.md and mlx.json
     python benchmarks/bench_mlx.py --quick                       # a smoke run: results/mlx_quick.{md,json}
+    python benchmarks/bench_mlx.py --skip speed --perturb-mixing 0.05 --predictions-dir DIR  # resumable
 
 The source is the built-in SmolLM2-135M-Instruct (float32; `iha.conversion.builtin`), copied with its RoPE base also
 under the key `rope_theta`: stock mlx-lm 0.32 reads only that key, not transformers 5's `rope_parameters`, and would
@@ -37,11 +38,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import mlx.core as mx  # noqa: E402
 import numpy as np  # noqa: E402
 from flops import model_flops  # noqa: E402
-from mlx.utils import tree_flatten  # noqa: E402
-from mlx_lm.convert import convert  # noqa: E402
 from mlx_lm.generate import generate_step  # noqa: E402
 from mlx_lm.models.cache import make_prompt_cache  # noqa: E402
 from mlx_lm.utils import load  # noqa: E402
+from mlx_quantization import prediction_store, quantization_part, quantization_report  # noqa: E402
 
 from iha import conversion  # noqa: E402
 from iha.conversion.builtin import smollm2_dir  # noqa: E402
@@ -49,7 +49,6 @@ from iha.export.mlx import add_mlx_model_file  # noqa: E402
 
 
 RESULTS = Path(__file__).resolve().parent / "results"
-GSM8K = Path(__file__).resolve().parent.parent / "tests" / "fixtures" / "data" / "gsm8k"
 
 
 def source_for_stock_mlx(work: Path) -> Path:
@@ -75,51 +74,6 @@ def perturbed_copy(folder: Path, target: Path, scale: float) -> Path:
                 tensors[name] = (value + scale * rng.standard_normal(value.shape)).astype(value.dtype)
         save_file(tensors, path, metadata={"format": "pt"})
     return target
-
-
-def texts(count: int) -> list[str]:
-    rows = []
-    for path in sorted(GSM8K.glob("*.jsonl")):
-        rows += [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    return [f"Question: {row['question']}\nAnswer: {row['answer']}" for row in rows[:count]]
-
-
-def next_token_logprobs(model, token_ids: list[int]) -> np.ndarray:
-    logits = model(mx.array([token_ids]))[0].astype(mx.float32)
-    return np.array(logits - mx.logsumexp(logits, axis=-1, keepdims=True))
-
-
-def agreement(float_model, quantized_model, encoded: list[list[int]]) -> dict:
-    """Top-1 agreement and mean |log p gap| of the text's next tokens, quantized against float, over all texts."""
-    same, gaps = [], []
-    for token_ids in encoded:
-        reference, quantized = (
-            next_token_logprobs(float_model, token_ids),
-            next_token_logprobs(quantized_model, token_ids),
-        )
-        same.append(reference[:-1].argmax(-1) == quantized[:-1].argmax(-1))
-        targets = np.array(token_ids[1:])
-        rows = np.arange(len(targets))
-        gaps.append(np.abs(reference[rows, targets] - quantized[rows, targets]))
-    same, gaps = np.concatenate(same), np.concatenate(gaps)
-    return {"tokens": int(same.size), "top1_agreement": float(same.mean()), "mean_logprob_gap": float(gaps.mean())}
-
-
-def quantization_part(source: Path, iha_folder: Path, work: Path, num_texts: int) -> dict:
-    results = {}
-    for name, folder in (("source Llama (stock mlx-lm)", source), ("IHA (MLX model file)", iha_folder)):
-        float_model, tokenizer = load(str(folder), trust_remote_code=True)
-        encoded = [tokenizer.encode(text) for text in texts(num_texts)]
-        for bits in (8, 4):
-            quantized_folder = work / f"{folder.name}-q{bits}"
-            convert(str(folder), str(quantized_folder), quantize=True, q_bits=bits, trust_remote_code=True)
-            quantized_model, _ = load(str(quantized_folder), trust_remote_code=True)
-            entry = agreement(float_model, quantized_model, encoded)
-            mixing = {str(v.dtype) for k, v in tree_flatten(quantized_model.parameters()) if ".head_mixing." in k}
-            entry["mixing_dtypes"] = sorted(mixing)
-            results[f"{name}, {bits}-bit"] = entry
-            print(name, bits, entry, flush=True)
-    return results
 
 
 def decode_rate(model, prompt: list[int], decode_tokens: int, **model_kwargs) -> tuple[float, int]:
@@ -186,31 +140,23 @@ def speed_part(source: Path, iha_folder: Path, prompt_tokens: int, decode_tokens
     return results
 
 
-def report(results: dict) -> str:
-    regime = results["regime"]
+def measured_on(results: dict, part: str) -> tuple[str, dict]:
+    """When and on what a part was measured (a part skipped in this run keeps its earlier run's regime)."""
+    regime = results.get("regime_of_skipped", {}).get(part, {"date": results["date"], **results["regime"]})
+    return (
+        f"Measured {regime['date']} on {regime['machine']} ({regime['processor']}), mlx {regime['mlx']}, mlx-lm "
+        f"{regime['mlx_lm']}, MLX's CPU build (mlx[cpu]), a shared 2-core machine (other jobs running; nice). Source: "
+        f"the built-in SmolLM2-135M-Instruct, float32. IHA folder: {regime['iha_folder']}."
+    ), regime
+
+
+def speed_report(results: dict) -> list[str]:
+    when, regime = measured_on(results, "speed")
     lines = [
-        "# IHA on MLX against stock mlx-lm on the source Llama (`benchmarks/bench_mlx.py`)",
-        "",
-        f"Measured {results['date']} on {regime['machine']} ({regime['processor']}), mlx {regime['mlx']}, "
-        f"mlx-lm {regime['mlx_lm']}, MLX's CPU build, a shared machine (other jobs running; nice). Source: the "
-        f"built-in SmolLM2-135M-Instruct, float32. IHA folder: {regime['iha_folder']}.",
-        "",
-        "## Quantization (`mlx_lm.convert -q`), each model against its own float32 version",
-        "",
-        f"Teacher-forced on {regime['num_texts']} GSM8K questions with answers (tests/fixtures/data).",
-        "",
-        "| model | tokens | top-1 agreement | mean abs log-prob gap | mixing dtype |",
-        "|---|---:|---:|---:|---|",
-    ]
-    for name, entry in results["quantization"].items():
-        lines.append(
-            f"| {name} | {entry['tokens']} | {100 * entry['top1_agreement']:.2f}% | {entry['mean_logprob_gap']:.4f} | "
-            f"{', '.join(entry['mixing_dtypes']) or '(none)'} |"
-        )
-    lines += [
-        "",
         f"## Decode speed, batch 1, float32: prompt {regime['prompt_tokens']} tokens, {regime['decode_tokens']} new "
         f"tokens, {regime['repeats']} rounds (median, range)",
+        "",
+        when,
         "",
         "| model | tok/s | tok/s ratio | FLOP ratio (IHA / base) | ratio x FLOP ratio (target >= 0.8) | cache bytes/token |",
         "|---|---:|---:|---:|---:|---:|",
@@ -223,6 +169,12 @@ def report(results: dict) -> str:
             f"| {name} | {entry['tok_s_median']:.1f} ({entry['tok_s_min']:.1f}-{entry['tok_s_max']:.1f}) | {ratio} | "
             f"{flop} | {target} | {entry['cache_bytes_per_token']} |"
         )
+    return lines
+
+
+def report(results: dict) -> str:
+    lines = ["# IHA on MLX against stock mlx-lm on the source Llama (`benchmarks/bench_mlx.py`)", ""]
+    lines += quantization_report(results, *measured_on(results, "quantization")) + [""] + speed_report(results)
     return "\n".join(lines) + "\n"
 
 
@@ -240,7 +192,20 @@ def main(argv=None) -> int:
     parser.add_argument("--prompt-tokens", type=int, default=256)
     parser.add_argument("--decode-tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--num-texts", type=int, default=8)
+    parser.add_argument(
+        "--num-texts",
+        type=int,
+        default=4,
+        help="GSM8K texts of the quantization part (the first 4: 568 next-token predictions). MLX's Linux CPU wheel "
+        "(mlx[cpu] 0.32) bundles the reference BLAS: its float32 matmul runs at about 2 GFLOP/s and its quantized "
+        "matmul at about 1, so one forward pass of SmolLM2-135M over one text takes 10-70 s on this project's shared "
+        "machine, and the part (6 passes per text) about 15 minutes with 4 texts",
+    )
+    parser.add_argument(
+        "--predictions-dir",
+        help="keep each text's predictions of the quantization part here: a run stopped part-way and started again "
+        "with the same flags and folder computes only what is missing",
+    )
     parser.add_argument("--skip", choices=["quantization", "speed"], action="append", default=[])
     args = parser.parse_args(argv)
     if args.quick:
@@ -276,7 +241,17 @@ def main(argv=None) -> int:
             "speed": {},
         }
         if "quantization" not in args.skip:
-            results["quantization"] = quantization_part(source, trained, work, args.num_texts)
+            start = time.perf_counter()
+            settings = {"iha_folder": results["regime"]["iha_folder"], "mlx": mx.__version__, "texts": "gsm8k"}
+            store = prediction_store(args.predictions_dir, settings)
+            if store is not None:  # what an earlier run left there for these texts (the report says how many)
+                saved = [path for path in store.glob("*-text*.npz") if not path.name.endswith(".partial.npz")]
+                reused = [path for path in saved if int(path.stem.rsplit("-text", 1)[1]) < args.num_texts]
+                results["regime"]["predictions_reused"] = len(reused)
+            results["quantization"], results["quantization_paired"] = quantization_part(
+                source, trained, work, args.num_texts, store
+            )
+            results["regime"]["quantization_seconds"] = round(time.perf_counter() - start)
         if "speed" not in args.skip:
             results["speed"] = speed_part(source, converted, args.prompt_tokens, args.decode_tokens, args.repeats)
     name = "mlx_quick" if args.quick else "mlx"
@@ -285,7 +260,9 @@ def main(argv=None) -> int:
         previous = json.loads(earlier.read_text())
         for part in args.skip:
             results[part] = previous.get(part, {})
-            results.setdefault("regime_of_skipped", {})[part] = {"date": previous["date"], **previous["regime"]}
+            # The regime of the run that measured it: the previous run's, unless that run had skipped it too.
+            measured = previous.get("regime_of_skipped", {}).get(part, {"date": previous["date"], **previous["regime"]})
+            results.setdefault("regime_of_skipped", {})[part] = measured
     (RESULTS / f"{name}.json").write_text(json.dumps(results, indent=2) + "\n")
     (RESULTS / f"{name}.md").write_text(report(results))
     print(report(results))
