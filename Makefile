@@ -37,12 +37,12 @@ demo: install
 # README, the notebooks, the GPU check, the demo; tests/conftest.py puts them first) start first; xdist's default
 # order, most tests first, left them to the end for one worker.
 test: install
-	$(PY) -m pytest -q -m "not deepspeed" --numprocesses auto --maxprocesses 4 --dist loadfile --no-loadscope-reorder
+	$(PY) -m pytest -q --numprocesses auto --maxprocesses 4 --dist loadfile --no-loadscope-reorder
 
 # The development loop: every test but those marked `slow` (over ~20 s each: whole commands, multi-process
 # training, the README's and notebooks' commands, the GPU check's CPU run). `make test` still runs everything.
 test-fast: install
-	$(PY) -m pytest -q -m "not slow and not deepspeed" --numprocesses auto --maxprocesses 4 --dist loadfile --no-loadscope-reorder
+	$(PY) -m pytest -q -m "not slow" --numprocesses auto --maxprocesses 4 --dist loadfile --no-loadscope-reorder
 
 # Converted models on the oldest supported, a middle, the development and the newest transformers release, each in
 # an environment without iha (built once into ~/.cache/iha/transformers-matrix, then reused).
@@ -55,8 +55,7 @@ matrix: install
 trl-oldest: install
 	$(PY) scripts/trl_oldest.py
 
-# DeepSpeed ZeRO-3 on two CPU processes (tests/training/test_sft_deepspeed.py), apart from `make test`: on a fresh
-# machine one rank aborted at interpreter exit after its work was written.
+# DeepSpeed ZeRO-3 on two CPU processes (tests/training/test_sft_deepspeed.py) alone; `make test` runs it too.
 deepspeed-test: install
 	$(PY) -m pytest -q -m deepspeed tests/training/test_sft_deepspeed.py
 

@@ -17,6 +17,7 @@ from collections.abc import Sequence
 from trl import TrlParser
 
 from ..training.config import IHAModelConfig, IHAScriptArguments, IHASFTConfig
+from ..training.process_exit import exit_after_deepspeed_run
 from ..training.train import train_sft
 from .arguments import HelpFormatter, version_text
 from .running import run_command
@@ -106,7 +107,11 @@ def main(argv: Sequence[str] | None = None, prog: str = "iha-sft") -> int:
     """
 
     def sft() -> int:
-        run_cli(argv, prog)
+        trainer = run_cli(argv, prog)
+        if trainer.is_deepspeed_enabled:
+            # Everything is saved and the process group is gone: exit without the interpreter's teardown, where
+            # gloo's threads (DeepSpeed's objects still hold its groups) can abort a finished process.
+            exit_after_deepspeed_run(0)
         return 0
 
     return run_command(

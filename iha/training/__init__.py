@@ -41,6 +41,7 @@ from .config import (
 from .model import iha_lora_config, iha_peft_config, load_model_for_sft
 from .outputs import load_sft_output, merge_lora
 from .parameter_groups import IHAMixingMixin, refuse_mixed_dtypes_under_fsdp, with_iha_mixing
+from .process_exit import exit_after_deepspeed_run
 from .rewards import boxed_answer_reward, math_prompt_rows
 from .train import train_sft
 from .trainer import IHASFTTrainer
@@ -55,6 +56,7 @@ __all__ = [
     "IHAScriptArguments",
     "bf16_supported_here",
     "boxed_answer_reward",
+    "exit_after_deepspeed_run",
     "iha_lora_config",
     "iha_peft_config",
     "is_mixing_parameter",

