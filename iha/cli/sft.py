@@ -103,19 +103,25 @@ def main(argv: Sequence[str] | None = None, prog: str = "iha-sft") -> int:
     """`iha-sft` / `iha sft`: parses the command line once (`parse_args`) and trains.
 
     Bad input prints one line (exit 2); Ctrl-C / SIGTERM exit 130 / 143, keeping the checkpoints already saved in
-    OUTPUT_DIR (`--resume_from_checkpoint true` continues from the last one).
+    OUTPUT_DIR (`--resume_from_checkpoint true` continues from the last one). A DeepSpeed run does not return: its
+    process exits through `exit_after_deepspeed_run` (iha/training/process_exit.py says why), so call `main` as a
+    process's entry point, not from a notebook.
     """
+    ran_deepspeed = False
 
     def sft() -> int:
+        nonlocal ran_deepspeed
         trainer = run_cli(argv, prog)
-        if trainer.is_deepspeed_enabled:
-            # Everything is saved and the process group is gone: exit without the interpreter's teardown, where
-            # gloo's threads (DeepSpeed's objects still hold its groups) can abort a finished process.
-            exit_after_deepspeed_run(0)
+        ran_deepspeed = trainer.is_deepspeed_enabled
         return 0
 
-    return run_command(
+    status = run_command(
         prog,
         sft,
         interrupted="the checkpoints saved so far stay in the output folder; the final model was not saved",
     )
+    if ran_deepspeed:
+        # Everything is saved and the process group is gone; outside run_command, so a signal during the exit
+        # handlers ends the process as at any exit.
+        exit_after_deepspeed_run(status)
+    return status

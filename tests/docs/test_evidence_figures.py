@@ -348,3 +348,35 @@ def test_mha_at_the_p8_budget():
     assert (
         f"P = 8 - MHA is {paired['mean']:.2f} points, [{low:.2f}, {high:+.2f}], p = {paired['t_p_value']:.3f}" in readme
     )
+    assert f"reaches {statistics.mean(seed['mha_test_exact_match'] for seed in seeds):.2f}% exact match" in readme
+
+
+def test_mha_at_the_p8_budget_recomputed_from_the_runs():
+    # The figures of against-iha-p8.json and the page, from the runs' own result files.
+    p8 = [_runs(PAPER_TERNARY, seed)["IHA P=8"] for seed in SEEDS]
+    remade = [_runs(SYNTHETIC / "paper-ternary-mha", seed)["MHA"] for seed in SEEDS]
+    earlier = [_runs(PAPER_TERNARY, seed)["MHA"] for seed in SEEDS]
+    assert [run["epochs_run"] for run in remade] == [100, 100, 100]
+    paired = paired_differences(  # B - A: IHA P = 8 - MHA
+        [100 * run["test_exact_match"] for run in remade], [100 * run["test_exact_match"] for run in p8]
+    )
+    budget = json.loads((SYNTHETIC / "paper-ternary-mha" / "against-iha-p8.json").read_text(encoding="utf-8"))
+    assert paired["mean"] == pytest.approx(budget["paired"]["mean"], abs=1e-9)
+    assert paired["ci"] == pytest.approx(budget["paired"]["ci"], abs=1e-9)
+    exact = [100 * run["test_exact_match"] for run in remade]
+    page = _page("docs/results.md")
+    assert f"({statistics.mean(exact):.2f} ± {statistics.stdev(exact):.2f})" in page
+    minutes = ", ".join(f"{run['train_seconds'] / 60:.1f}" for run in remade[:2])
+    assert f"({minutes} and {remade[2]['train_seconds'] / 60:.1f} minutes of one thread" in page
+    # "by the epoch where the earlier MHA run had stopped ... it rose ... after it"
+    at_old_stop = []
+    for old, new in zip(earlier, remade):
+        best, test = -1.0, None
+        for epoch in new["history"][: old["epochs_run"]]:
+            if epoch["val_accuracy"] > best:
+                best, test = epoch["val_accuracy"], epoch["test_exact_match"]
+        at_old_stop.append(100 * test)
+    assert "(65, 87, 95)" in page and [old["epochs_run"] for old in earlier] == [65, 87, 95]
+    assert "model so far had " + ", ".join(f"{x:.2f}" for x in at_old_stop[:2]) + f" and {at_old_stop[2]:.2f}" in page
+    rises = [100 * new["test_exact_match"] - x for new, x in zip(remade, at_old_stop)]
+    assert "rose " + ", ".join(f"{x:.2f}" for x in rises[:2]) + f" and {rises[2]:.2f} points after it" in page

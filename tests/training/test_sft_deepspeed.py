@@ -164,7 +164,8 @@ DRIVER = textwrap.dedent(
     Path(f"{report_prefix}{trainer.args.process_index}.json").write_text(json.dumps(report))
 
     # The last line of a DeepSpeed run, as `iha sft` ends one (docs/training.md): no interpreter teardown, where gloo's
-    # threads can abort a finished process.
+    # threads can abort a finished process. (The cli route calls run_cli, which returns the trainer this report needs;
+    # that `iha sft`'s main makes this call after a DeepSpeed run is tests/training/test_process_exit.py's.)
     from iha.training import exit_after_deepspeed_run
 
     exit_after_deepspeed_run(0)
