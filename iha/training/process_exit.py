@@ -18,7 +18,6 @@ of a script, never a call inside a notebook or a test process.
 
 import atexit
 import ctypes
-import logging
 import os
 import sys
 import threading
@@ -40,9 +39,9 @@ def exit_after_deepspeed_run(status: int = 0) -> NoReturn:
     # What Py_Finalize does first: join non-daemon threads and run threading's exit callbacks (concurrent.futures
     # waits for its pending work there). gloo's threads are C++ threads, not among them.
     threading._shutdown()
-    # Then the handlers registered with atexit (trackers such as wandb finish their runs there; logging flushes).
+    # Then the handlers registered with atexit: trackers such as wandb finish their runs there, and logging's own
+    # handler (`logging.shutdown`, registered when logging is imported) flushes and closes the log handlers.
     atexit._run_exitfuncs()
-    logging.shutdown()
     for stream in (sys.stdout, sys.stderr, sys.__stdout__, sys.__stderr__):
         if stream is not None:
             stream.flush()

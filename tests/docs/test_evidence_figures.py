@@ -249,28 +249,11 @@ def test_k9_runs_remade_in_another_session_match_to_the_stated_tolerance():
     )
 
 
-def _history(folder: Path, seed: int, model: str) -> list[dict]:
-    """A paper-ternary(-mha) run's per-epoch history: from its seed's results.json or results.partial.json when it
-    has finished, else from its epoch state (a run still training)."""
-    from iha.experiments.synthetic.states import load_epoch_state
-
-    for name in ("results.json", "results.partial.json"):
-        path = folder / f"seed-{seed}" / name
-        if path.is_file():
-            runs = [run for run in json.loads(path.read_text())["runs"] if run["model"] == model]
-            if runs:
-                return runs[0]["history"]
-    state = (
-        folder / f"seed-{seed}" / ".epochs" / f"results.partial.ternary-{model.replace(' ', '')}-lr0.001.safetensors"
-    )
-    return load_epoch_state(state, with_tensors=False)["history"]
-
-
 def test_mha_remade_for_100_epochs_repeats_the_earlier_run_to_the_stated_tolerance():
     equal_epochs, losses, apart = [], [], []
     for seed in SEEDS:
-        earlier = _history(PAPER_TERNARY, seed, "MHA")
-        remade = _history(SYNTHETIC / "paper-ternary-mha", seed, "MHA")
+        earlier = _runs(PAPER_TERNARY, seed)["MHA"]["history"]
+        remade = _runs(SYNTHETIC / "paper-ternary-mha", seed)["MHA"]["history"]
         pairs = list(zip(earlier, remade))
         equal = next(epoch for epoch, (a, b) in enumerate(pairs) if a["val_accuracy"] != b["val_accuracy"])
         equal_epochs.append(equal)
@@ -369,13 +352,7 @@ def test_mha_at_the_p8_budget_recomputed_from_the_runs():
     minutes = ", ".join(f"{run['train_seconds'] / 60:.1f}" for run in remade[:2])
     assert f"({minutes} and {remade[2]['train_seconds'] / 60:.1f} minutes of one thread" in page
     # "by the epoch where the earlier MHA run had stopped ... it rose ... after it"
-    at_old_stop = []
-    for old, new in zip(earlier, remade):
-        best, test = -1.0, None
-        for epoch in new["history"][: old["epochs_run"]]:
-            if epoch["val_accuracy"] > best:
-                best, test = epoch["val_accuracy"], epoch["test_exact_match"]
-        at_old_stop.append(100 * test)
+    at_old_stop = [100 * _best_so_far(new)[old["epochs_run"] - 1][1] for old, new in zip(earlier, remade)]
     assert "(65, 87, 95)" in page and [old["epochs_run"] for old in earlier] == [65, 87, 95]
     assert "model so far had " + ", ".join(f"{x:.2f}" for x in at_old_stop[:2]) + f" and {at_old_stop[2]:.2f}" in page
     rises = [100 * new["test_exact_match"] - x for new, x in zip(remade, at_old_stop)]
