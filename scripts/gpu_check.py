@@ -13,7 +13,7 @@ that fails is reported with its error and the next one runs, unless it needs wha
   tests_float32   the model tests on the device in float32: against the plain reference (every mask, position,
                   collapse mode, P, MHA/GQA, eager and SDPA), caches and generate(), packed rows, blocked local
                   attention, flex attention forward and backward (documents and sliding windows) against the reference,
-                  FlashAttention with the sliding window in virtual units (tests/models/iha/test_window_unit.py)
+                  FlashAttention with the sliding window in virtual units (tests/models/iha/test_window.py)
   compile         tests/models/iha/test_compile.py with inductor: logits, loss and gradients against eager in one
                   graph, and compiled static-cache generation against greedy decoding without a cache
   sft             a few steps of iha-sft in bf16 on the converted SmolLM2 (packed rows)

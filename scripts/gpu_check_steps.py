@@ -18,9 +18,9 @@ from gpu_check_results import DetailedFailure, StepFailed, read_json, read_junit
 REPO_ROOT = Path(__file__).resolve().parent.parent
 MODEL_TEST_FILES = [
     "tests/models/iha/test_modeling.py",
-    "tests/models/iha/test_fast_paths.py",
-    "tests/models/iha/test_packed.py",
-    "tests/models/iha/test_window_unit.py",
+    "tests/attention/test_sdpa.py",
+    "tests/attention/test_packed_documents.py",
+    "tests/models/iha/test_window.py",
 ]
 TRAINING_TEST_FILES = ["tests/training/test_sft.py", "tests/benchmarks/test_bench_perf.py"]
 # The compiled tests inductor runs on the GPU. All 9 layouts and input kinds of the training step would compile 9
@@ -35,11 +35,11 @@ COMPILE_SELECTION = (
 QUICK_MODEL_TESTS = [
     "tests/models/iha/test_modeling.py::test_model_matches_reference[token_causal-virtual-global-2-gqa-sdpa]",
     "tests/models/iha/test_modeling.py::test_cached_generation_matches_uncached[flat_causal-virtual-per_head-3-sdpa]",
-    "tests/models/iha/test_fast_paths.py::test_blocked_local_attention_gradients_match_reference[flat_causal]",
-    "tests/models/iha/test_packed.py::test_per_document_attention_matches_dense_mask_and_reference[flat_causal-virtual-P2-gqa-unequal]",
-    "tests/models/iha/test_packed.py::test_flex_attention_gradients_match_the_reference[sliding]",
-    # FlashAttention's own window in virtual units (iha_window_unit="virtual"): skipped where flash-attn is absent.
-    "tests/models/iha/test_window_unit.py::test_flash_attention_with_the_virtual_window_matches_reference",
+    "tests/attention/test_sdpa.py::test_blocked_local_attention_gradients_match_reference[flat_causal]",
+    "tests/attention/test_packed_documents.py::test_per_document_attention_matches_dense_mask_and_reference[flat_causal-virtual-P2-gqa-unequal]",
+    "tests/attention/test_packed_documents.py::test_flex_attention_gradients_match_the_reference[sliding]",
+    # FlashAttention's own window, the paper's W * P virtual tokens: skipped where flash-attn is absent.
+    "tests/models/iha/test_window.py::test_flash_attention_with_the_virtual_window_matches_reference",
 ]
 QUICK_COMPILE_TESTS = [
     "tests/models/iha/test_compile.py::test_compiled_training_step_matches_eager_in_one_graph[hybrid-padded]"

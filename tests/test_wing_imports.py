@@ -11,10 +11,13 @@ from testing_utils import REPO_ROOT
 
 PACKAGE_DIR = REPO_ROOT / "iha"
 
-# Each wing may import the wings before it. `iha` itself (the package's __init__) is the model's face: it counts as
-# `models`. Sub-wings: experiments' ab/ and synthetic/ beside its shared statistics, and serving's vLLM plugin.
+# Each wing may import the wings before it. `iha` itself (the package's __init__, which registers the model classes
+# and the installed attention paths) is the package's face: the wing `iha`, right after the two it registers.
+# Sub-wings: experiments' ab/ and synthetic/ beside its shared statistics, and serving's vLLM plugin.
 WING_ORDER = [
     "models",
+    "attention",
+    "iha",
     "utils",
     "data",
     "hub",
@@ -34,10 +37,10 @@ SUB_WINGS = {"experiments": {"ab", "synthetic"}, "serving": {"vllm"}}
 
 
 def wing_of(module: str) -> str:
-    """`iha.experiments.ab.runs` -> `experiments.ab`; `iha.training.model` -> `training`; `iha` -> `models`."""
+    """`iha.experiments.ab.runs` -> `experiments.ab`; `iha.training.model` -> `training`; `iha` -> `iha`."""
     parts = module.split(".")[1:]
     if not parts:
-        return "models"
+        return "iha"
     if len(parts) > 1 and parts[1] in SUB_WINGS.get(parts[0], ()):
         return f"{parts[0]}.{parts[1]}"
     return parts[0]

@@ -1,11 +1,14 @@
 """The MLX model file in an IHA folder: `iha export mlx FOLDER` copies `iha/models/mlx/modeling_iha_mlx.py` next to
 the weights and names it in config.json (`model_file`), which stock mlx-lm reads with `--trust-remote-code`
-(`trust_remote_code=True` in `mlx_lm.load`). transformers ignores the key, so the folder loads as before."""
+(`trust_remote_code=True` in `mlx_lm.load`). transformers ignores the key, so the folder loads as before. The MLX
+file reads every IHA field from config.json, without defaults of its own: the export writes the default of any
+field the folder lacks (`layer_iha.FIELD_DEFAULTS`, what a missing field means)."""
 
 import json
 import shutil
 from pathlib import Path
 
+from ..models.iha.layer_iha import FIELD_DEFAULTS
 from .folders import read_iha_config
 
 
@@ -26,9 +29,9 @@ def add_mlx_model_file(folder: str | Path) -> Path:
     config = read_iha_config(folder, GEMMA3_REFUSAL)
     target = folder / MLX_MODEL_FILE
     shutil.copyfile(MLX_MODEL_SOURCE, target)
-    if config.get("model_file") != MLX_MODEL_FILE:
-        config["model_file"] = MLX_MODEL_FILE
-        (folder / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+    complete = {**FIELD_DEFAULTS, **config, "model_file": MLX_MODEL_FILE}
+    if complete != config:
+        (folder / "config.json").write_text(json.dumps(complete, indent=2, sort_keys=True) + "\n", encoding="utf-8")
     return target
 
 

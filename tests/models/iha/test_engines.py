@@ -1,4 +1,4 @@
-"""Engines IHA cannot be right under stop with one line (iha/models/iha/serving_iha.py `check_attention_engine`).
+"""Engines IHA cannot be right under stop with one line (iha/models/iha/modeling_iha.py `check_attention_implementation`).
 
 vLLM's and SGLang's Transformers backends are not installed here: the tests drive the model the way they do. Both set
 the text config's `_attn_implementation` to their own name ("vllm", "sglang") before `AutoModel.from_config`, register

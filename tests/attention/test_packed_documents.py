@@ -16,11 +16,10 @@ import pytest
 import torch
 from testing_utils import TINY, record_sdpa_calls, sharpen_attention, tiny_iha_model
 
-from iha.models.iha.attention_iha import choose_attention_path
-from iha.models.iha.blocked_local_iha import BlockedLocalMask
+from iha.attention.blocked_local import BlockedLocalMask
+from iha.attention.packed_documents import PackedDocumentsMask, group_documents_by_length
 from iha.models.iha.masking_iha import create_iha_masks
 from iha.models.iha.naive_iha import reference_forward, reference_mask
-from iha.models.iha.packed_documents_iha import PackedDocumentsMask, group_documents_by_length
 
 
 # Unequal documents: groups with padding inside, several groups, a one-token document.
@@ -203,23 +202,7 @@ def test_gradient_checkpointing_through_per_document_attention_gives_the_same_gr
     assert_gradients_close(parameter_gradients(model, loss), plain, precision)
 
 
-# --- the dispatch ---------------------------------------------------------------------------------------------------
-
-
-def test_attention_path_is_named_from_the_mask_kind():
-    cpu = torch.device("cpu")
-    model = tiny_iha_model(num_pseudo_heads=2)
-    input_ids, position_ids = packed_row(EQUAL_LENGTHS)
-    packed = create_iha_masks(model.config, model.model.embed_tokens(input_ids), None, None, position_ids)
-    assert choose_attention_path(packed["iha_full_attention"], "sdpa", True, cpu) == "per_document"
-    blocked = BlockedLocalMask(torch.ones(1, 1, 2, 4, dtype=torch.bool), torch.arange(4), 1, 1)
-    assert choose_attention_path(blocked, "sdpa", True, cpu) == "blocked_local"
-    dense = torch.ones(1, 1, 4, 4, dtype=torch.bool)
-    assert choose_attention_path(dense, "sdpa", True, cpu) == "sdpa_sharing_kv_heads"
-    assert choose_attention_path(dense, "sdpa", True, torch.device("meta")) == "backend"
-    assert choose_attention_path(dense, "sdpa", False, cpu) == "backend"
-    assert choose_attention_path(None, "sdpa", True, cpu) == "backend"
-    assert choose_attention_path(dense, "eager", True, cpu) == "backend"
+# --- when the per-document path runs ----------------------------------------------------------------------------------
 
 
 def test_packing_is_read_only_without_a_mask_or_a_cache():
@@ -271,16 +254,6 @@ FLEX_REFERENCE_CASES = {
             "num_hidden_layers": 2,
             "attention_types": ["iha_sliding_attention", "iha_full_attention"],
             "sliding_window": 40,
-        },
-        [200, 120],
-    ),
-    # The same with the paper's window in virtual units: a flat band of 80 virtual tokens.
-    "sliding-virtual": (
-        {
-            "num_hidden_layers": 2,
-            "attention_types": ["iha_sliding_attention", "iha_full_attention"],
-            "sliding_window": 40,
-            "iha_window_unit": "virtual",
         },
         [200, 120],
     ),
@@ -352,7 +325,7 @@ def test_flex_attention_gradients_on_packed_rows_match_the_per_document_path(pre
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("masks", ["sliding", "sliding-virtual"])
+@pytest.mark.parametrize("masks", ["sliding"])
 def test_flex_attention_with_a_sliding_window_matches_the_reference(masks, precision):
     # (The documents case is the test above.)
     layout, lengths = FLEX_REFERENCE_CASES[masks]

@@ -1,16 +1,3 @@
-# Copyright 2026 The iha authors.
-#
-# Licensed under the Apache License, Version 2.0 (the "License");
-# you may not use this file except in compliance with the License.
-# You may obtain a copy of the License at
-#
-#     http://www.apache.org/licenses/LICENSE-2.0
-#
-# Unless required by applicable law or agreed to in writing, software
-# distributed under the License is distributed on an "AS IS" BASIS,
-# WITHOUT WARRANTIES OR CONDITIONS OF ANY KIND, either express or implied.
-# See the License for the specific language governing permissions and
-# limitations under the License.
 """Attention per document: the fast path of full IHA layers on packed rows on SDPA, its plan, its kernel and when it
 runs.
 
@@ -22,16 +9,13 @@ similar length run together as one batch of SDPA, each padded at its end to the 
 never lets a real query see the padding after it, so the causal kernel runs without a mask (flat causal) or with one
 small mask per group (token causal).
 
-`masking_iha.create_interleaved_mask` asks `per_document_attention_applies` and builds the plan
-(`create_packed_documents_mask`, a `PackedDocumentsMask`) in place of the layer's dense mask; the plan names its
-kernel, `per_document_attention`, which `attention_iha.choose_attention_path` hands the call to.
+`iha.attention.sdpa.iha_sdpa_mask` asks `per_document_attention_applies` and builds the plan
+(`create_packed_documents_mask`, a `PackedDocumentsMask`) in place of the layer's dense mask; the attention function
+`iha.attention.sdpa.iha_sdpa_attention` runs it with `per_document_attention`.
 
-This file travels with the weights (`save_pretrained` copies it next to `modeling_iha.py`), so it imports only torch,
-transformers and its siblings.
 """
 
 from dataclasses import dataclass
-from typing import ClassVar
 
 import torch
 from torch import nn
@@ -65,9 +49,6 @@ class PackedDocumentsMask:
     `output_index` [B * N * P] gives, for every virtual row of the batch, its row in the concatenated outputs of the
     groups (None when the single group is the batch in order).
     """
-
-    # The kernel that runs this plan, by its name in `attention_iha.IHA_ATTENTION_PATHS`.
-    attention_path: ClassVar[str] = "per_document"
 
     groups: list[DocumentGroup]
     output_index: torch.Tensor | None
@@ -138,15 +119,15 @@ def create_packed_documents_mask(
     return PackedDocumentsMask(groups=groups, output_index=output_index.to(device))
 
 
-def per_document_attention_applies(attn_implementation: str, sliding_window: int | None) -> bool:
-    """Whether a layer on packed rows attends per document: full IHA layers on SDPA, outside torch.compile.
+def per_document_attention_applies(is_sliding: bool) -> bool:
+    """Whether an IHA layer on packed rows attends per document: full layers, outside torch.compile.
 
     Sliding layers take their document ids into the blocked mask instead. Under torch.compile the per-document path is
     not taken: it reads the document lengths on the host (a graph break per layer), and transformers cannot tell packed
     rows from unpacked ones while tracing (`find_packed_sequence_indices` always returns ids then), so compiled
     forwards use the dense mask with the document ids, as transformers' own models do.
     """
-    return sliding_window is None and attn_implementation == "sdpa" and not torch.compiler.is_compiling()
+    return not is_sliding and not torch.compiler.is_compiling()
 
 
 def documents_of_group(rows: torch.Tensor, group: DocumentGroup) -> torch.Tensor:

@@ -1,12 +1,12 @@
-"""The head mixing folded into the projections (`iha.serving.vllm.folding`; no vLLM needed) computes what the model's
-own layer computes: the folded q/k/v projections give the mixed pseudo-heads, the folded `o_proj` the collapse and
+"""The head mixing folded into the projections (`iha.models.folding`, shared by the Llama export and the vLLM plugin)
+computes what the model's own layer computes: the folded q/k/v projections give the mixed pseudo-heads, the folded `o_proj` the collapse and
 output projection, in float64 to rounding, for GQA and MHA, biases, per-head and global collapse."""
 
 import pytest
 import torch
 from testing_utils import tiny_iha_model
 
-from iha.serving.vllm.folding import fold_collapse_into_output, fold_mixing_into_projection, head_major_to_pseudo_major
+from iha.models.folding import fold_collapse_into_output, fold_mixing_into_projection, head_major_to_pseudo_major
 
 
 LAYOUTS = {

@@ -1,6 +1,7 @@
 """Continuous batching (`generate_batch`, the manager behind `transformers serve --continuous-batching`) against
 `generate()`: IHA layers write un-mixed keys and values through the paged cache, mix what they read back and attend
-request by request, each request's causal pattern widened to pseudo-tokens (iha/models/iha/serving_iha.py).
+request by request, each request's causal pattern widened to pseudo-tokens (iha/attention/continuous_batching.py, the
+installed package's; a folder loaded without it refuses continuous batching: tests/models/iha/test_remote_code.py).
 
 Every run passes a small `ContinuousBatchingConfig`: an unsized paged cache takes about 90% of free memory.
 """
@@ -14,7 +15,8 @@ from transformers import ContinuousBatchingConfig, GenerationConfig, LlamaConfig
 from transformers.generation.continuous_batching import PagedAttentionCache
 
 import iha
-from iha.models.iha import serving_iha
+from iha.attention import continuous_batching as serving_iha
+from iha.models.iha.layer_iha import IHALayerSpec
 
 
 # A cache of 8 pages of 16 tokens per layer and at most 16 new tokens per forward: prompts are prefilled in chunks,
@@ -30,6 +32,7 @@ LAYOUTS = {
     "virtual-positions-pseudo-cache-mode": dict(
         iha_position_mode="virtual", num_pseudo_heads=3, iha_cache_mode="pseudo"
     ),
+    # The paper's window: the sliding pages keep one token more (prompts and decoding past W = 3).
     "hybrid": dict(
         num_hidden_layers=5, **iha.paper_hybrid_layout(num_hidden_layers=5, num_pseudo_heads=2, training_length=24)
     ),
@@ -39,18 +42,12 @@ LAYOUTS = {
         num_key_value_heads=2,
         **iha.paper_hybrid_layout(num_hidden_layers=5, num_pseudo_heads=2, training_length=24),
     ),
-    # The paper's window in virtual units: the sliding pages keep one token more (prompts and decoding past W = 3).
-    "hybrid-virtual-window": dict(
-        num_hidden_layers=5,
-        iha_window_unit="virtual",
-        **iha.paper_hybrid_layout(num_hidden_layers=5, num_pseudo_heads=2, training_length=24),
-    ),
-    "virtual-window-standard-sliding-token-causal-p3": dict(
+    # Standard sliding layers beside sliding IHA layers, whose pages keep one token more (past W = 3).
+    "standard-sliding-token-causal-p3": dict(
         num_hidden_layers=4,
         num_pseudo_heads=3,
         num_key_value_heads=2,
         iha_mask_mode="token_causal",
-        iha_window_unit="virtual",
         sliding_window=3,
         attention_types=["iha_sliding_attention", "full_attention", "sliding_attention", "iha_full_attention"],
     ),
@@ -198,22 +195,19 @@ def test_sliding_windows_under_continuous_batching_need_the_fixed_release():
     serving_iha.check_paged_sliding_window("5.24.0")
 
 
-@pytest.mark.parametrize("window_unit", ["token", "virtual"])
 @pytest.mark.parametrize("mask_mode", ["flat_causal", "token_causal"])
 @pytest.mark.parametrize("sliding_window", [None, 3])
 @pytest.mark.parametrize("query_len, key_len", [(1, 1), (1, 7), (4, 4), (3, 9)])
-def test_a_request_mask_is_the_reference_mask_of_its_new_tokens(
-    query_len, key_len, sliding_window, mask_mode, window_unit
-):
+def test_a_request_mask_is_the_reference_mask_of_its_new_tokens(query_len, key_len, sliding_window, mask_mode):
     """A request with key_len - query_len cached tokens: its mask is the last query_len tokens' rows of the plain
     reference mask over all its tokens (None when those rows hide nothing)."""
     from iha.models.iha.naive_iha import reference_mask
 
     num_pseudo = 3
-    mask = serving_iha.request_pseudo_mask(
-        query_len, key_len, num_pseudo, mask_mode == "flat_causal", sliding_window, torch.device("cpu"), window_unit
-    )
-    expected = reference_mask(key_len, num_pseudo, mask_mode, sliding_window, None, window_unit=window_unit)[
+    attention_type = "iha_full_attention" if sliding_window is None else "iha_sliding_attention"
+    spec = IHALayerSpec(attention_type, num_pseudo, sliding_window, mask_mode=mask_mode)
+    mask = serving_iha.request_pseudo_mask(query_len, key_len, spec, torch.device("cpu"))
+    expected = reference_mask(key_len, num_pseudo, mask_mode, sliding_window, None)[
         0, (key_len - query_len) * num_pseudo :
     ]
     if mask is None:
@@ -222,7 +216,7 @@ def test_a_request_mask_is_the_reference_mask_of_its_new_tokens(
         assert torch.equal(mask[0, 0], expected)
 
 
-def test_the_virtual_window_keeps_one_more_token_in_the_sliding_pages(monkeypatch):
+def test_the_window_keeps_one_more_token_in_the_sliding_pages(monkeypatch):
     caches = []
     original_init = PagedAttentionCache.__init__
 
@@ -231,18 +225,18 @@ def test_the_virtual_window_keeps_one_more_token_in_the_sliding_pages(monkeypatc
         caches.append(self)
 
     monkeypatch.setattr(PagedAttentionCache, "__init__", recording_init)
-    options = dict(num_pseudo_heads=2, sliding_window=3, attention_types=["iha_sliding_attention", "full_attention"])
+    options = dict(sliding_window=3, attention_types=["iha_sliding_attention", "full_attention"])
     config = ContinuousBatchingConfig(**SMALL_CACHE)
-    for window_unit in ("token", "virtual"):
-        model = tiny_iha_model(iha_window_unit=window_unit, **options)
+    for num_pseudo_heads in (1, 2):  # P = 1: transformers' own window; P = 2: the paper's reaches a token more
+        model = tiny_iha_model(num_pseudo_heads=num_pseudo_heads, **options)
         model.generate_batch(prompts([9]), generation_config=greedy_config(2), continuous_batching_config=config)
-    token_cache, virtual_cache = caches
-    assert serving_iha.paged_sliding_allocator(token_cache).sliding_window == 3
-    assert serving_iha.paged_sliding_allocator(virtual_cache).sliding_window == 4
+    standard_cache, widened_cache = caches
+    assert serving_iha.paged_sliding_allocator(standard_cache).sliding_window == 3
+    assert serving_iha.paged_sliding_allocator(widened_cache).sliding_window == 4
     # A paged cache the manager did not widen is refused at the first forward, not read wrongly.
-    serving_iha.paged_sliding_allocator(virtual_cache).sliding_window = 3
+    serving_iha.paged_sliding_allocator(widened_cache).sliding_window = 3
     with pytest.raises(ValueError, match="keep 3 past tokens, one more than"):
-        serving_iha.check_paged_virtual_window(model.config, virtual_cache)
+        serving_iha.check_paged_window(model.config, widened_cache)
 
 
 def test_an_empty_prompt_is_refused_with_one_clear_error_instead_of_borrowed_logits():

@@ -1,16 +1,3 @@
-# Copyright 2026 The iha authors.
-#
-# Licensed under the Apache License, Version 2.0 (the "License");
-# you may not use this file except in compliance with the License.
-# You may obtain a copy of the License at
-#
-#     http://www.apache.org/licenses/LICENSE-2.0
-#
-# Unless required by applicable law or agreed to in writing, software
-# distributed under the License is distributed on an "AS IS" BASIS,
-# WITHOUT WARRANTIES OR CONDITIONS OF ANY KIND, either express or implied.
-# See the License for the specific language governing permissions and
-# limitations under the License.
 """Blocked local attention: the fast path of sliding IHA layers on SDPA, its plan, its kernel and when it runs.
 
 SDPA with a dense mask computes every (query, key) pair of the N * P virtual tokens and then throws most of them away:
@@ -18,20 +5,19 @@ a sliding layer would cost as much as a global one. Cutting the sequence into bl
 [batch * blocks] computes only the keys a window can reach, so the cost grows with N * W. It runs without past tokens
 (training, prefill); when decoding, the sliding cache already holds only the tokens the window reaches.
 
-`masking_iha.create_interleaved_mask` asks `blocked_local_attention_applies` and builds the plan
-(`create_blocked_local_mask`, a `BlockedLocalMask`) in place of the layer's dense mask; the plan names its kernel,
-`blocked_local_attention`, which `attention_iha.choose_attention_path` hands the call to.
-
-This file travels with the weights (`save_pretrained` copies it next to `modeling_iha.py`), so it imports only torch,
-transformers and its siblings.
+`iha.attention.sdpa.iha_sdpa_mask` asks `blocked_local_attention_applies` and builds the plan
+(`create_blocked_local_mask`, a `BlockedLocalMask`) in place of the layer's dense mask; the attention function
+`iha.attention.sdpa.iha_sdpa_attention` runs it with `blocked_local_attention`. Blocks, windows and reach come from the
+layer's `IHALayerSpec` (`iha/models/iha/layer_iha.py`).
 """
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import ClassVar
 
 import torch
 from torch import nn
+
+from ..models.iha.layer_iha import IHALayerSpec
 
 
 # Below this many virtual tokens per block, the overhead of many tiny products outweighs the skipped work.
@@ -49,9 +35,6 @@ class BlockedLocalMask:
     False for window positions outside the sequence.
     """
 
-    # The kernel that runs this plan, by its name in `attention_iha.IHA_ATTENTION_PATHS`.
-    attention_path: ClassVar[str] = "blocked_local"
-
     allowed: torch.Tensor
     key_index: torch.Tensor
     block_tokens: int
@@ -64,51 +47,38 @@ class BlockedLocalMask:
         )
 
 
-def window_reach_tokens(sliding_window: int, num_pseudo_heads: int, window_unit: str = "token") -> int:
-    """How many tokens before its own a pseudo-query of a sliding IHA layer can reach (`iha_window_unit`).
-
-    A window of W tokens reaches W - 1 tokens back. The flat window of W * P virtual tokens reaches from the first
-    pseudo-query (n, 0) back to virtual index (n - W) * P + 1: into token n - W, one token further, when P > 1.
-    """
-    if window_unit == "virtual":
-        return -(-(sliding_window * num_pseudo_heads - 1) // num_pseudo_heads)
-    return sliding_window - 1
-
-
-def local_attention_blocks(sliding_window: int, num_pseudo_heads: int, window_unit: str = "token") -> tuple[int, int]:
-    """Block length in tokens and how many earlier blocks each block reads, for a window of `sliding_window` tokens.
+def local_attention_blocks(spec: IHALayerSpec) -> tuple[int, int]:
+    """Block length in tokens and how many earlier blocks each block reads, for the window of a sliding layer.
 
     A block of W / k tokens reads k + 1 such blocks of keys to cover its window: (k + 1) / k times the work of an
     ideal kernel (2x for whole-window blocks). Quarter-window blocks (1.25x) were the fastest on CPU; smaller blocks
     make products too small to run efficiently. The earlier blocks cover every token the window reaches back to
-    (`window_reach_tokens`: one more under the virtual window, which needs no extra block unless W is a multiple of
+    (`IHALayerSpec.reach_tokens`: one more than W - 1 when P > 1, which needs no extra block unless W is a multiple of
     the block length plus one token).
     """
-    block_tokens = max(-(-sliding_window // 4), -(-MIN_LOCAL_BLOCK_VIRTUAL_TOKENS // num_pseudo_heads))
-    context_blocks = -(-window_reach_tokens(sliding_window, num_pseudo_heads, window_unit) // block_tokens)
+    block_tokens = max(-(-spec.sliding_window // 4), -(-MIN_LOCAL_BLOCK_VIRTUAL_TOKENS // spec.num_pseudo_heads))
+    context_blocks = -(-spec.reach_tokens // block_tokens)
     return block_tokens, context_blocks
 
 
-def blocked_local_attention_saves_work(
-    num_tokens: int, sliding_window: int, num_pseudo_heads: int, window_unit: str = "token"
+def blocked_local_attention_applies(
+    spec: IHALayerSpec, query_length: int, kv_length: int, no_past_tokens: bool
 ) -> bool:
-    """Blocked attention computes (context_blocks + 1) blocks of keys per block of queries, dense attention all of them."""
-    block_tokens, context_blocks = local_attention_blocks(sliding_window, num_pseudo_heads, window_unit)
-    return num_tokens > (context_blocks + 1) * block_tokens
+    """Whether a sliding IHA layer runs blocked (lengths in tokens): without past tokens, and only where the blocks
+    skip work (blocked attention computes (context_blocks + 1) blocks of keys per block of queries, dense all)."""
+    if not spec.is_sliding or not no_past_tokens or kv_length != query_length:
+        return False
+    block_tokens, context_blocks = local_attention_blocks(spec)
+    return query_length > (context_blocks + 1) * block_tokens
 
 
 def create_blocked_local_mask(
-    mask_function: Callable,
-    batch_size: int,
-    num_tokens: int,
-    num_pseudo_heads: int,
-    sliding_window: int,
-    device: torch.device,
-    window_unit: str = "token",
+    mask_function: Callable, batch_size: int, num_tokens: int, spec: IHALayerSpec, device: torch.device
 ) -> BlockedLocalMask:
     """Evaluate the layer's index-based mask function (causal pattern, window, padding, packed sequences) on the
     (query, key) pairs of every block, in the same virtual indices the dense mask uses."""
-    block_tokens, context_blocks = local_attention_blocks(sliding_window, num_pseudo_heads, window_unit)
+    num_pseudo_heads = spec.num_pseudo_heads
+    block_tokens, context_blocks = local_attention_blocks(spec)
     num_blocks = -(-num_tokens // block_tokens)
     block_len = block_tokens * num_pseudo_heads
     window_len = (context_blocks + 1) * block_len
@@ -134,25 +104,6 @@ def create_blocked_local_mask(
         key_index=key_index.flatten(),
         block_tokens=block_tokens,
         context_blocks=context_blocks,
-    )
-
-
-def blocked_local_attention_applies(
-    attn_implementation: str,
-    sliding_window: int | None,
-    query_length: int,
-    kv_length: int,
-    no_past_tokens: bool,
-    num_pseudo_heads: int,
-    window_unit: str = "token",
-) -> bool:
-    """Whether a sliding IHA layer runs blocked: on SDPA, without past tokens, and only where the blocks skip work."""
-    return (
-        sliding_window is not None
-        and attn_implementation == "sdpa"
-        and no_past_tokens
-        and kv_length == query_length
-        and blocked_local_attention_saves_work(query_length, sliding_window, num_pseudo_heads, window_unit)
     )
 
 

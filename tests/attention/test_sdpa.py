@@ -1,7 +1,10 @@
-"""The fast attention paths and the cache modes of IHAForCausalLM, each checked against the plain-einsum reference.
+"""IHA layers on SDPA with the installed package (`iha/attention/sdpa.py`, `blocked_local.py`) and the cache modes,
+each checked against the plain-einsum reference.
 
 - flat causal prefill without padding: SDPA's `is_causal` kernel, no (N*P)^2 mask;
-- sliding IHA layers without past tokens: blocked local attention (cost grows with N * W);
+- sliding IHA layers without past tokens: blocked local attention (cost grows with N * W), covering the paper's
+  window of W * P virtual tokens;
+- dense masks on CPU: SDPA reading each KV head for its query group;
 - `iha_cache_mode="pseudo"`: cached pseudo keys and values instead of re-mixing the token cache every step.
 """
 
@@ -21,7 +24,8 @@ from testing_utils import (
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM, StaticCache
 
 import iha
-from iha.models.iha.blocked_local_iha import BlockedLocalMask, local_attention_blocks
+from iha.attention.blocked_local import BlockedLocalMask, local_attention_blocks
+from iha.models.iha.layer_iha import IHALayerSpec
 from iha.models.iha.masking_iha import create_iha_masks
 from iha.models.iha.naive_iha import reference_forward
 
@@ -93,7 +97,7 @@ def sliding_mask(model, seq_len, attention_mask=None, past_key_values=None):
 
 def test_sliding_layers_use_blocked_attention_whose_size_grows_with_n_times_w():
     model = hybrid_model(num_pseudo=2, window=6)
-    block_tokens, context_blocks = local_attention_blocks(6, 2)
+    block_tokens, context_blocks = local_attention_blocks(IHALayerSpec("iha_sliding_attention", 2, 6))
     long_mask = sliding_mask(model, 8 * block_tokens)
     longer_mask = sliding_mask(model, 16 * block_tokens)
     assert isinstance(long_mask, BlockedLocalMask) and isinstance(longer_mask, BlockedLocalMask)
@@ -121,7 +125,7 @@ BLOCKED_MODES = [
 def test_blocked_local_attention_matches_reference_with_padding(mode, precision):
     mask_mode, num_pseudo, position_mode, window = mode
     model = hybrid_model(mask_mode, num_pseudo, window, iha_position_mode=position_mode).double()
-    block_tokens, context_blocks = local_attention_blocks(window, num_pseudo)
+    block_tokens, context_blocks = local_attention_blocks(IHALayerSpec("iha_sliding_attention", num_pseudo, window))
     seq_len = (context_blocks + 3) * block_tokens + 5  # the last block runs past the sequence
     input_ids, attention_mask = left_padded_batch(seq_len=seq_len)
     attention_mask[1, : block_tokens + 3] = 0  # padding across a block boundary
@@ -189,6 +193,53 @@ def test_generation_after_a_blocked_prefill_matches_uncached_decoding(precision)
     # (eagerly: on a GPU `generate` compiles static-cache decoding by default, which test_compile.py tests).
     static = model.generate(input_ids, cache_implementation="static", disable_compile=True, **common)
     precision.assert_same_greedy(static, expected, gaps, input_ids.shape[1])
+
+
+@pytest.mark.parametrize("mask_mode", ["flat_causal", "token_causal"])
+@pytest.mark.parametrize("window", [6, 33])
+def test_blocked_local_attention_covers_the_papers_window(window, mask_mode, precision):
+    # With W = 33 and P = 2 the blocks are 32 tokens, and the window reaches 33 tokens back (`IHALayerSpec.reach_tokens`):
+    # two earlier blocks, where W - 1 tokens would need one.
+    spec = IHALayerSpec("iha_sliding_attention", 2, 33)
+    assert spec.reach_tokens == 33 and local_attention_blocks(spec) == (32, 2)
+    model = hybrid_model(mask_mode, num_pseudo=2, window=window).double()
+    block_tokens, context_blocks = local_attention_blocks(IHALayerSpec("iha_sliding_attention", 2, window))
+    seq_len = (context_blocks + 3) * block_tokens + 5
+    input_ids, attention_mask = left_padded_batch(seq_len=seq_len)
+    attention_mask[1, : block_tokens + 3] = 0  # padding across a block boundary
+    input_ids[attention_mask == 0] = 0
+    position_ids = generation_position_ids(attention_mask)
+    assert isinstance(sliding_mask(model, seq_len, attention_mask), BlockedLocalMask)
+    inputs = precision.to_device(dict(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids))
+    with torch.no_grad():
+        logits = precision.model(model)(**inputs).logits.cpu()
+        expected = reference_forward(model, input_ids, attention_mask, position_ids)
+    real = attention_mask.bool()
+    precision.assert_close(logits[real], expected[real], rtol=0, atol=1e-6)
+
+
+def test_each_kind_of_mask_runs_its_kernel(monkeypatch):
+    """`iha_sdpa_attention` hands a blocked plan, a packed plan and a dense mask on CPU to their kernels, and anything
+    else (SDPA's `is_causal` call without a mask) to transformers' SDPA function."""
+    from iha.attention import sdpa
+
+    calls = []
+    for name in ("blocked_local_attention", "per_document_attention", "masked_sdpa_sharing_kv_heads"):
+        monkeypatch.setattr(sdpa, name, lambda *args, name=name, **kwargs: calls.append(name))
+    monkeypatch.setattr(sdpa, "sdpa_attention_forward", lambda *args, **kwargs: calls.append("transformers"))
+    query = torch.zeros(1, 2, 4, 8)
+    blocked = BlockedLocalMask(torch.ones(1, 1, 2, 4, dtype=torch.bool), torch.arange(4), 1, 1)
+    packed = sdpa.PackedDocumentsMask(groups=[], output_index=None)
+    for mask in (blocked, packed, torch.ones(1, 1, 4, 4, dtype=torch.bool), None):
+        sdpa.iha_sdpa_attention(None, query, query, query, mask)
+    sdpa.iha_sdpa_attention(None, query.to("meta"), query, query, torch.ones(1, 1, 4, 4, dtype=torch.bool))
+    assert calls == [
+        "blocked_local_attention",
+        "per_document_attention",
+        "masked_sdpa_sharing_kv_heads",
+        "transformers",
+        "transformers",  # a dense mask off the CPU: transformers' own function
+    ]
 
 
 # --- cache modes ----------------------------------------------------------------------------------------------------

@@ -1,12 +1,15 @@
-"""The unit of a sliding IHA layer's window (`iha_window_unit`): "token" (the first releases' window) and "virtual"
-(the paper's flat window of W * P virtual tokens), checked against the plain reference on every path.
+"""The window of sliding IHA layers, the paper's flat window of W * P virtual tokens, checked against the plain
+reference on every path.
 
-- the config field: its default for folders written before it, its validation, `paper_hybrid`;
-- the reference's own mask: the flat band, the token window of the last pseudo-query, the reach into token n - W;
-- the model against the reference: eager, SDPA (dense and blocked), left padding, packed rows, the decomposition;
+- the reference's own mask: the flat band, the source's window for the last pseudo-query, the reach into token n - W;
+- the model against the reference: eager, SDPA, left padding, packed rows, the decomposition;
 - caches: DynamicCache, StaticCache and their sliding layers keep one token more, decoding step by step and
   `generate()` equal to decoding without a cache; a cache filled under the narrower window is refused;
+- the retired token window: a config that records it is refused with the fix;
 - `output_attentions`, and what FlashAttention is told (its run is in scripts/gpu_check.py).
+
+The fast paths of the installed package on these layouts (blocked windows, packed documents) are tested in
+tests/attention/.
 """
 
 import json
@@ -25,8 +28,7 @@ from testing_utils import (
 from transformers import DynamicCache, StaticCache
 
 import iha
-from iha.models.iha.blocked_local_iha import BlockedLocalMask, local_attention_blocks, window_reach_tokens
-from iha.models.iha.masking_iha import create_iha_masks, kernel_sliding_window
+from iha.models.iha.layer_iha import IHALayerSpec
 from iha.models.iha.naive_iha import decomposed_attention, reference_forward, reference_mask
 
 
@@ -40,7 +42,6 @@ def virtual_window_model(num_pseudo=2, window=3, mask_mode="flat_causal", **over
         num_pseudo_heads=num_pseudo,
         iha_mask_mode=mask_mode,
         sliding_window=window,
-        iha_window_unit="virtual",
         attention_types=HYBRID_TYPES,
     )
     return tiny_iha_model(**{**settings, **overrides})
@@ -56,44 +57,30 @@ def logits_and_reference(model, input_ids, attention_mask, precision):
     return logits[real], expected[real]
 
 
-# --- the config field -------------------------------------------------------------------------------------------------
+# --- the retired token window -----------------------------------------------------------------------------------------
 
 
-def test_window_unit_defaults_to_token_and_is_validated():
-    assert tiny_iha_config(sliding_window=4).iha_window_unit == "token"
-    with pytest.raises(ValueError, match=r"`iha_window_unit` must be one of \['token', 'virtual'\], got 'tokens'"):
-        tiny_iha_config(sliding_window=4, iha_window_unit="tokens")
-
-
-def test_folder_without_the_field_keeps_the_token_window(tmp_path):
-    model = tiny_iha_model(num_pseudo_heads=2, sliding_window=3).double()
+def test_a_folder_written_with_the_token_window_is_refused_with_the_fix(tmp_path):
+    model = tiny_iha_model(num_pseudo_heads=2, sliding_window=3)
     model.save_pretrained(tmp_path)
     config_file = tmp_path / "config.json"
     fields = json.loads(config_file.read_text())
-    assert fields.pop("iha_window_unit") == "token"
-    config_file.write_text(json.dumps(fields))  # a folder written before the field existed
-    loaded = iha.IHAForCausalLM.from_pretrained(tmp_path, dtype=torch.float64)
-    assert loaded.config.iha_window_unit == "token"
-    input_ids, attention_mask = left_padded_batch(seq_len=10)
-    position_ids = generation_position_ids(attention_mask)
-    with torch.no_grad():
-        logits = loaded(input_ids, attention_mask=attention_mask, position_ids=position_ids).logits
-        token_window = reference_forward(model, input_ids, attention_mask, position_ids)
-        model.config.iha_window_unit = "virtual"
-        virtual_window = reference_forward(model, input_ids, attention_mask, position_ids)
-    real = attention_mask.bool()
-    torch.testing.assert_close(logits[real], token_window[real], rtol=0, atol=1e-6)
-    assert (logits[real] - virtual_window[real]).abs().max() > 1e-3  # the two windows really differ
+    assert "iha_window_unit" not in fields
+    config_file.write_text(json.dumps({**fields, "iha_window_unit": "token"}))  # a folder of the first versions
+    with pytest.raises(ValueError, match=r"iha_window_unit='token'.*Re-convert the source checkpoint \(`iha-convert"):
+        iha.IHAForCausalLM.from_pretrained(tmp_path)
+    # Where the unit changes nothing (P = 1, no sliding IHA layer) the field is dropped; "virtual" is today's window.
+    for settings in (dict(num_pseudo_heads=1, sliding_window=3), dict(num_pseudo_heads=2)):
+        assert not hasattr(tiny_iha_config(**settings, iha_window_unit="token"), "iha_window_unit")
+    assert not hasattr(tiny_iha_config(sliding_window=3, iha_window_unit="virtual"), "iha_window_unit")
 
 
-def test_paper_hybrid_writes_the_virtual_window_and_it_round_trips(tmp_path):
+def test_paper_hybrid_round_trips(tmp_path):
     config = iha.IHAConfig.paper_hybrid(training_length=24, **{**TINY, "num_hidden_layers": 5})
-    assert config.iha_window_unit == "virtual"
     assert config.sliding_window == 3
-    kept = iha.IHAConfig.paper_hybrid(training_length=24, iha_window_unit="token", **{**TINY, "num_hidden_layers": 5})
-    assert kept.iha_window_unit == "token"
     config.save_pretrained(tmp_path)
-    assert iha.IHAConfig.from_pretrained(tmp_path).iha_window_unit == "virtual"
+    loaded = iha.IHAConfig.from_pretrained(tmp_path)
+    assert loaded.attention_types == config.attention_types and loaded.sliding_window == 3
 
 
 # --- the reference's mask ---------------------------------------------------------------------------------------------
@@ -102,22 +89,21 @@ def test_paper_hybrid_writes_the_virtual_window_and_it_round_trips(tmp_path):
 @pytest.mark.parametrize("num_pseudo", [2, 3])
 def test_virtual_window_is_a_flat_band_whose_last_pseudo_query_sees_the_token_window(num_pseudo):
     num_tokens, window = 12, 4
-    virtual = reference_mask(num_tokens, num_pseudo, "flat_causal", window, None, window_unit="virtual")[0]
-    token = reference_mask(num_tokens, num_pseudo, "flat_causal", window, None, window_unit="token")[0]
+    virtual = reference_mask(num_tokens, num_pseudo, "flat_causal", window, None)[0]
     # Every pseudo-query past the start sees W * P virtual keys.
     assert (virtual.sum(-1)[window * num_pseudo :] == window * num_pseudo).all()
     for n in range(window, num_tokens):
         last = n * num_pseudo + num_pseudo - 1
         seen_tokens = virtual[last].nonzero().flatten() // num_pseudo
         assert seen_tokens.unique().tolist() == list(range(n - window + 1, n + 1))
-        assert torch.equal(virtual[last], token[last])
-        # The first pseudo-query reaches the later pseudo-keys of token n - W: one token further than the token window.
+        assert len(virtual[last].nonzero()) == window * num_pseudo  # every pseudo-token of the source's window
+        # The first pseudo-query reaches the later pseudo-keys of token n - W: one token further than W - 1.
         first = n * num_pseudo
         reached = virtual[first].nonzero().flatten()
         assert reached.min().item() == (n - window) * num_pseudo + 1
-        assert token[first].nonzero().flatten().min().item() == (n - window + 1) * num_pseudo
-    assert window_reach_tokens(window, num_pseudo, "virtual") == window
-    assert window_reach_tokens(window, 1, "virtual") == window - 1 == window_reach_tokens(window, num_pseudo)
+    spec = IHALayerSpec("iha_sliding_attention", num_pseudo, window)
+    assert spec.reach_tokens == window and spec.cache_window == window + 1
+    assert spec.virtual_window == window * num_pseudo
 
 
 @pytest.mark.parametrize("mask_mode", ["flat_causal", "token_causal"])
@@ -130,10 +116,10 @@ def test_decomposition_with_the_virtual_window_is_exact(mask_mode, num_pseudo):
     query, key, value = torch.randn(3, 2, 2, num_tokens * num_pseudo, 8, generator=generator, dtype=torch.float64)
     padding_mask = torch.ones(2, num_tokens, dtype=torch.long)
     padding_mask[1, :4] = 0
-    allowed = reference_mask(num_tokens, num_pseudo, mask_mode, window, padding_mask, window_unit="virtual")
+    allowed = reference_mask(num_tokens, num_pseudo, mask_mode, window, padding_mask)
     scores = (query @ key.transpose(-1, -2) * 0.3).masked_fill(~allowed[:, None], float("-inf"))
     expected = torch.softmax(scores, -1).nan_to_num(0.0) @ value
-    decomposed = decomposed_attention(query, key, value, num_pseudo, mask_mode, 0.3, window, padding_mask, "virtual")
+    decomposed = decomposed_attention(query, key, value, num_pseudo, mask_mode, 0.3, window, padding_mask)
     real = padding_mask.bool().repeat_interleave(num_pseudo, dim=-1)
     torch.testing.assert_close(decomposed.transpose(1, 2)[real], expected.transpose(1, 2)[real], rtol=0, atol=1e-12)
 
@@ -153,25 +139,6 @@ def test_virtual_window_matches_reference_with_left_padding(num_pseudo, mask_mod
     precision.assert_close(logits, expected, rtol=0, atol=atol)
 
 
-@pytest.mark.parametrize("mask_mode", ["flat_causal", "token_causal"])
-@pytest.mark.parametrize("window", [6, 33])
-def test_blocked_local_attention_covers_the_virtual_window(window, mask_mode, precision):
-    # With W = 33 and P = 2 the blocks are 32 tokens: the token window reaches 32 tokens back (one earlier block),
-    # the virtual window 33 (two).
-    model = virtual_window_model(2, window, mask_mode).double()
-    assert local_attention_blocks(33, 2, "token")[1] == 1 and local_attention_blocks(33, 2, "virtual")[1] == 2
-    block_tokens, context_blocks = local_attention_blocks(window, 2, "virtual")
-    seq_len = (context_blocks + 3) * block_tokens + 5
-    input_ids, attention_mask = left_padded_batch(seq_len=seq_len)
-    attention_mask[1, : block_tokens + 3] = 0  # padding across a block boundary
-    input_ids[attention_mask == 0] = 0
-    inputs_embeds = model.model.embed_tokens(input_ids)
-    masks = create_iha_masks(model.config, inputs_embeds, attention_mask, None)
-    assert isinstance(masks["iha_sliding_attention"], BlockedLocalMask)
-    logits, expected = logits_and_reference(model, input_ids, attention_mask, precision)
-    precision.assert_close(logits, expected, rtol=0, atol=1e-6)
-
-
 @pytest.mark.parametrize("attn_implementation", ["eager", "sdpa"])
 def test_virtual_window_on_packed_rows_matches_reference(attn_implementation, precision):
     model = virtual_window_model(3, window=4, attn_implementation=attn_implementation).double()
@@ -187,28 +154,12 @@ def test_virtual_window_on_packed_rows_matches_reference(attn_implementation, pr
     precision.assert_close(logits.cpu(), expected, rtol=0, atol=1e-6)
 
 
-def test_blocked_local_gradients_with_the_virtual_window_match_reference(precision):
-    model = virtual_window_model(2, window=6).double().train()
-    input_ids, attention_mask = left_padded_batch(seq_len=80)
-    position_ids = generation_position_ids(attention_mask)
-    real = attention_mask.bool()
-    tested = precision.model(model)
-    inputs = precision.to_device(dict(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids))
-    tested(**inputs).logits[precision.to_device(real)].square().mean().backward()
-    gradients = {name: p.grad.clone() for name, p in tested.named_parameters()}
-    model.zero_grad()
-    reference_forward(model, input_ids, attention_mask, position_ids)[real].square().mean().backward()
-    for name, parameter in model.named_parameters():
-        scale = parameter.grad.abs().max().item()
-        precision.assert_close(gradients[name], parameter.grad, rtol=1e-5, atol=1e-5 * scale, msg=name, gradient=True)
-
-
 def test_output_attentions_keep_the_flat_band():
     model = virtual_window_model(3, window=2, attn_implementation="eager")
     input_ids, _ = left_padded_batch(seq_len=6)
     with torch.no_grad():
         attentions = model(input_ids, output_attentions=True).attentions
-    allowed = reference_mask(6, 3, "flat_causal", 2, None, window_unit="virtual")[0]
+    allowed = reference_mask(6, 3, "flat_causal", 2, None)[0]
     sliding_iha = attentions[0]  # layer 0: a sliding IHA layer
     assert sliding_iha.shape == (3, 4, 18, 18)
     assert (sliding_iha[:, :, ~allowed] == 0).all()
@@ -217,19 +168,10 @@ def test_output_attentions_keep_the_flat_band():
 
 
 def test_flash_attention_takes_the_virtual_window():
-    virtual = tiny_iha_config(
-        num_pseudo_heads=3,
-        sliding_window=4,
-        iha_window_unit="virtual",
-        attention_types=HYBRID_TYPES,
-        num_hidden_layers=4,
-    )
-    assert [kernel_sliding_window(virtual, t) for t in HYBRID_TYPES] == [12, None, 4, None]
-    token = tiny_iha_config(num_pseudo_heads=3, sliding_window=4, attention_types=HYBRID_TYPES, num_hidden_layers=4)
-    assert [kernel_sliding_window(token, t) for t in HYBRID_TYPES] == [None, None, 4, None]
-    check_flash(virtual)  # accepted: FlashAttention's own window computes it
-    with pytest.raises(ValueError, match="iha_window_unit='token'"):
-        check_flash(token)
+    config = tiny_iha_config(num_pseudo_heads=3, sliding_window=4, attention_types=HYBRID_TYPES, num_hidden_layers=4)
+    model = iha.IHAForCausalLM(config)
+    assert [layer.self_attn.kernel_sliding_window for layer in model.model.layers] == [12, None, 4, None]
+    check_flash(config)  # accepted: FlashAttention's own window computes it
 
 
 def check_flash(config):
@@ -304,11 +246,10 @@ def test_a_cache_filled_under_the_narrower_window_is_refused():
     model = virtual_window_model(2, window=3)
     input_ids, _ = left_padded_batch(seq_len=6)
     cache = DynamicCache(config=model.config)
-    model.config.iha_window_unit = "token"
+    narrow = tiny_iha_model(num_pseudo_heads=1, num_hidden_layers=4, sliding_window=3, attention_types=HYBRID_TYPES)
     with torch.no_grad():
-        model(input_ids, past_key_values=cache, use_cache=True)
-    model.config.iha_window_unit = "virtual"
-    with pytest.raises(ValueError, match="filled keeping 2"):
+        narrow(input_ids, past_key_values=cache, use_cache=True)  # P = 1: transformers' window of 3 tokens fits
+    with pytest.raises(ValueError, match="reaches 3 past tokens, but its cache .* keeps 2"):
         model(input_ids[:, :1], past_key_values=cache, use_cache=True)
 
 
@@ -316,20 +257,24 @@ def test_a_cache_filled_under_the_narrower_window_is_refused():
 
 
 def check_low_precision_window(model, device):
-    """`model` (bfloat16, on `device`) against the float64 reference of the same weights with the virtual window:
-    closer to it, by a margin, than the reference with the token window is (bf16 noise is of the order of the
-    difference between the two windows in a tiny model, so a bare tolerance would not tell them apart)."""
+    """`model` (bfloat16, on `device`) against the float64 reference of the same weights: closer to it, by a margin,
+    than the reference with a window one token narrower (a kernel told the window in tokens, or a cache that dropped
+    the token the first pseudo-query reaches, is that far off; bf16 noise is of the order of such a difference in a
+    tiny model, so a bare tolerance would not tell them apart)."""
     reference = virtual_window_model(2, LOW_PRECISION_WINDOW).double()
     reference.load_state_dict(model.state_dict())
     to_device = lambda tensor: tensor.to(device)  # noqa: E731
 
     def assert_virtual_window(actual, reference_logits):
         virtual = reference_logits()
-        reference.config.iha_window_unit = "token"
-        token = reference_logits()
-        reference.config.iha_window_unit = "virtual"
+        sliding_layers = [layer.self_attn for layer in reference.model.layers if layer.self_attn.sliding_window]
+        for attention in sliding_layers:
+            attention.sliding_window -= 1
+        narrower = reference_logits()
+        for attention in sliding_layers:
+            attention.sliding_window += 1
         error = (actual.double().cpu() - virtual).abs().max().item()
-        gap = (token - virtual).abs().max().item()
+        gap = (narrower - virtual).abs().max().item()
         assert gap > 0.05, gap  # sharpened attention: ~0.1 here, 20 times bfloat16's error on CPU
         assert error < 0.2 * gap, (error, gap)
 
