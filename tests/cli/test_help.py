@@ -70,8 +70,6 @@ HELP_PAGES = [
     ("main", ["iha", "sft"], ["--model_name_or_path", "--convert_to_iha", "--dataset_name", "--learning_rate"]),
     ("main", ["iha", "eval"], ["math", "needle", "compare"]),
     ("main", ["iha", "eval", "math"], ["--model", "--dataset", "--preset", "--temperature"]),
-    ("main", ["iha", "ab"], ["--preset", "--output_dir", "--model"]),
-    ("main", ["iha", "synthetic"], ["--preset", "--output_dir", "--tasks", "--pseudo_heads"]),
     ("main", ["iha", "card"], ["folder", "--base_model"]),
     ("main", ["iha", "push"], ["folder", "repo_id", "--private", "--token"]),
     ("main", ["iha", "data"], ["gsm8k-to-openthoughts", "to-messages"]),
