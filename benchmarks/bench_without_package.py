@@ -15,7 +15,7 @@ outputs agree), and reports the ratio of CPU time without / with, per round, for
 - every layer IHA on a packed row (TRL's `--packing`: documents with restarting positions, no mask): forward +
   backward (attention per document, against the dense mask of the documents' block diagonal);
 - decoding after a prompt, every layer IHA with GQA (SDPA sharing each KV head, against transformers' SDPA, which
-  copies keys and values per query head whenever a mask is given).
+  copies keys and values per query head whenever a mask is given): the decoding steps only, the prefill timed apart.
 
 The model is shaped like SmolLM2-135M (`bench_common.SMOLLM2_135M_SHAPE`) with `--layers` layers, float32, one torch
 thread, identity mixing converted from a random Llama; steps alternate (the order flips every round) so that load
@@ -43,6 +43,7 @@ from bench_common import (  # noqa: E402
     base_model,
     converted_iha_model,
     forward_step,
+    generation_step,
     train_step,
 )
 
@@ -90,17 +91,6 @@ def both_ways(step) -> dict:
     return {"with": step, "without": without}
 
 
-def decode_step(model, prompt, decode_tokens):
-    def step():
-        with torch.inference_mode():
-            generated = model.generate(
-                prompt, max_new_tokens=decode_tokens, min_new_tokens=decode_tokens, do_sample=False, pad_token_id=0
-            )
-        assert generated.shape[1] == prompt.shape[1] + decode_tokens
-
-    return step
-
-
 def measure(args, progress) -> list[dict]:
     shape = QUICK_SHAPE if args.quick else SMOLLM2_135M_SHAPE
     base = base_model(shape, args.layers)
@@ -118,21 +108,29 @@ def measure(args, progress) -> list[dict]:
         **iha.paper_hybrid_layout(args.layers, args.pseudo_heads, training_length=args.seq_len),
     )
     every_layer = converted_iha_model(base, shape, args.pseudo_heads, iha_position_mode="shared")
+    decode_records = {"with": {}, "without": {}}
     cases = {
-        "hybrid forward": forward_step(hybrid, row),
-        "hybrid forward + backward": train_step(hybrid, row),
-        "packed rows forward + backward (every layer IHA)": train_step(every_layer, row, packed_positions),
-        "decoding (every layer IHA, GQA)": decode_step(every_layer, prompt, args.decode),
+        "hybrid forward": both_ways(forward_step(hybrid, row)),
+        "hybrid forward + backward": both_ways(train_step(hybrid, row)),
+        "packed rows forward + backward (every layer IHA)": both_ways(train_step(every_layer, row, packed_positions)),
+        # Timed inside the step: the decoding steps apart from the prefill (`bench_common.generation_step`).
+        "decoding (every layer IHA, GQA)": {
+            "with": generation_step(every_layer, prompt, args.decode, decode_records["with"]),
+            "without": both_ways(generation_step(every_layer, prompt, args.decode, decode_records["without"]))[
+                "without"
+            ],
+        },
     }
     rows = []
-    for name, step in cases.items():
+    for name, steps in cases.items():
         progress.set_description(name)
         model = hybrid if name.startswith("hybrid") else every_layer
         model.train(name.endswith("backward"))
-        steps = both_ways(step)
         for run in steps.values():  # warm-up
             run()
         times = alternate(steps, args.repeats)
+        if name.startswith("decoding"):  # the decoding steps only, without the warm-up's
+            times = {side: {"cpu": decode_records[side]["decode_cpu_s"][1:]} for side in steps}
         ratios = [without / with_ for with_, without in zip(times["with"]["cpu"], times["without"]["cpu"])]
         rows.append(
             {
