@@ -1,9 +1,11 @@
-"""Sliding IHA layers on vLLM (the paper's flat window: virtual query i sees virtual keys i - W * P < j <= i) run on the stock kernel's own window over the virtual sequence, with a sliding-window KV cache
-that frees the blocks leaving the window: greedy tokens equal `generate()` in float32 and log-probabilities within
-1e-4 of the float64 reference, for P = 2 and 3, GQA and MHA, shared and virtual positions, windows of 8 to 64 tokens
-with prompts of 3 to 400 tokens prefilled in chunks of 32 (which cross the window's edge), prefix caching on and off,
-requests joining and leaving, one request decoding hundreds of tokens past its window; in the paper's hybrid layout
-(IHA sliding layers with a standard global layer) and beside standard sliding and IHA global layers.
+"""Sliding IHA layers on vLLM (the paper's flat window: virtual query i sees virtual keys i - W * P < j <= i) run on
+the stock kernel's own window over the virtual sequence, with a sliding-window KV cache that frees the blocks leaving
+the window: greedy tokens equal `generate()` in float32 and log-probabilities within 1e-4 of the float64 reference,
+for P = 1, 2 and 3, GQA and MHA, shared and virtual positions, windows of 8 to 64 tokens with prompts of 3 to 400
+tokens prefilled in chunks of 32 (which cross the window's edge), prefix caching on and off, requests joining and
+leaving, one request decoding hundreds of tokens past its window; in the paper's hybrid layout (IHA sliding layers
+with a standard global layer) and beside standard sliding and IHA global layers. Each layer's `IHALayerSpec` is the
+object its backend and the backend's metadata builder read.
 
 On a CUDA GPU (the GPU check's vllm step) the same tests run FlashAttention's window, in bfloat16.
 """
@@ -49,6 +51,13 @@ CASES = {
         attention_types=["iha_sliding_attention", "sliding_attention", "iha_full_attention", "iha_sliding_attention"],
         sliding_window=16,
     ),
+    # One pseudo-head: the flat window is the source's window of W tokens, and so is the cache (no token more).
+    "gqa-shared-P1-W8": dict(
+        num_pseudo_heads=1,
+        iha_position_mode="shared",
+        attention_types=["iha_sliding_attention", "iha_full_attention"],
+        sliding_window=8,
+    ),
     # A window of two blocks, Qwen3's q/k norm (the explicit mixing), prompts up to 400 tokens.
     "gqa-virtual-P2-W64-qk-norm": dict(
         num_pseudo_heads=2,
@@ -61,7 +70,7 @@ CASES = {
 FOLDED_AND_EXPLICIT = [
     pytest.param(case, fold, id=f"{case}-{'folded' if fold else 'explicit'}")
     for case in CASES
-    for fold in ((False,) if "qk-norm" in case else (True, False))
+    for fold in ((False,) if "qk-norm" in case else (True,) if "P1" in case else (True, False))
 ]
 
 # Prompts of 3 to 400 tokens together, each with its own number of new tokens (they leave at different steps).
@@ -185,11 +194,12 @@ def test_greedy_tokens_and_logprobs_equal_the_reference(case, fold, folders):
     dtype = engine_dtype()
     window = CASES[case]["sliding_window"]
     with vllm_engine(folder, hf_overrides={"iha_fold_mixing": fold}, **ENGINE) as llm:
-        # Sliding IHA layers keep W + 1 tokens, standard sliding layers W, in caches of their own.
+        # Sliding IHA layers keep W + 1 tokens at P > 1 (W at P = 1), standard sliding layers W, in caches of their own.
+        iha_cache_window = window + 1 if CASES[case]["num_pseudo_heads"] > 1 else window
         for spec, spec_window, layers in sliding_groups(llm):
             kinds = {model.config.attention_types[int(name.split(".")[2])] for name in layers}
             if kinds == {"iha_sliding_attention"}:
-                assert (spec, spec_window) == ("SlidingWindowSpec", window + 1)
+                assert (spec, spec_window) == ("SlidingWindowSpec", iha_cache_window)
             elif kinds == {"sliding_attention"}:
                 assert (spec, spec_window) == ("SlidingWindowSpec", window)
             else:
