@@ -2,7 +2,7 @@
 float32 logits within float32 rounding of transformers', and the greedy tokens of `generate()` through mlx-lm's own
 cached decoding (`generate_step`) and batched decoding (`BatchGenerator`, prompts of different lengths padded
 together), for P = 2 and 3, GQA and MHA, shared and virtual positions, per-head and global collapse, flat and token
-causal masks, sliding IHA layers with the window in tokens or virtual tokens, the paper's hybrid layout, standard
+causal masks, sliding IHA layers (the paper's window of W * P virtual tokens), the paper's hybrid layout, standard
 layers among IHA ones, Qwen3's q/k norm, SmolLM3's NoPE layers and Llama 3's RoPE scaling. Gemma 3 is refused in one
 line. The real SmolLM2-135M-Instruct converted with the defaults gives the source's greedy tokens through mlx-lm
 (tests/models/mlx/test_mlx_smollm2.py)."""
@@ -44,11 +44,9 @@ CASES = {
     "P2-token-causal-global-gqa": dict(
         num_pseudo_heads=2, iha_mask_mode="token_causal", iha_collapse_mode="global", num_key_value_heads=2
     ),
-    "P3-sliding-token-window": dict(num_pseudo_heads=3, sliding_window=4),
-    "P3-sliding-token-window-pseudo-cache": dict(num_pseudo_heads=3, sliding_window=4, iha_cache_mode="pseudo"),
-    "P2-sliding-virtual-window-shared": dict(
-        num_pseudo_heads=2, sliding_window=4, iha_window_unit="virtual", iha_position_mode="shared"
-    ),
+    "P3-sliding": dict(num_pseudo_heads=3, sliding_window=4),
+    "P3-sliding-pseudo-cache": dict(num_pseudo_heads=3, sliding_window=4, iha_cache_mode="pseudo"),
+    "P2-sliding-shared": dict(num_pseudo_heads=2, sliding_window=4, iha_position_mode="shared"),
     "P2-shared-pseudo-cache": dict(num_pseudo_heads=2, iha_position_mode="shared", iha_cache_mode="pseudo"),
     "P2-standard-and-iha-layers": dict(
         num_hidden_layers=4,
@@ -65,7 +63,7 @@ CASES = {
 
 
 def paper_hybrid_config():
-    """The paper's layout: 4 sliding IHA layers (window N / (2 P^2) = 4 tokens, virtual units) : 1 global MHA."""
+    """The paper's layout: 4 sliding IHA layers (window N / (2 P^2) = 4 tokens, 8 virtual tokens) : 1 global MHA."""
     return iha.IHAConfig.paper_hybrid(training_length=32, **{**MLX_TINY, "num_hidden_layers": 5, "num_pseudo_heads": 2})
 
 
