@@ -25,6 +25,7 @@ import iha  # noqa: E402
 from iha.cli.main import run  # noqa: E402
 from iha.export import ExportError  # noqa: E402
 from iha.export.mlx import MLX_MODEL_FILE, add_mlx_model_file  # noqa: E402
+from iha.models.iha.layer_iha import FIELD_DEFAULTS  # noqa: E402
 
 
 # A wider init than TINY's default, so that greedy tokens are decided by clear margins rather than rounding.
@@ -141,6 +142,32 @@ def test_mixing_stays_float32_when_mlx_lm_casts_the_model(tmp_path):
     assert {dtypes[name] for name in dtypes if ".head_mixing." in name} == {mx.float32}
     assert dtypes["model.layers.0.self_attn.q_proj.weight"] == mx.bfloat16
     assert (tmp_path / "bf16" / MLX_MODEL_FILE).is_file()
+
+
+def test_a_config_json_without_iha_fields_is_exported_with_what_they_mean(tmp_path):
+    """A config.json that names no IHA field means their defaults and the attention types the config class fills in
+    (sliding IHA layers here, as `sliding_window` is set); the MLX file declares no defaults, so the export writes those
+    values, and mlx-lm computes transformers' logits from the folder."""
+    folder = tmp_path / "iha"
+    torch.manual_seed(0)
+    source = iha.IHAForCausalLM(iha.IHAConfig(**{**MLX_TINY, "sliding_window": 4})).eval()
+    randomize_mixing(source, scale=0.5, seed=0)
+    source.save_pretrained(folder)
+    config = json.loads((folder / "config.json").read_text())
+    bare = {key: value for key, value in config.items() if key not in FIELD_DEFAULTS}
+    (folder / "config.json").write_text(json.dumps(bare))
+
+    add_mlx_model_file(folder)
+    model = iha.IHAForCausalLM.from_pretrained(folder).eval()
+    written = json.loads((folder / "config.json").read_text())
+    assert {name: written[name] for name in FIELD_DEFAULTS} == {name: config[name] for name in FIELD_DEFAULTS}
+    assert set(written["attention_types"]) == {"iha_sliding_attention"}
+    mlx_model, _ = load_model(folder, trust_remote_code=True)
+    input_ids = prompt(13, seed=1)
+    with torch.no_grad():
+        expected = model(input_ids).logits[0]
+    logits = torch.from_numpy(np.array(mlx_model(mx.array(input_ids.numpy()))[0]))
+    torch.testing.assert_close(logits, expected, rtol=0, atol=1e-5 * expected.abs().max().item())
 
 
 def test_stock_mlx_lm_asks_before_running_the_folders_code(tmp_path):
