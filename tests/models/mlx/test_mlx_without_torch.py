@@ -26,6 +26,7 @@ mlx_lm.generate commands and two servers, 10 to 18 s each; building the folders 
 
 import importlib.metadata
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -95,22 +96,24 @@ def no_torch_environment() -> Path:
     return python
 
 
-def environment_without_the_project(folder: Path) -> dict:
-    """A fresh machine's environment (HOME and HF_HOME empty folders under `folder`, offline) with nothing that would
-    put this checkout or this virtual environment on the other interpreter's path."""
+def environment_without_the_project(python: Path, folder: Path) -> dict:
+    """A fresh machine's environment (HOME and HF_HOME empty folders under `folder`, offline) with `python`'s
+    environment first on PATH, as once activated, and nothing that would put this checkout or this virtual environment
+    on its path."""
     environment = fresh_machine_environment(folder)
     for name in ("PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV", "PYTHONSTARTUP"):
         environment.pop(name, None)
-    return {**environment, "PYTHONNOUSERSITE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    search_path = os.pathsep.join([str(python.parent), environment.get("PATH", os.defpath)])
+    return {**environment, "PATH": search_path, "PYTHONNOUSERSITE": "1", "TOKENIZERS_PARALLELISM": "false"}
 
 
-def run_there(python: Path, arguments: list[str], scratch: Path) -> subprocess.CompletedProcess:
-    """`python ARGUMENTS` in the environment without torch, from an empty folder."""
+def run_there(python: Path, command: list[str], scratch: Path) -> subprocess.CompletedProcess:
+    """`command` (a program of `python`'s environment and its arguments) in that environment, from an empty folder."""
     scratch.mkdir(parents=True, exist_ok=True)
     return subprocess.run(
-        [str(python), *arguments],
+        [str(python.parent / command[0]), *command[1:]],
         cwd=scratch,
-        env=environment_without_the_project(scratch),
+        env=environment_without_the_project(python, scratch),
         stdin=subprocess.DEVNULL,  # transformers' remote-code question reads end-of-file at once
         capture_output=True,
         text=True,
@@ -227,7 +230,7 @@ def probed(python, folders, tmp_path_factory):
     scratch = tmp_path_factory.mktemp("probe")
     out = scratch / "probed.json"  # not stdout: transformers' remote-code question is printed there
     completed = run_there(
-        python, ["-c", PROBE, ",".join(FIELD_DEFAULTS), PROMPT, json.dumps(requests), str(out)], scratch
+        python, ["python", "-c", PROBE, ",".join(FIELD_DEFAULTS), PROMPT, json.dumps(requests), str(out)], scratch
     )
     assert completed.returncode == 0, completed.stderr[-4000:]
     return json.loads(out.read_text())
@@ -284,7 +287,7 @@ def test_mlx_lm_generate_command_prints_transformers_greedy_completion(python, f
         )
     generated = until_end_of_turn(output[0, len(chat_ids) :].tolist(), tokenizer.eos_token_id, keep_eos=True)
 
-    command = ["-m", "mlx_lm", "generate", "--model", str(built["folder"]), "--trust-remote-code"]
+    command = ["mlx_lm.generate", "--model", str(built["folder"]), "--trust-remote-code"]
     command += ["--prompt", PROMPT, "--max-tokens", str(STEPS)]
     completed = run_there(python, command, tmp_path)
     assert completed.returncode == 0, completed.stderr[-4000:]
@@ -310,9 +313,9 @@ def post(url: str, body: dict) -> dict:
 def test_mlx_lm_server_answers_transformers_greedy_tokens(python, folders, name, tmp_path):
     built = folders[name]
     port = free_port()
-    command = [str(python), "-m", "mlx_lm.server", "--model", str(built["folder"]), "--trust-remote-code"]
+    command = [str(python.parent / "mlx_lm.server"), "--model", str(built["folder"]), "--trust-remote-code"]
     command += ["--host", "127.0.0.1", "--port", str(port)]
-    environment = environment_without_the_project(tmp_path)
+    environment = environment_without_the_project(python, tmp_path)
     log = tmp_path / "server.log"
     process = start_server(command, cwd=tmp_path, env=environment, log=log, port=port, seconds=STARTUP_SECONDS)
     try:
