@@ -62,7 +62,8 @@ deepspeed-test: install
 
 # An MLX folder on a machine with stock mlx-lm and no torch (tests/models/mlx/test_mlx_without_torch.py) alone; `make
 # test` runs it too (CI). Its environment (`pip install "mlx[cpu]" mlx-lm` at the tested releases and the newest tested
-# transformers: no torch, no iha; about 250 MB) is built once into ~/.cache/iha/mlx-without-torch, then reused.
+# transformers: no torch, no iha; 254 MB, about a minute with pip's cache warm) is built once into
+# ~/.cache/iha/mlx-without-torch, then reused; the tests take about a minute more (the file's docstring has the figures).
 mlx-without-torch: install
 	$(PY) -m pytest -q tests/models/mlx/test_mlx_without_torch.py
 

@@ -17,10 +17,10 @@ with HOME and HF_HOME empty temporary folders, offline. There:
 - stock `mlx_lm.server --trust-remote-code` (127.0.0.1, a free port, stopped at the end) answers a greedy
   /v1/completions with transformers' greedy token ids, for both folders.
 
-Cost, measured on this project's 2-core machines, shared with other work, pip's cache warm: building the environment
-(about 250 MB: mlx, mlx-cpu, mlx-lm, transformers, tokenizers, numpy, ...; once) 53 s of pip at a moderate load and
-about 3 minutes at a load average of 13 to 15; the 10 tests with it built 80 s of pytest at a load average of 15 (two
-mlx_lm.generate commands and two servers, 10 to 18 s each; building the folders and the probe 24 s).
+Cost, measured on this project's 2-core machines, shared with other work, pip's cache warm: the 10 tests took 118 s of
+pytest with the environment built within them (about 62 s of it the build, 254 MB: mlx, mlx-cpu, mlx-lm,
+transformers, tokenizers, numpy, ...) at a load average of 9, and 65 s with it built (building the folders and the
+probe 25 s, two mlx_lm.generate commands and two servers 8 to 11 s each).
 `make mlx-without-torch` runs this file alone.
 """
 
