@@ -4,7 +4,7 @@ cached decoding (`generate_step`) and batched decoding (`BatchGenerator`, prompt
 together), for P = 2 and 3, GQA and MHA, shared and virtual positions, per-head and global collapse, flat and token
 causal masks, sliding IHA layers (the paper's window of W * P virtual tokens), the paper's hybrid layout, standard
 layers among IHA ones, Qwen3's q/k norm, SmolLM3's NoPE layers and Llama 3's RoPE scaling. Gemma 3 is refused in one
-line. The real SmolLM2-135M-Instruct converted with the defaults gives the source's greedy tokens through mlx-lm
+line. A config.json that names no IHA field is exported with what they mean. The real SmolLM2-135M-Instruct converted with the defaults gives the source's greedy tokens through mlx-lm
 (tests/models/mlx/test_mlx_smollm2.py)."""
 
 import json
