@@ -463,6 +463,7 @@ class IHAPreTrainedModel(LlamaPreTrainedModel):
     # Under any 16-bit load dtype the mixing loads in fp32 (`mixing_dtype`; the non-strict list acts for fp16 only).
     _keep_in_fp32_modules_strict = ["head_mixing"]
     _skip_keys_device_placement = ["past_key_values", "cache"]  # the cache's names in the supported releases
+    _supports_context_parallel = False  # see `supports_context_parallel`
     _can_record_outputs = {"hidden_states": IHADecoderLayer, "attentions": IHAAttention}
 
     def _init_weights(self, module):
@@ -480,7 +481,8 @@ class IHAPreTrainedModel(LlamaPreTrainedModel):
     @property
     def supports_context_parallel(self) -> bool:
         # Context parallelism shards the token sequence and runs plain causal attention per shard, not what an IHA
-        # layer computes over its interleaved pseudo-tokens: accelerate refuses a model that says so.
+        # layer computes over its interleaved pseudo-tokens: accelerate refuses a model that says so. The property
+        # (beside the class flag) answers on releases older than transformers' own property too.
         return False
 
     def _check_attention_implementation(self, name: str | None = None):

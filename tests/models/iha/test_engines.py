@@ -7,6 +7,8 @@ an attention function under it, and call the model on one packed row [1, tokens]
 `module.layer_idx`, whose kernel keeps one key per real token.
 """
 
+import inspect
+
 import pytest
 import torch
 from testing_utils import tiny_iha_config, tiny_iha_model
@@ -132,3 +134,18 @@ def test_standard_models_under_the_engine_name_are_left_alone(engine_registered)
     config._attn_implementation = "vllm"
     with torch.device("meta"):
         AutoModel.from_config(config)
+
+
+def test_context_parallelism_is_refused():
+    # Context parallelism shards the token sequence and drops the mask for plain causal attention per shard; IHA's
+    # layers attend over interleaved pseudo-tokens, which that does not compute, even with every layer global.
+    model = tiny_iha_model(attention_types=["iha_full_attention", "iha_full_attention"])
+    assert model.supports_context_parallel is False and model.model.supports_context_parallel is False
+    assert type(model)._supports_context_parallel is False
+    # accelerate (from 1.16) asks the model before it drops the masks for context-parallel training.
+    big_modeling = pytest.importorskip("accelerate.big_modeling")
+    attach_hooks = getattr(big_modeling, "_attach_context_parallel_hooks", None)
+    if attach_hooks is None or "supports_context_parallel" not in inspect.getsource(attach_hooks):
+        pytest.skip("this accelerate release does not ask the model")
+    with pytest.raises(ValueError, match="does not support context parallelism"):
+        attach_hooks(model)
