@@ -103,6 +103,12 @@ def parse_args(argv=None):
     )
     parser.add_argument("--cache-dir", type=Path, default=Path("~/.cache/iha/transformers-matrix").expanduser())
     parser.add_argument("--output-dir", type=Path, default=Path("runs/transformers_matrix"))
+    parser.add_argument(
+        "--iha-path",
+        type=Path,
+        default=REPO_ROOT,
+        help="the folder holding the `iha` package that the interpreters with it import (default: this repository)",
+    )
     parser.add_argument("--no-smollm2", action="store_true", help="check the tiny models only")
     parser.add_argument("--gemma3", action="store_true", help="also check the real Gemma 3 270M (minutes per release)")
     parser.add_argument(
@@ -402,7 +408,13 @@ def compare_outputs(without_path: Path, with_path: Path, folders: list[Path]) ->
 
 
 def check_release(
-    python: Path, site: str, pairs: list[tuple[Path, Path]], mixed: list[Path], threads: str, scratch: Path
+    python: Path,
+    site: str,
+    pairs: list[tuple[Path, Path]],
+    mixed: list[Path],
+    threads: str,
+    scratch: Path,
+    iha_path: Path = REPO_ROOT,
 ) -> dict:
     """One release: a fresh interpreter without the package (the converted folders against their sources,
     continuous batching refused, the outputs of the folders with random mixing), then one with `import iha` (its
@@ -419,7 +431,7 @@ def check_release(
     )
     with_package = run_check(
         python,
-        f"{site}{os.pathsep}{REPO_ROOT}",
+        f"{site}{os.pathsep}{iha_path}",
         ["check", "--with-iha", "--batch", *folders, "--outputs", str(with_path), *folders],
         threads,
     )
@@ -443,10 +455,10 @@ def check_release(
     return result
 
 
-def package_import_error(python: Path, site: Path) -> str:
+def package_import_error(python: Path, site: Path, iha_path: Path = REPO_ROOT) -> str:
     """What `import iha` (the installed package, not a model folder) says on this release: the same guard."""
     environment = {key: value for key, value in os.environ.items() if key not in ("PYTHONHOME", "VIRTUAL_ENV")}
-    environment.update(PYTHONPATH=f"{site}{os.pathsep}{REPO_ROOT}", PYTHONNOUSERSITE="1")
+    environment.update(PYTHONPATH=f"{site}{os.pathsep}{iha_path}", PYTHONNOUSERSITE="1")
     completed = subprocess.run(
         [str(python), "-c", "import iha; print('imported')"], env=environment, capture_output=True, text=True
     )
@@ -467,7 +479,9 @@ def log_release(release: str, result: dict) -> None:
         for batched in result.get(key, []):
             log(
                 f"transformers {release}, {batched['folder']}, continuous batching {where}: "
-                f"{batched['continuous_batching']} ({'ok' if batched['passed'] else 'FAILED'}, {batched['seconds']} s)"
+                f"{batched['continuous_batching']}, generate() after it: {batched['generate_after']} "
+                f"({'ok' if batched['passed'] else 'FAILED'}, {batched['seconds']} s)"
+                + (f": {batched['generate_after_error']}" if "generate_after_error" in batched else "")
             )
     for row in result.get("agreement", []):
         if "error" in row:
@@ -618,7 +632,8 @@ def markdown_table(results: list[dict]) -> str:
             "package it must refuse with `modeling_iha.NEEDS_THE_PACKAGE`; with `iha` imported it must decode what "
             "`generate()` decodes on each prompt alone, or, where the release's continuous batching cannot be right "
             "for the model (sliding-window layers before 5.16, whose pages read back wrong tokens for a stock Mistral "
-            "too), refuse with the fix.",
+            "too), refuse with the fix. Either way `generate()` must decode the same tokens after it as before "
+            "(transformers switches the model to `paged|sdpa` for the session).",
             "",
             "| transformers | folder | without `iha` | with `iha` imported |",
             "|---|---|---|---|",
@@ -630,12 +645,16 @@ def markdown_table(results: list[dict]) -> str:
                 if row is None:
                     cells.append("**not run**")
                     continue
-                outcome = row["continuous_batching"] if row["passed"] else f"**{row['continuous_batching']}**"
+                outcome = row["continuous_batching"]
                 if row.get("message") and side == "with":
                     outcome += f": {row['message'].split('. ')[0]}"
                 if row.get("error"):
                     outcome += f" ({row['error'][:120]})"
-                cells.append(outcome)
+                if row["generate_after"] != "equal":
+                    outcome += f"; then generate(): {row['generate_after']}"
+                    if row.get("generate_after_error"):
+                        outcome += f" ({row['generate_after_error'][:160]})"
+                cells.append(outcome if row["passed"] else f"**{outcome}**")
             lines.append(f"| {release} | {folder.removesuffix('-iha')} | {cells[0]} | {cells[1]} |")
     if refusal_line is not None:
         lines += ["", f"Refused without the package, in one line: `{refusal_line}`"]
@@ -680,7 +699,7 @@ def main(argv=None) -> int:
             site = transformers_environment(args.cache_dir, python, release)
             result = run_check(python, str(site), ["refuse", str(pairs[0][1])])
             result.setdefault("transformers", release)
-            result["package_import"] = package_import_error(python, site)
+            result["package_import"] = package_import_error(python, site, args.iha_path)
             result["passed"] = result["passed"] and "UnsupportedTransformersError: " in result["package_import"]
             log(f"transformers {release}: {'refused clearly' if result['passed'] else 'FAILED'}: {result.get('error')}")
             results.append(result)
@@ -694,7 +713,7 @@ def main(argv=None) -> int:
         by_release = {}
         with ThreadPoolExecutor(max_workers=args.jobs) as pool:
             checks = {
-                pool.submit(check_release, python, site, pairs, mixed, threads, work_dir): release
+                pool.submit(check_release, python, site, pairs, mixed, threads, work_dir, args.iha_path): release
                 for release, site in sites.items()
             }
             log(f"checking {', '.join(sites)}, {args.jobs} at a time")

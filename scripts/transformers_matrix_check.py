@@ -15,7 +15,8 @@ package's fast paths (`iha|sdpa`, `iha|paged`) in transformers' registries. Prin
 - `--batch`: continuous batching (`generate_batch`, several requests of different lengths on a small paged cache).
   Without the package it must refuse in one line, `modeling_iha.NEEDS_THE_PACKAGE`; with it, it must decode what
   `generate()` decodes on each prompt alone, or refuse with the fix where this release's continuous batching cannot
-  be right for the model (sliding-window layers before 5.16).
+  be right for the model (sliding-window layers before 5.16). Either way `generate()` must decode the same tokens
+  afterwards (transformers switches the model to `paged|<implementation>` for the session).
 - `--outputs`: the logits and greedy tokens `scripts/transformers_matrix.py` compares between a process without the
   package and one with it (`outputs_of`), saved to OUT.pt; with the package, which of its plans ran.
 """
@@ -353,6 +354,14 @@ def check_continuous_batching(converted: str, with_iha: bool) -> dict:
     prompts = [torch.randint(3, vocab_size, (length,), generator=generator).tolist() for length in BATCH_PROMPT_LENGTHS]
     greedy = dict(max_new_tokens=BATCH_NEW_TOKENS, do_sample=False, pad_token_id=0)
 
+    def generate_each():
+        try:
+            return [model.generate(torch.tensor([prompt]), **greedy)[0, len(prompt) :].tolist() for prompt in prompts]
+        except Exception as error:
+            return f"{type(error).__name__}: {error}"[:300]
+
+    expected = generate_each()
+
     # Releases before 5.2x report a failed batch only in the engine's log.
     logged = []
     handler = logging.Handler()
@@ -372,15 +381,20 @@ def check_continuous_batching(converted: str, with_iha: bool) -> dict:
         generated, errors = [], [f"{type(error).__name__}: {error}"]
     finally:
         engine_logger.removeHandler(handler)
+    # The model goes on after continuous batching, refused or not: generate() decodes what it decoded before.
+    after = generate_each()
 
-    result = {"folder": Path(converted).name}
+    result = {"folder": Path(converted).name, "generate_after": "equal" if after == expected else "different"}
+    if isinstance(after, str):
+        result["generate_after"] = "error"
+        result["generate_after_error"] = after
     if not with_iha:
         # Without the package: the one line that names the fix, and nothing generated.
         needed = needs_the_package_line(model)
         result["expected"] = "refused: needs the package"
         refused = any(needed in message for message in errors + logged) and not any(generated)
         result["continuous_batching"] = "refused" if refused else "NOT refused"
-        result["passed"] = refused
+        result["passed"] = refused and result["generate_after"] == "equal"
         result["message"] = next((m for m in errors + logged if needed in m), "; ".join(errors)[:300])
         result["seconds"] = round(time.perf_counter() - started, 1)
         return result
@@ -396,13 +410,12 @@ def check_continuous_batching(converted: str, with_iha: bool) -> dict:
         result["continuous_batching"] = (
             "refused" if refusal and "pip install" in refusal and not any(generated) else "NOT refused"
         )
-        result["passed"] = result["continuous_batching"] == "refused"
+        result["passed"] = result["continuous_batching"] == "refused" and result["generate_after"] == "equal"
         result["message"] = (refusal or "; ".join(errors))[:300]
     else:
-        expected = [model.generate(torch.tensor([prompt]), **greedy)[0, len(prompt) :].tolist() for prompt in prompts]
         result["expected"] = "equal to generate()"
         result["continuous_batching"] = "equal" if generated == expected else "different"
-        result["passed"] = generated == expected
+        result["passed"] = generated == expected and result["generate_after"] == "equal"
         if errors or not result["passed"]:
             result["error"] = "; ".join((errors or [m for m in logged if "rror" in m]) or ["tokens differ"])[:300]
     result["seconds"] = round(time.perf_counter() - started, 1)

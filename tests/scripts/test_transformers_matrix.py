@@ -113,12 +113,26 @@ def test_the_report_marks_what_failed(hybrid, tmp_path):
     refused = {
         "folder": hybrid.name,
         "continuous_batching": "refused",
+        "generate_after": "equal",
         "passed": True,
         "message": "ValueError: Continuous batching of IHA models needs the package.",
     }
+    stuck = {
+        "folder": hybrid.name,
+        "continuous_batching": "refused",
+        "generate_after": "error",
+        "generate_after_error": "ValueError: attn_implementation 'paged|sdpa' runs only under continuous batching",
+        "passed": False,
+    }
     results = [
         {"transformers": "5.4.0", "models": [], "agreement": [good], "continuous_batching": [refused], "passed": True},
-        {"transformers": "5.25.0", "models": [], "agreement": [bad], "passed": False},
+        {
+            "transformers": "5.25.0",
+            "models": [],
+            "agreement": [bad],
+            "continuous_batching_with_iha": [stuck],
+            "passed": False,
+        },
     ]
     table = transformers_matrix.markdown_table(results)
     loaded = "auto_map's class: the folder's classes"
@@ -126,6 +140,8 @@ def test_the_report_marks_what_failed(hybrid, tmp_path):
     assert f"| 5.25.0 | tiny-llama-hybrid | {loaded} | " in table and "**different**" in table.split("| 5.25.0")[1]
     # Continuous batching without the package refused; nothing reported with it.
     assert "| 5.4.0 | tiny-llama-hybrid | refused | **not run** |" in table
+    # generate() failing after a refused continuous batching session.
+    assert "| 5.25.0 | tiny-llama-hybrid | **not run** | **refused; then generate(): error (ValueError: " in table
     assert "`ValueError: Continuous batching of IHA models needs the package.`" in table
 
 
