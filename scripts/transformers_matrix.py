@@ -540,7 +540,7 @@ def bf16_cell(model: dict) -> str:
     return f"{dtype}, {difference}, {moved_text}"
 
 
-def markdown_table(results: list[dict]) -> str:
+def markdown_table(results: list[dict], iha_source: str | None = None) -> str:
     refusal_line = next(
         (
             row["message"]
@@ -557,7 +557,7 @@ def markdown_table(results: list[dict]) -> str:
         "sdpa-vs-eager difference, at least 1e-5). Greedy: 16 new tokens, equal to the source's. bf16: both models "
         "loaded with `dtype=torch.bfloat16`; the mixing must load in fp32, the logits match the bf16 source (tolerance "
         "4x its sdpa-vs-eager difference, at least 1e-2), and 5 AdamW steps at 1e-3 move every mixing entry that "
-        "starts at 1.0.",
+        "starts at 1.0." + (f" The interpreters with `iha` imported it from {iha_source}." if iha_source else ""),
         "",
         "| transformers | model | load | logit difference | greedy, DynamicCache | greedy, StaticCache | greedy, no cache "
         "| bf16: mixing dtype, logit difference, identity entries moved |",
@@ -661,6 +661,17 @@ def markdown_table(results: list[dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def package_source(iha_path: Path) -> str:
+    """Where the interpreters with `iha` imported took it from: this repository's commit (with "and uncommitted
+    changes" where its package differs from it), or the folder given."""
+    if iha_path.resolve() != REPO_ROOT:
+        return f"`{iha_path}` (not this repository)"
+    git = ["git", "-C", str(REPO_ROOT)]
+    commit = subprocess.run([*git, "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    changed = subprocess.run([*git, "status", "--porcelain", "--", "iha"], capture_output=True, text=True).stdout
+    return f"this repository at {commit or 'an unknown commit'}" + (" with uncommitted changes" if changed else "")
+
+
 def cpu_seconds() -> float:
     """User and system CPU time of this process and of the children it has waited for."""
     own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
@@ -731,7 +742,9 @@ def main(argv=None) -> int:
         shutil.rmtree(work_dir, ignore_errors=True)
 
     failed = [result["transformers"] for result in results if not result["passed"]]
+    iha_source = package_source(args.iha_path)
     summary = {
+        "iha_source": iha_source,
         "supported": supported_range_text(),
         "minimum": str(MINIMUM_TRANSFORMERS),
         "newest_tested": newest_tested_line(),
@@ -743,8 +756,8 @@ def main(argv=None) -> int:
     }
     args.output_dir.mkdir(parents=True, exist_ok=True)
     write_json_atomic(summary, args.output_dir / "transformers_matrix.json")
-    write_text_atomic(markdown_table(results), args.output_dir / "transformers_matrix.md")
-    print(markdown_table(results))
+    write_text_atomic(markdown_table(results, iha_source), args.output_dir / "transformers_matrix.md")
+    print(markdown_table(results, iha_source))
     log(
         f"{'FAILED on ' + ', '.join(failed) if failed else 'all releases passed'} in {summary['seconds']} s "
         f"({summary['cpu_seconds']} CPU s)"
