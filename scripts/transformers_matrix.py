@@ -657,7 +657,7 @@ def markdown_table(results: list[dict], iha_source: str | None = None) -> str:
                 cells.append(outcome if row["passed"] else f"**{outcome}**")
             lines.append(f"| {release} | {folder.removesuffix('-iha')} | {cells[0]} | {cells[1]} |")
     if refusal_line is not None:
-        lines += ["", f"Refused without the package, in one line: `{refusal_line}`"]
+        lines += ["", "Refused without the package, in one line:", "", "```text", refusal_line, "```"]
     return "\n".join(lines) + "\n"
 
 

@@ -142,7 +142,7 @@ def test_the_report_marks_what_failed(hybrid, tmp_path):
     assert "| 5.4.0 | tiny-llama-hybrid | refused | **not run** |" in table
     # generate() failing after a refused continuous batching session.
     assert "| 5.25.0 | tiny-llama-hybrid | **not run** | **refused; then generate(): error (ValueError: " in table
-    assert "`ValueError: Continuous batching of IHA models needs the package.`" in table
+    assert "```text\nValueError: Continuous batching of IHA models needs the package.\n```" in table
 
 
 @pytest.mark.slow
