@@ -115,7 +115,7 @@ print("ENVIRONMENT " + json.dumps(result))
 # seconds per epoch its one-epoch runs measured (the first epoch includes CUDA's warm-up: an upper estimate).
 PAPER_REGIME_PROJECTION = r"""
 import json, sys
-from iha.experiments.synthetic.config import PAPER_REGIME, PRESET_SEEDS
+from research.synthetic.config import PAPER_REGIME, PRESET_SEEDS
 results = json.load(open(sys.argv[1]))
 per_epoch = {f"{run['task']} {run['model']} lr {run['learning_rate']:g}": run["train_seconds"] / run["epochs_run"]
              for run in results["runs"]}
@@ -276,10 +276,12 @@ class Steps:
                 skip=self.vllm_skip_reason,
             ),
             Step("bench_sft", "bench_sft, short", self.bench_sft_commands, 150, ["smollm2"], self.read_bench_sft),
-            Step("synthetic", "iha synthetic, tiny", self.synthetic_commands, 60, read=self.read_synthetic),
+            Step(
+                "synthetic", "python -m research.synthetic, tiny", self.synthetic_commands, 60, read=self.read_synthetic
+            ),
             Step(
                 "paper_regime",
-                "iha synthetic --preset paper-regime, one epoch of seed 0",
+                "python -m research.synthetic --preset paper-regime, one epoch of seed 0",
                 self.paper_regime_commands,
                 150,
                 read=self.read_paper_regime,
@@ -384,7 +386,7 @@ class Steps:
         return [command]
 
     def synthetic_commands(self) -> list[list[str]]:
-        command = [self.python, "-m", "iha.cli", "synthetic", "--preset", "tiny", "--tasks", "binary"]
+        command = [self.python, "-m", "research.synthetic", "--preset", "tiny", "--tasks", "binary"]
         command += ["--max_epochs", "2", "--num_train", "256", "--device", self.device, "--fresh"]
         return [command + ["--output_dir", str(self.work / "synthetic")]]
 
@@ -393,7 +395,7 @@ class Steps:
         both learning rates) at the preset's full size, then the grid's time projected from the epochs measured;
         --quick: the same command shrunk to seconds."""
         folder = self.work / "paper-regime"
-        command = [self.python, "-m", "iha.cli", "synthetic", "--preset", "paper-regime", "--seeds", "0"]
+        command = [self.python, "-m", "research.synthetic", "--preset", "paper-regime", "--seeds", "0"]
         command += ["--max_epochs", "1", "--device", self.device, "--fresh", "--output_dir", str(folder)]
         if self.quick:
             command += ["--m", "binary=3-4", "ternary=3-4", "--num_train", "64", "--num_val", "32", "--num_test", "32"]
@@ -527,7 +529,7 @@ class Steps:
     def read_synthetic(self, log: str) -> dict:
         found = sorted((self.work / "synthetic").rglob("results.json"))
         if not found:
-            raise StepFailed("iha synthetic wrote no results.json")
+            raise StepFailed("python -m research.synthetic wrote no results.json")
         results = read_json(found[0])
         runs = {
             f"{run['task']} {run['model']} lr {run['learning_rate']}": run["test_accuracy"] for run in results["runs"]

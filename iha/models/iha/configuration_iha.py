@@ -1,11 +1,7 @@
 # Copyright 2026 The iha authors. Licensed under the Apache License, Version 2.0: you may not use this file except in
 # compliance with it (http://www.apache.org/licenses/LICENSE-2.0). SPDX-License-Identifier: Apache-2.0
-"""Interleaved Head Attention (IHA) model configuration.
-
-This file is copied next to the weights by `save_pretrained`, so it may import only transformers and its siblings
-(`layer_iha.py`, `version_iha.py`): never the `iha` package itself, and no torch, like transformers' own
-configuration files (a tokenizer or a config loads where torch is absent).
-"""
+"""Interleaved Head Attention (IHA) model configuration. Travels with the weights: imports only transformers and its
+siblings, and no torch, like transformers' own configurations (a config or tokenizer loads where torch is absent)."""
 
 # First: the version check refuses a transformers below the supported range with one clear error, before the imports
 # below fail with unrelated ones (releases before 5.4 cannot even define this class).

@@ -1,11 +1,7 @@
 # Copyright 2026 The iha authors. Licensed under the Apache License, Version 2.0: you may not use this file except in
 # compliance with it (http://www.apache.org/licenses/LICENSE-2.0). SPDX-License-Identifier: Apache-2.0
-"""Interleaved Head Attention (IHA) on Gemma 3's text decoder: the configuration.
-
-This file is copied next to the weights by `save_pretrained`, so it may import only transformers and its siblings
-(`layer_iha.py`, `version_iha.py`): never the `iha` package itself, and no torch (a tokenizer or a config loads where
-torch is absent).
-"""
+"""Interleaved Head Attention (IHA) on Gemma 3's text decoder: the configuration. Travels with the weights: imports
+only transformers and its siblings, no torch (a config or tokenizer loads where torch is absent)."""
 
 # First: the version check refuses a transformers below the supported range with one clear error.
 from .version_iha import SUPPORTED_TRANSFORMERS  # noqa: F401  # isort: skip
@@ -29,14 +25,9 @@ class IHAGemma3Config(IHAAttentionFields, Gemma3TextConfig):
     r"""
     Configuration of a Gemma 3 text decoder whose attention layers are Interleaved Head Attention (IHA) layers.
 
-    Every `Gemma3TextConfig` field keeps its meaning: `head_dim`, `query_pre_attn_scalar` (the attention scale is
-    `query_pre_attn_scalar ** -0.5`), `rope_parameters` keyed by layer type (`"full_attention"`,
-    `"sliding_attention"`: a RoPE base per type), `sliding_window`, `hidden_activation`, tied embeddings scaled by
-    `sqrt(hidden_size)`, and Gemma's (1 + w) RMSNorms around attention and MLP and over each head's query and key.
-    The IHA fields are `IHAAttentionFields`'s (`layer_iha.py`), as in `IHAConfig`; `attention_types` defaults to IHA
-    layers in Gemma 3's own layout (`layer_types` when given, else five sliding layers to one full layer), and
-    `layer_types` is derived from it.
-
+    Every `Gemma3TextConfig` field keeps its meaning (`query_pre_attn_scalar`, `rope_parameters` keyed by layer type,
+    `sliding_window`, ...). The IHA fields are `IHAAttentionFields`'s (`layer_iha.py`); `attention_types` defaults to
+    IHA layers in Gemma 3's own layout (`layer_types` when given, else five sliding layers to one full layer).
     `attn_logit_softcapping`, `final_logit_softcapping` and `use_bidirectional_attention` must keep the values Gemma 3
     language models use (None, None, False).
 

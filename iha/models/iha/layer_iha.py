@@ -1,14 +1,10 @@
 # Copyright 2026 The iha authors. Licensed under the Apache License, Version 2.0: you may not use this file except in
 # compliance with it (http://www.apache.org/licenses/LICENSE-2.0). SPDX-License-Identifier: Apache-2.0
-"""What an IHA layer is: the attention types, the IHA config fields with their defaults, the window and which
-stock kernels can run a layer.
-
-Everything that runs IHA reads it here: the configurations, the model, its masks and caches, the installed fast paths
-(`iha.attention`), the vLLM plugin, the converter and the exports. The MLX model file, which mlx-lm loads as one
-file, restates what it needs and a test holds it equal (`tests/models/mlx/test_mlx_layer.py`).
-
-This file travels with the weights and imports only the standard library: the configuration files import it, and
-they load where torch is absent (a tokenizer on a Mac with mlx-lm).
+"""What an IHA layer is: the attention types, the IHA config fields with their defaults, the window and which stock
+kernels can run a layer. The configurations, the model, its masks and caches, the installed fast paths
+(`iha.attention`), the vLLM plugin, the converter and the exports read it here; the MLX model file (one file) restates
+what it needs, held equal by `tests/models/mlx/test_mlx_layer.py`. Travels with the weights; standard library only,
+so that configurations load where torch is absent.
 """
 
 import dataclasses
@@ -67,13 +63,8 @@ def paper_hybrid_layout(
 
 def stock_kernel_refusal(kernel: str, mask_mode: str) -> str | None:
     """Why `kernel`, a stock causal kernel (FlashAttention, vLLM's paged kernels), cannot run IHA layers with this
-    mask, or None when it can.
-
-    A stock kernel runs ordinary causal attention, with or without a window, over whatever sequence it is given. On
-    the interleaved sequence that is exactly the paper's flat causal mask, and its window of `sliding_window * P`
-    virtual tokens is the kernel's own window. The token causal mask (a pseudo-token sees every pseudo-token of its own
-    token) is no causal pattern, and needs an explicit mask.
-    """
+    mask, or None. Causal attention over the interleaved sequence is the paper's flat causal mask, and the kernel's own
+    window of W * P virtual tokens the paper's window; the token causal mask is no causal pattern."""
     if mask_mode == "flat_causal":
         return None
     return (
@@ -83,81 +74,15 @@ def stock_kernel_refusal(kernel: str, mask_mode: str) -> str | None:
     )
 
 
-@dataclass(frozen=True)
-class IHALayerSpec:
-    """One attention layer of an IHA model: what every engine that runs it needs to know, derived in one place.
-
-    Built by `IHAAttentionFields.layer_spec(layer_idx)` (the config) or directly (a test, an engine reading a
-    config.json). Standard layers have `num_pseudo_heads` 1: their virtual sequence is the token sequence.
-    """
-
-    attention_type: str
-    num_pseudo_heads: int
-    sliding_window: int | None
-    mask_mode: str = "flat_causal"
-    position_mode: str = "virtual"
-    cache_mode: str = "token"
-
-    @property
-    def is_iha(self) -> bool:
-        return is_iha_layer(self.attention_type)
-
-    @property
-    def is_sliding(self) -> bool:
-        return is_sliding_layer(self.attention_type)
-
-    @property
-    def virtual_window(self) -> int | None:
-        """The window in virtual tokens, what a stock kernel is told: virtual query i sees virtual keys j with
-        i - virtual_window < j <= i (on top of the causal pattern). The paper's flat window of W * P virtual tokens, the
-        same width for every pseudo-query; W tokens on a standard layer; None on a full layer."""
-        if not self.is_sliding:
-            return None
-        return self.sliding_window * self.num_pseudo_heads
-
-    @property
-    def reach_tokens(self) -> int | None:
-        """How many tokens before its own a query of this layer can reach (None: all of them).
-
-        A window of W tokens reaches W - 1 tokens back. The flat window of W * P virtual tokens reaches from the first
-        pseudo-query (n, 0) back to virtual index (n - W) * P + 1, into token n - W: one token further when P > 1. The
-        last pseudo-query (n, P - 1) sees exactly the pseudo-tokens of tokens n - W + 1 .. n, the source's window.
-        """
-        if not self.is_sliding:
-            return None
-        return -(-(self.virtual_window - 1) // self.num_pseudo_heads)
-
-    @property
-    def cache_window(self) -> int | None:
-        """The `sliding_window` a transformers sliding cache layer of this layer must be built with: those keep
-        `sliding_window - 1` past tokens, so one more than the reach. Equal to `sliding_window` on standard layers and at
-        P = 1; one more when P > 1 (`iha.attention` and the model's own cache fitting widen it)."""
-        if not self.is_sliding:
-            return None
-        return self.reach_tokens + 1
-
-    def virtual_position(self, token_position: int, pseudo_index: int) -> int:
-        """The RoPE position of pseudo-token (n, p): n * P + p (the paper's "virtual" mode), or n ("shared")."""
-        if self.is_iha and self.position_mode == "virtual":
-            return token_position * self.num_pseudo_heads + pseudo_index
-        return token_position
-
-    def stock_kernel_refusal(self, kernel: str) -> str | None:
-        """`stock_kernel_refusal` for this layer (standard layers: always None)."""
-        return stock_kernel_refusal(kernel, self.mask_mode) if self.is_iha else None
-
-
-# A window unit of the first development versions: "token", the pseudo-tokens of the last W tokens. The paper's flat
-# window of W * P virtual tokens is the only one now (CHANGELOG); folders that recorded the token unit are refused where
-# it changes the function (`IHAAttentionFields.set_up_attention_types`).
+# The field of the first versions' second window ("token": the pseudo-tokens of the last W tokens), retired (CHANGELOG):
+# a config that records it is refused where it changes the function.
 RETIRED_WINDOW_FIELD = "iha_window_unit"
 
 
 @dataclass
 class IHAAttentionFields:
-    """The IHA fields of every IHA config, one name, one type and one default each (the defaults are written here
-    only): `IHAConfig` (Llama-family blocks) and `IHAGemma3Config` (Gemma 3's) carry them. A config.json without one
-    of them means its default.
+    """The IHA fields of every IHA config (`IHAConfig`, `IHAGemma3Config`), one name, type and default each, written
+    here only; a config.json without one of them means its default.
 
     num_pseudo_heads: P, the pseudo-heads each head builds; attention runs over N * P virtual tokens.
     attention_types: one entry per layer of `ATTENTION_TYPES` (the config class fills the default).
@@ -170,9 +95,8 @@ class IHAAttentionFields:
     iha_cache_mode: "token" (the un-mixed keys and values, Llama's cache memory, re-mixed every step) or "pseudo" (the
         mixed and rotated pseudo keys and values, P times the memory, nothing re-mixed).
 
-    A config class that carries them calls `set_up_attention_types(default_types, kwargs)` in its `__post_init__`,
-    before its base class's: it fills `attention_types`, checks the fields and derives `layer_types` (what
-    transformers' caches and mask helpers read) from `attention_types`.
+    Config classes call `set_up_attention_types` in `__post_init__`, before their base class's: it fills and checks
+    the fields and derives `layer_types` (what transformers' caches and mask helpers read) from `attention_types`.
     """
 
     num_pseudo_heads: int = 2
@@ -184,13 +108,11 @@ class IHAAttentionFields:
     iha_cache_mode: str = "token"
 
     def set_up_attention_types(self, default_types: list[str], kwargs: dict) -> None:
-        """Fill, check and derive the attention fields; `kwargs` are the config's extra keyword arguments, from which
-        the retired window field is taken."""
+        """`kwargs`: the config's extra keyword arguments, from which the retired window field is taken."""
         self.attention_types = list(default_types if self.attention_types is None else self.attention_types)
         self._validate_iha_fields()
         self._refuse_token_window(kwargs.pop(RETIRED_WINDOW_FIELD, "virtual"))
-        # Caches (DynamicCache, StaticCache) and transformers' mask helpers read `layer_types`: they only need to know
-        # which layers are windowed, in token units.
+        # Caches and transformers' mask helpers need to know only which layers are windowed.
         derived_layer_types = [
             STANDARD_SLIDING if is_sliding_layer(attention_type) else STANDARD_FULL
             for attention_type in self.attention_types
@@ -238,7 +160,7 @@ class IHAAttentionFields:
                 f"({self.num_key_value_heads})."
             )
 
-    def layer_spec(self, layer_idx: int) -> IHALayerSpec:
+    def layer_spec(self, layer_idx: int) -> "IHALayerSpec":
         """What layer `layer_idx` is (`IHALayerSpec`)."""
         attention_type = self.attention_types[layer_idx]
         return IHALayerSpec(
@@ -253,6 +175,62 @@ class IHAAttentionFields:
     @property
     def iha_layer_indices(self) -> list[int]:
         return [i for i, attention_type in enumerate(self.attention_types) if is_iha_layer(attention_type)]
+
+
+@dataclass(frozen=True)
+class IHALayerSpec:
+    """One attention layer of an IHA model, what every engine that runs it needs, derived in one place; built by a
+    config's `layer_spec(layer_idx)`. Standard layers have P = 1: their virtual sequence is the token sequence."""
+
+    attention_type: str
+    num_pseudo_heads: int
+    sliding_window: int | None
+    mask_mode: str = IHAAttentionFields.iha_mask_mode
+    position_mode: str = IHAAttentionFields.iha_position_mode
+    cache_mode: str = IHAAttentionFields.iha_cache_mode
+
+    @property
+    def is_iha(self) -> bool:
+        return is_iha_layer(self.attention_type)
+
+    @property
+    def is_sliding(self) -> bool:
+        return is_sliding_layer(self.attention_type)
+
+    @property
+    def virtual_window(self) -> int | None:
+        """The window in virtual tokens, what a stock kernel is told: virtual query i sees keys i - virtual_window < j
+        (under the causal pattern). The paper's W * P for every pseudo-query; W on standard layers; None on full ones."""
+        if not self.is_sliding:
+            return None
+        return self.sliding_window * self.num_pseudo_heads
+
+    @property
+    def reach_tokens(self) -> int | None:
+        """How many tokens before its own a query can reach (None: all). W tokens reach W - 1 back; W * P virtual tokens
+        reach from (n, 0) to virtual index (n - W) * P + 1, into token n - W: one more when P > 1. The last pseudo-query
+        (n, P - 1) sees exactly the pseudo-tokens of tokens n - W + 1 .. n, the source's window."""
+        if not self.is_sliding:
+            return None
+        return -(-(self.virtual_window - 1) // self.num_pseudo_heads)
+
+    @property
+    def cache_window(self) -> int | None:
+        """The `sliding_window` a sliding cache layer must be built with (transformers' and vLLM's keep one token less):
+        `sliding_window` on standard layers and at P = 1, one more when P > 1."""
+        if not self.is_sliding:
+            return None
+        return self.reach_tokens + 1
+
+    def virtual_position(self, token_position: int, pseudo_index: int) -> int:
+        """The RoPE position of pseudo-token (n, p): n * P + p (the paper's "virtual" mode), or n ("shared")."""
+        if self.is_iha and self.position_mode == "virtual":
+            return token_position * self.num_pseudo_heads + pseudo_index
+        return token_position
+
+    def stock_kernel_refusal(self, kernel: str) -> str | None:
+        """`stock_kernel_refusal` for this layer (standard layers: always None)."""
+        return stock_kernel_refusal(kernel, self.mask_mode) if self.is_iha else None
 
 
 # The choices of the fields that have them, by field name.

@@ -1,18 +1,12 @@
 # Copyright 2026 The iha authors. Licensed under the Apache License, Version 2.0: you may not use this file except in
 # compliance with it (http://www.apache.org/licenses/LICENSE-2.0). SPDX-License-Identifier: Apache-2.0
-"""Masks of IHA layers in virtual units (N * P pseudo-tokens per row instead of N tokens), and the sliding caches
-they read their sizes from.
+"""Masks of IHA layers in virtual units (N * P pseudo-tokens per row), and the sliding caches they read sizes from.
 
-`create_iha_masks` builds one mask per attention type of the model (the way Gemma 3 keys masks by layer type).
-Standard layers get transformers' own masks. IHA layers get the mask function of their backend
-(`ALL_MASK_ATTENTION_FUNCTIONS`), called with every length and offset multiplied by P, the padding mask repeated P
-times and packed-sequence ids repeated P times: the backend's usual format (bool for sdpa, float for eager, a
-BlockMask for flex, None or 2D for flash). An installed `iha` registers its exact fast paths under `iha|<backend>`
-(`iha.attention`: blocked sliding windows, attention per packed document); the call is the same, with the layer's
-`IHALayerSpec` and the packed ids added.
-
-This file travels with the weights (`save_pretrained` copies it next to `modeling_iha.py`), so it imports only torch,
-transformers and its siblings.
+`create_iha_masks` builds one mask per attention type (as Gemma 3 keys masks by layer type): transformers' own for
+standard layers; for IHA layers their backend's mask function called with every length and offset times P and the
+padding and packed-sequence ids repeated P times, in the backend's usual format. An installed `iha` registers exact
+fast paths under `iha|<backend>` (`iha.attention`), called the same way with the layer's `IHALayerSpec` and the packed
+ids added. Travels with the weights: imports only torch, transformers and its siblings.
 """
 
 from collections.abc import Callable
@@ -34,9 +28,8 @@ from .layer_iha import STANDARD_FULL, IHALayerSpec, is_iha_layer
 
 # The prefix under which an installed `iha` registers its fast paths in transformers' attention and mask registries.
 INSTALLED_PATH_PREFIX = "iha|"
-# The name transformers uses for the cache in mask helpers and model outputs: `cache` from 5.24, `past_key_values`
-# before. A model that only knows the old name receives the cache in `**kwargs`, ignores it and decodes garbage without
-# any error, so every call names it with `cache_keyword`.
+# The cache's name in mask helpers and model outputs: `cache` from 5.24, `past_key_values` before (under the wrong name
+# it lands in `**kwargs`, ignored: garbage without an error), so every call names it with `cache_keyword`.
 CACHE_ARGUMENT = "cache" if "cache" in BaseModelOutputWithPast.__dataclass_fields__ else "past_key_values"
 
 
@@ -80,15 +73,10 @@ def cache_query_offset(cache: Cache, layer_idx: int):
 
 
 def fit_sliding_caches(config, cache: Cache | None) -> None:
-    """Build the sliding layers of `cache` with the window IHA's sliding layers reach, before they store anything.
-
-    transformers builds every sliding cache layer from `config.sliding_window` and keeps `sliding_window - 1` past
-    tokens; the paper's window reaches one token more when P > 1 (`IHALayerSpec.reach_tokens`). Each such layer, still
-    empty, is replaced by one of its own class built with `IHALayerSpec.cache_window`. Standard sliding layers are
-    widened alike (their masks still keep their own window): transformers' mask helpers read the sizes of every sliding
-    layer from the first one. A layer of another kind, or one that already holds tokens under the narrower window, is
-    refused: it cannot give back the token it dropped.
-    """
+    """Rebuild the sliding layers of `cache`, still empty, with the public constructor of their class and the window
+    the paper's window reaches (`IHALayerSpec.cache_window`: transformers keeps `sliding_window - 1` past tokens, one
+    too few when P > 1). Standard sliding layers are widened alike (their masks keep their own window): transformers'
+    mask helpers read every sliding layer's sizes from the first. A layer that already dropped a token is refused."""
     if cache is None or not hasattr(cache, "layers"):
         return
     widest = max((config.layer_spec(i).cache_window or 0 for i in range(config.num_hidden_layers)), default=0)

@@ -1,14 +1,9 @@
 # Copyright 2026 The iha authors. Licensed under the Apache License, Version 2.0: you may not use this file except in
 # compliance with it (http://www.apache.org/licenses/LICENSE-2.0). SPDX-License-Identifier: Apache-2.0
-"""The two linear maps of an IHA layer as matrices, written once: the model, the weight fold of the exports
-(`iha.models.folding`) and the vLLM plugin build them here. Torch only; travels with the weights.
-
-- The head mixing `alpha` [M, H, P] (M source heads, H target heads): `out[n, h, p] = sum_m alpha[m, h, p] * x[n, m]`,
-  as the [P * H, M] matrix whose row p * H + h holds alpha[:, h, p] (pseudo-major: pseudo-token (n, p) is row
-  n * P + p of the interleaved sequence, each of its H heads a row of the product).
-- The collapse R, [H, P] (per head) or [H, H, P] (global: target head, source head, pseudo index):
-  `out[n, h] = sum_(p, m) R[h, m, p] * o[n, p, m]`, as the [H, P * H] matrix whose column p * H + m holds R[:, m, p]
-  (per head: R[h, p] at column p * H + h, zero elsewhere).
+"""The two linear maps of an IHA layer as matrices, written once: the model, the weight fold (`iha.models.folding`)
+and the vLLM plugin build them here. Torch only; travels with the weights. The head mixing `alpha` [M, H, P]:
+`out[n, h, p] = sum_m alpha[m, h, p] * x[n, m]`; the collapse R, [H, P] (per head) or [H, H, P] (global: target head,
+source head, pseudo index): `out[n, h] = sum_(p, m) R[h, m, p] * o[n, p, m]`. Both pseudo-major (index p * H + h).
 """
 
 import torch

@@ -2,24 +2,14 @@
 # compliance with it (http://www.apache.org/licenses/LICENSE-2.0). SPDX-License-Identifier: Apache-2.0
 """Interleaved Head Attention (IHA, arXiv 2602.21371) for Llama-family decoders.
 
-An IHA layer projects q/k/v as usual, mixes the heads into P pseudo-heads per head with learned coefficients,
-interleaves the pseudo-tokens token-major into a sequence of N * P virtual tokens, runs ordinary attention over it
-and folds the H * P pseudo-outputs back to H heads with a learned collapse before `o_proj`.
-
-Like transformers' `modular_*.py` files, this file states only what IHA changes: the attention, its caches, the RoPE
-inputs of each layer (passed to the layers as their `position_embeddings`) and the model forward that builds IHA's
-masks (`masking_iha.py`). The decoder layer, the causal LM's forward and the weight init are the installed
-transformers' Llama classes. What a layer is (its type, window, which kernels can run it) is `layer_iha.py`'s.
-
-IHA layers attend with transformers' own attention functions, which take the virtual sequence as it is. An installed
-`iha` registers faster exact paths under `iha|<backend>` in transformers' registries (`iha.attention`: blocked
-sliding windows and attention per packed document on SDPA, a dense-mask SDPA on CPU, continuous batching); a folder
-loaded without the package runs the stock functions, and refuses what only the package can do. `iha.models.naive_iha`
-is the plain reference every path is tested against.
-
-This file is copied next to the weights by `save_pretrained`, so it imports only torch, transformers and its
-siblings. Remote-code classes are different objects from the installed package's: nothing here may check
-`isinstance(config, IHAConfig)`.
+An IHA layer projects q/k/v as usual, mixes the heads into P pseudo-heads per head, interleaves the pseudo-tokens
+token-major into N * P virtual tokens, attends over them and folds the H * P pseudo-outputs back to H heads before
+`o_proj`. Like transformers' `modular_*.py` files, this file states only what IHA changes (the attention, its caches,
+each layer's RoPE inputs, the forward that builds the masks of `masking_iha.py`); the rest is transformers' Llama.
+What a layer is comes from `layer_iha.py`. IHA layers attend with transformers' own attention functions; an installed
+`iha` registers faster exact paths under `iha|<backend>` (`iha.attention`), and continuous batching, which a folder
+loaded without the package refuses. Copied next to the weights: imports only torch, transformers and its siblings, and
+never checks `isinstance(config, IHAConfig)` (remote-code classes are other objects than the package's).
 """
 
 from collections.abc import Callable
@@ -44,30 +34,21 @@ from transformers.models.llama.modeling_llama import (
     eager_attention_forward,
 )
 from transformers.processing_utils import Unpack
-from transformers.utils import TransformersKwargs, logging
+from transformers.utils import TransformersKwargs
 from transformers.utils.generic import merge_with_config_defaults
 from transformers.utils.output_capturing import capture_outputs
 
 # transformers 5.4 - 5.9 copy into their remote-code cache only the files the loaded module imports itself, not the
 # files those import: the module `auto_map` names imports every sibling it needs, directly.
 from .configuration_iha import IHAConfig
-from .layer_iha import is_iha_layer
+from .layer_iha import FIELD_DEFAULTS, is_iha_layer
 from .masking_iha import INSTALLED_PATH_PREFIX, cache_keyword, create_iha_masks
 from .mixing_iha import collapse_matrix, mixing_matrix
 from .version_iha import SUPPORTED_TRANSFORMERS  # noqa: F401
 
 
-logger = logging.get_logger(__name__)
-
 # Attention implementations whose functions take IHA's virtual sequence as it is.
-IHA_ATTENTION_IMPLEMENTATIONS = (
-    "eager",
-    "sdpa",
-    "flex_attention",
-    "flash_attention_2",
-    "flash_attention_3",
-    "flash_attention_4",
-)
+IHA_ATTENTION_IMPLEMENTATIONS = ("eager", "sdpa", "flex_attention", *(f"flash_attention_{v}" for v in (2, 3, 4)))
 # Engines that run a transformers model's layers with their own paged kernels, by the implementation name they
 # register: their cache slots hold one key per real token, which IHA's N * P pseudo-tokens do not fit.
 ENGINE_BACKENDS = {"vllm": "vLLM's Transformers backend", "sglang": "SGLang's Transformers backend"}
@@ -103,11 +84,9 @@ def continuous_batching_path():
 
 
 def check_attention_implementation(name: str | None, kwargs: dict, paged: bool | None = None) -> None:
-    """Refuse, in one line, an attention implementation IHA layers cannot be right under: an engine's own backend
-    (vLLM and SGLang hand every layer their paged kernels, `attention_instances`), or an interface IHA was not checked
-    with (a Hub kernel, a custom function), which may run ordinary attention over the tokens. Continuous batching's
-    names (`paged|...`) are the installed package's, and run on its paged cache only (`paged`: whether this forward
-    has one; None where the model is set up)."""
+    """Refuse, in one line, an engine's own backend (vLLM and SGLang hand every layer their paged kernels) or an
+    interface IHA was not checked with; continuous batching's `paged|...` names run on its paged cache only (`paged`:
+    whether this forward has one, None where the model is set up)."""
     name = name or "eager"
     if name in ENGINE_BACKENDS or "attention_instances" in kwargs:
         engine = ENGINE_BACKENDS.get(name, f"an engine's attention backend ({name!r}, passing `attention_instances`)")
@@ -146,15 +125,9 @@ def virtual_flash_kwargs(kwargs: dict, num_pseudo_heads: int) -> dict:
 
 
 def mix_and_interleave(states: torch.Tensor, alpha: torch.Tensor) -> torch.Tensor:
-    """Mix heads into pseudo-heads and interleave them token-major.
-
-    states [B, M, N, d] (M source heads), alpha [M, H, P] -> [B, H, N * P, d] where virtual index n * P + p holds
-    pseudo-head p of token n: `out[b, h, n * P + p] = sum_m alpha[m, h, p] * states[b, m, n]`.
-
-    The result is a transposed view of a contiguous [B, N * P, H, d] tensor (the layout `q_proj` produces and SDPA
-    reads without a copy): one [P * H, M] @ [M, d] product per token writes every pseudo-head of that token in
-    place, where an einsum into [B, H, N, P, d] would need two extra permuting copies.
-    """
+    """states [B, M, N, d] (M source heads), alpha [M, H, P] -> [B, H, N * P, d]: `out[b, h, n * P + p] =
+    sum_m alpha[m, h, p] * states[b, m, n]`, a transposed view of a contiguous [B, N * P, H, d] tensor (one
+    [P * H, M] @ [M, d] product per token, no permuting copies; SDPA reads the layout without a copy)."""
     batch_size, _, seq_len, head_dim = states.shape
     _, num_target_heads, num_pseudo_heads = alpha.shape
     mixed = torch.matmul(mixing_matrix(alpha).to(states.dtype), states.transpose(1, 2))  # [B, N, P * H, d]
@@ -162,17 +135,13 @@ def mix_and_interleave(states: torch.Tensor, alpha: torch.Tensor) -> torch.Tenso
 
 
 def apply_pseudo_rotation(states: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate pseudo-token p of every token by RoPE at position p (states [B, H, N * P, d], cos/sin [P, d]).
-
-    Virtual positions are n * P + p and Rot(n * P + p) = Rot(p) . Rot(n * P): the token-level rotation at n * P was
-    applied before mixing (it commutes with mixing across heads), so only this small per-p rotation is left.
-    """
+    """Rotate pseudo-token p of every token by RoPE at position p (states [B, H, N * P, d], cos/sin [P, d]): with
+    virtual positions Rot(n * P + p) = Rot(p) . Rot(n * P), and Rot(n * P) ran before the mixing (it commutes)."""
     num_pseudo_heads = cos.shape[0]
     states = states.unflatten(2, (states.shape[2] // num_pseudo_heads, num_pseudo_heads))  # [B, H, N, P, d]
     half = states.shape[-1] // 2
-    # states * cos + rotate_half(states) * sin, with rotate_half(x) = (-x2, x1) added half by half in place: on these
-    # P-times larger tensors, fewer passes over memory than materialising rotate_half (this runs on the whole
-    # re-mixed cache at every decoding step in token cache mode).
+    # states * cos + rotate_half(states) * sin, added half by half in place: fewer passes over these P-times larger
+    # tensors (the whole re-mixed cache at every decoding step in token cache mode) than materialising rotate_half.
     rotated = states * cos
     rotated[..., :half].addcmul_(states[..., half:], sin[..., :half], value=-1)
     rotated[..., half:].addcmul_(states[..., :half], sin[..., half:])
@@ -180,36 +149,25 @@ def apply_pseudo_rotation(states: torch.Tensor, cos: torch.Tensor, sin: torch.Te
 
 
 def mixing_dtype() -> torch.dtype:
-    """The dtype of new mixing parameters: fp32 where the default dtype is 16-bit, else the default (fp32 or fp64).
-
-    Most mixing entries start at exactly 0 or 1, and an optimizer step of about the learning rate (1e-3) is below half
-    the spacing of bf16 numbers near 1.0 (2^-8 below, 2^-7 above): in bf16 the update rounds away and the identity
-    entries never move. The forward casts the mixing to the activations' dtype, which keeps identity exact.
-    """
+    """The dtype of new mixing parameters: fp32 where the default dtype is 16-bit. Most entries start at 0 or 1, and
+    a step of ~1e-3 is below half the spacing of bf16 numbers near 1.0: in bf16 the identity entries would never move.
+    The forward casts the mixing to the activations' dtype, which keeps identity exact."""
     return torch.promote_types(torch.get_default_dtype(), torch.float32)
 
 
 class IHAHeadMixing(nn.Module):
-    """The learned parameters of one IHA layer: head mixing into pseudo-heads and the collapse back to heads.
-
-    They live in their own submodule so that PEFT can keep them trainable with `modules_to_save=["head_mixing"]`.
-    They are kept in fp32 whatever the model's dtype (see `mixing_dtype`): built so here (`from_config(dtype=...)`,
-    a 16-bit default dtype) and loaded so by `from_pretrained` (`_keep_in_fp32_modules_strict`).
-
-    - `alpha_q` [H, H, P]: `Q~[n, h, p] = sum_m alpha_q[m, h, p] * Q[n, m]` (m source head, h target head).
-    - `alpha_k`, `alpha_v` [H_kv, H_kv, P]: keys and values mix only among the KV heads ("group-preserving" GQA),
-      so query head h attends the pseudo-streams of its own KV group, exactly like `repeat_kv`.
-    - `collapse`: [H, P] (`per_head`: head h reads its own P pseudo-outputs) or [H, H, P] (`global`: target head,
-      source head, pseudo index).
-    """
+    """The learned parameters of one IHA layer, in a submodule of their own (PEFT's `modules_to_save=["head_mixing"]`)
+    and in fp32 whatever the model's dtype (`mixing_dtype`, `_keep_in_fp32_modules_strict`): `alpha_q` [H, H, P]
+    (`Q~[n, h, p] = sum_m alpha_q[m, h, p] * Q[n, m]`), `alpha_k`, `alpha_v` [H_kv, H_kv, P] (keys and values mix
+    within the KV heads, group-preserving GQA) and `collapse`, [H, P] (per head) or [H, H, P] (global)."""
 
     def __init__(
         self,
         num_heads: int,
         num_key_value_heads: int,
         num_pseudo_heads: int,
-        collapse_mode: str = "per_head",
-        collapse_init: str = "last",
+        collapse_mode: str = FIELD_DEFAULTS["iha_collapse_mode"],
+        collapse_init: str = FIELD_DEFAULTS["iha_collapse_init"],
     ):
         super().__init__()
         self.num_heads = num_heads
@@ -303,12 +261,8 @@ class IHAHeadMixing(nn.Module):
 def update_pseudo_cache(
     cache: Cache, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, num_pseudo_heads: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Pseudo cache mode: cache the mixed, rotated keys and values of the new tokens; return all of them.
-
-    A token's P pseudo-keys sit side by side in the head dimension ([B, H_kv, N, P * d]), so the cache still counts
-    tokens (sliding windows, static caches and `generate` bookkeeping unchanged) and reading it back as the
-    [B, H_kv, N * P, d] virtual sequence is a view.
-    """
+    """Pseudo cache mode: cache the mixed, rotated keys and values of the new tokens side by side in the head
+    dimension ([B, H_kv, N, P * d], so the cache still counts tokens); return all of them as [B, H_kv, N * P, d]."""
     batch_size, num_kv_heads, virtual_len, head_dim = key_states.shape
     token_shape = (batch_size, num_kv_heads, virtual_len // num_pseudo_heads, num_pseudo_heads * head_dim)
     keys, values = cache.update(key_states.reshape(token_shape), value_states.reshape(token_shape), layer_idx)
@@ -350,9 +304,8 @@ class IHAAttention(nn.Module):
         if config.use_qk_norm:
             self.q_norm = LlamaRMSNorm(self.head_dim, eps=config.rms_norm_eps)
             self.k_norm = LlamaRMSNorm(self.head_dim, eps=config.rms_norm_eps)
-        # Where the cache stands, chosen once per layer: before the mixing ("token": `iha_cache_mode="token"` and
-        # standard layers, Llama's layout and memory; every step mixes the whole cache again), or after it ("mixed":
-        # "pseudo" mode, P times the memory, nothing mixed again). `update_cache` writes there.
+        # Where the cache stands: before the mixing ("token", Llama's memory, the cache re-mixed every step), or after
+        # it ("mixed": `iha_cache_mode="pseudo"`, P times the memory, nothing re-mixed). `update_cache` writes there.
         self.cache_stage = "mixed" if self.is_iha and config.iha_cache_mode == "pseudo" else "token"
         self.head_mixing = None
         if self.is_iha:
@@ -450,9 +403,8 @@ class IHAAttention(nn.Module):
 
 
 class LayerRotation(NamedTuple):
-    """The RoPE inputs of one layer: `token` (cos, sin) rotates queries and keys before the mixing, at position n
-    (or n * P on IHA layers in virtual position mode); `pseudo` (cos, sin), IHA layers in virtual mode only, adds the
-    rotation by p to pseudo-head p after the mixing (Rot(n * P + p) = Rot(p) . Rot(n * P))."""
+    """The RoPE inputs of one layer: `token` rotates queries and keys before the mixing (at n, or n * P on IHA layers
+    with virtual positions), `pseudo` (virtual positions only) pseudo-head p by p after it."""
 
     token: tuple[torch.Tensor, torch.Tensor]
     pseudo: tuple[torch.Tensor, torch.Tensor] | None = None
@@ -476,11 +428,8 @@ def rotary_inputs(
     config,
     **rotary_kwargs,
 ) -> RotaryInputs:
-    """RoPE for standard layers (at n), IHA layers (at n, or n * P in virtual mode) and the per-p rotation.
-
-    `rotary_emb` is the model's rotary embedding, called with `rotary_kwargs` (Gemma 3's takes the `layer_type` whose
-    RoPE base it computes); `attention_scaling` the factor it multiplies cos and sin by (yarn, longrope).
-    """
+    """RoPE for standard layers (at n), IHA layers (at n, or n * P) and the per-p rotation; `rotary_kwargs` go to
+    `rotary_emb` (Gemma 3's `layer_type`), `attention_scaling` is what it multiplies cos and sin by (yarn, longrope)."""
     token_rotation = LayerRotation(rotary_emb(hidden_states, position_ids=position_ids, **rotary_kwargs))
     if config.iha_position_mode == "shared":
         return RotaryInputs(standard=token_rotation, iha=token_rotation)
@@ -494,12 +443,10 @@ def rotary_inputs(
 
 
 class IHADecoderLayer(LlamaDecoderLayer):
-    """Llama's block (its forward) around IHA's attention; the model passes each layer its `LayerRotation` as
-    `position_embeddings`."""
+    """Llama's block around IHA's attention (`position_embeddings` is the layer's `LayerRotation`)."""
 
     def __init__(self, config: IHAConfig, layer_idx: int):
-        # Llama's modules with IHA's attention, built here: `LlamaDecoderLayer.__init__` would first build (and
-        # randomly initialise) a Llama attention to throw away.
+        # Not `LlamaDecoderLayer.__init__`, which would build (and initialise) a Llama attention to throw away.
         GradientCheckpointingLayer.__init__(self)
         self.hidden_size = config.hidden_size
         self.attention_type = config.attention_types[layer_idx]
@@ -513,36 +460,27 @@ class IHAPreTrainedModel(LlamaPreTrainedModel):
     config_class = IHAConfig
     config: IHAConfig
     _no_split_modules = ["IHADecoderLayer"]
-    # Under any 16-bit load dtype the mixing is loaded in fp32 (see `mixing_dtype`); the non-strict list acts for fp16
-    # only.
+    # Under any 16-bit load dtype the mixing loads in fp32 (`mixing_dtype`; the non-strict list acts for fp16 only).
     _keep_in_fp32_modules_strict = ["head_mixing"]
-    # Every name the cache goes by in some supported release (what device placement must leave alone).
-    _skip_keys_device_placement = ["past_key_values", "cache"]
-    # Context parallelism shards the token sequence across ranks and runs plain causal attention on each shard, which
-    # is not what an IHA layer computes over its interleaved pseudo-tokens: accelerate refuses a model that says so.
-    _supports_context_parallel = False
-    _can_record_outputs = {
-        "hidden_states": IHADecoderLayer,
-        "attentions": IHAAttention,
-    }
+    _skip_keys_device_placement = ["past_key_values", "cache"]  # the cache's names in the supported releases
+    _can_record_outputs = {"hidden_states": IHADecoderLayer, "attentions": IHAAttention}
 
     def _init_weights(self, module):
         super()._init_weights(module)
-        # A new IHA layer starts at identity: every pseudo-head a copy of its head, the collapse picking one copy
-        # (or their mean), so a converted checkpoint computes what the original computed.
+        # A new IHA layer starts at identity: a converted checkpoint computes what the original computed.
         if isinstance(module, IHAHeadMixing):
             module.reset_to_identity()
 
     def _check_and_adjust_attn_implementation(self, attn_implementation, *args, **kwargs):
-        # Where transformers settles the attention implementation (at `__init__` and in `set_attn_implementation`):
-        # one IHA layers cannot be right under is refused there, before any forward.
+        # Where transformers settles the attention implementation: refuse a wrong one before any forward.
         attn_implementation = super()._check_and_adjust_attn_implementation(attn_implementation, *args, **kwargs)
         self._check_attention_implementation(attn_implementation)
         return attn_implementation
 
     @property
     def supports_context_parallel(self) -> bool:
-        # Read by accelerate on every release, also those whose transformers predates the flag.
+        # Context parallelism shards the token sequence and runs plain causal attention per shard, not what an IHA
+        # layer computes over its interleaved pseudo-tokens: accelerate refuses a model that says so.
         return False
 
     def _check_attention_implementation(self, name: str | None = None):
@@ -574,8 +512,7 @@ class IHAModel(IHAPreTrainedModel):
         self.post_init()
 
     def layer_rotations(self, hidden_states: torch.Tensor, position_ids: torch.Tensor) -> dict[str, RotaryInputs]:
-        """The RoPE inputs (`rotary_inputs`) of each layer type: one RoPE for every layer here (Gemma 3 has one per
-        layer type)."""
+        """The RoPE inputs of each layer type: one for every layer here (Gemma 3 has one per layer type)."""
         rotations = rotary_inputs(
             self.rotary_emb, self.rotary_emb.attention_scaling, hidden_states, position_ids, self.config
         )
@@ -672,8 +609,7 @@ class IHAForCausalLM(IHAPreTrainedModel, LlamaForCausalLM):
         )
 
     def _get_static_cache_init_shape(self):
-        # `generate` may allocate a StaticCache ahead of the first forward: in pseudo cache mode an IHA layer stores
-        # [B, H_kv, N, P * d], so its head dim is P times the model's.
+        # A StaticCache allocated ahead of the first forward: in pseudo cache mode IHA layers store P * d per head.
         init_shape = super()._get_static_cache_init_shape()
         if init_shape is None or self.config.iha_cache_mode != "pseudo":
             return init_shape

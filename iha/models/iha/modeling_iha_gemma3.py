@@ -1,14 +1,8 @@
 # Copyright 2026 The iha authors. Licensed under the Apache License, Version 2.0: you may not use this file except in
 # compliance with it (http://www.apache.org/licenses/LICENSE-2.0). SPDX-License-Identifier: Apache-2.0
-"""Interleaved Head Attention (IHA) on Gemma 3's text decoder.
-
-IHA's attention (`modeling_iha.IHAAttention`: projections, head mixing, interleaving, the kernels, the collapse) inside
-Gemma 3's block: Gemma's (1 + w) RMSNorm on each head's query and key, the scale `query_pre_attn_scalar ** -0.5`, norms
-after attention and around the MLP, embeddings scaled by sqrt(hidden_size), and a RoPE base per layer type. The
-forward passes, the masks per attention type, the caches and generation are `IHAModel`'s and `IHAForCausalLM`'s.
-Gemma 3's sliding layers become sliding IHA layers with the same window.
-
-This file is copied next to the weights by `save_pretrained`, so it imports only torch, transformers and its siblings.
+"""Interleaved Head Attention (IHA) on Gemma 3's text decoder: `modeling_iha.IHAAttention` inside Gemma 3's block
+(per-head (1 + w) q/k norms, the `query_pre_attn_scalar` scale, its four norms, scaled embeddings, a RoPE base per
+layer type); forward, masks, caches and generation are `IHAModel`'s and `IHAForCausalLM`'s. Travels with the weights.
 """
 
 import torch

@@ -1,14 +1,8 @@
 # Copyright 2026 The iha authors. Licensed under the Apache License, Version 2.0: you may not use this file except in
 # compliance with it (http://www.apache.org/licenses/LICENSE-2.0). SPDX-License-Identifier: Apache-2.0
-"""The transformers releases IHA models run on: an older one is refused, a newer one warned about, once.
-
-The configuration files import this first, so a release below the range stops with the command that fixes it
-before any import of transformers fails with an unrelated error. What is tested is the range's two ends and the
-releases between (`make matrix`); a release newer than the range gets one warning naming the tested range, and
-runs.
-
-This file travels with the weights; it imports transformers' version and `packaging` (a dependency of
-transformers), no torch.
+"""The transformers releases IHA models run on (`make matrix` tests them): an older one is refused with the command
+that fixes it, before other imports fail with unrelated errors; a newer one gets one warning and runs. Travels with the
+weights; imports transformers' version and `packaging` (a dependency of transformers), no torch.
 """
 
 import re

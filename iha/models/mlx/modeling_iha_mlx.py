@@ -22,8 +22,8 @@ apply their window in the mask.
 
 What an IHA layer is (its fields, window and mixing matrix) is `iha/models/iha/layer_iha.py`'s and `mixing_iha.py`'s;
 this file restates what it needs, and `tests/models/mlx/test_mlx_layer.py` holds it equal. The IHA fields carry no
-default here: `iha export mlx` writes every one of them into config.json, with the default of a field the folder
-lacks.
+default here: `iha export mlx` writes every one of them into config.json, with what the folder's config means for a
+field it lacks (`IHAConfig`'s value).
 """
 
 from dataclasses import dataclass

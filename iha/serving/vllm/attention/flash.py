@@ -51,6 +51,7 @@ class IHAFlashAttentionMetadataBuilder(FlashAttentionMetadataBuilder):
     def __init__(self, kv_cache_spec: AttentionSpec, layer_names: list[str], vllm_config, device):
         spec = layer_spec_of(vllm_config, layer_names)
         super().__init__(virtual_kv_spec(kv_cache_spec, spec), layer_names, vllm_config, device)
+        self.iha_layer = spec  # the layers' own `IHALayerSpec`
         self.virtual_batch = VirtualBatch(vllm_config, spec, device)
         # `build` bounds the kernel's splits (so that a full CUDA graph keeps the buffers it captured) for batches of
         # at most this many tokens, the largest batch a graph is captured for; it counts the virtual tokens here.

@@ -29,13 +29,16 @@ from ....models.iha.layer_iha import IHALayerSpec
 
 
 def layer_spec_of(vllm_config: VllmConfig, layer_names: list[str]) -> IHALayerSpec:
-    """The `IHALayerSpec` the layers of one KV-cache group handed their implementations (they share it: a group holds
-    layers of one cache spec, and the spec's numbers are the config's)."""
+    """The `IHALayerSpec` the first layer of a KV-cache group handed its implementation, that object itself; the group's
+    other layers must hold equal ones (a group holds layers of one cache spec, and the spec's numbers are theirs)."""
     layers = vllm_config.compilation_config.static_forward_context
-    specs = {layers[name].impl.iha_layer for name in layer_names}
-    if len(specs) != 1:
-        raise ValueError(f"The IHA layers {layer_names} of one KV-cache group disagree on what they are: {specs}.")
-    return specs.pop()
+    spec = layers[layer_names[0]].impl.iha_layer
+    others = {layers[name].impl.iha_layer for name in layer_names} - {spec}
+    if others:
+        raise ValueError(
+            f"The IHA layers {layer_names} of one KV-cache group disagree on what they are: {spec}, {others}."
+        )
+    return spec
 
 
 def virtual_kv_spec(kv_cache_spec: AttentionSpec, spec: IHALayerSpec) -> AttentionSpec:
