@@ -633,7 +633,8 @@ def markdown_table(results: list[dict], iha_source: str | None = None) -> str:
             "`generate()` decodes on each prompt alone, or, where the release's continuous batching cannot be right "
             "for the model (sliding-window layers before 5.16, whose pages read back wrong tokens for a stock Mistral "
             "too), refuse with the fix. Either way `generate()` must decode the same tokens after it as before "
-            "(transformers switches the model to `paged|sdpa` for the session).",
+            "(5.4.0 and 5.13.1 switch the model to `paged|sdpa` when continuous batching starts, and 5.4.0 never "
+            "switches it back: the package does).",
             "",
             "| transformers | folder | without `iha` | with `iha` imported |",
             "|---|---|---|---|",

@@ -16,7 +16,8 @@ package's fast paths (`iha|sdpa`, `iha|paged`) in transformers' registries. Prin
   Without the package it must refuse in one line, `modeling_iha.NEEDS_THE_PACKAGE`; with it, it must decode what
   `generate()` decodes on each prompt alone, or refuse with the fix where this release's continuous batching cannot
   be right for the model (sliding-window layers before 5.16). Either way `generate()` must decode the same tokens
-  afterwards (transformers switches the model to `paged|<implementation>` for the session).
+  afterwards (5.4.0 and 5.13.1 switch the model to `paged|<implementation>` when continuous batching starts, and
+  5.4.0 never switches it back: the package does).
 - `--outputs`: the logits and greedy tokens `scripts/transformers_matrix.py` compares between a process without the
   package and one with it (`outputs_of`), saved to OUT.pt; with the package, which of its plans ran.
 """
