@@ -373,6 +373,40 @@ class ContinuousBatchingPath:
         """Start the engine (`start`: transformers' own `init_continuous_batching`) as IHA needs it: never switched to
         FlashAttention, and with sliding pages that keep what the window reaches."""
         continuous_batching_config = continuous_batching_config_for_iha(continuous_batching_config, generation_config)
+        if paged_cache_window(model.config) is not None:
+            # Refused before the engine exists: creating it switches the model to continuous batching's attention.
+            check_paged_sliding_window()
+        attn_implementation = model.config._attn_implementation
         manager = start(generation_config, continuous_batching_config, *args, **kwargs)
-        widen_pages_when_built(manager, model.config)
+        try:
+            widen_pages_when_built(manager, model.config)
+        except ValueError:
+            restore_attention_implementation(model, attn_implementation)
+            raise
+        give_attention_back_when_stopped(manager, model, attn_implementation)
         return manager
+
+
+def restore_attention_implementation(model, attn_implementation: str) -> None:
+    if model.config._attn_implementation != attn_implementation:
+        model.set_attn_implementation(attn_implementation)
+
+
+def give_attention_back_when_stopped(manager, model, attn_implementation: str) -> None:
+    """Give the model back the attention implementation it had before continuous batching when the manager stops, unless
+    it is kept for a next session. transformers 5.4.0 switches `sdpa` to `paged|sdpa` for good (5.13.1 gives it back
+    when the manager stops), and IHA layers refuse a `paged|` implementation outside continuous batching: without
+    this, `generate()` after `generate_batch` would be refused there. Where the release gives it back, a no-op."""
+    if getattr(manager, "_iha_gives_attention_back", False):  # a kept manager, returned again
+        return
+    stop = manager.stop
+    signature = inspect.signature(stop)
+
+    def stop_and_give_attention_back(*args, **kwargs):
+        stopped = stop(*args, **kwargs)
+        if not signature.bind(*args, **kwargs).arguments.get("keep_for_next_session", False):
+            restore_attention_implementation(model, attn_implementation)
+        return stopped
+
+    manager.stop = stop_and_give_attention_back
+    manager._iha_gives_attention_back = True

@@ -195,6 +195,53 @@ def test_sliding_windows_under_continuous_batching_need_the_fixed_release():
     serving_iha.check_paged_sliding_window("5.24.0")
 
 
+def test_a_refused_sliding_window_leaves_the_model_as_it_was(monkeypatch):
+    # Simulates a release before 5.16. The refusal comes before the engine exists: creating it switches an eager model
+    # to `paged|eager`, which IHA layers refuse outside continuous batching, so generate() afterwards would be refused.
+    refuse_like_5_15 = serving_iha.check_paged_sliding_window
+    monkeypatch.setattr(serving_iha, "check_paged_sliding_window", lambda: refuse_like_5_15("5.15.1"))
+    model = tiny_iha_model(attn_implementation="eager", num_pseudo_heads=2, **LAYOUTS["hybrid"])
+    prompt = prompts([9])[0]
+    expected = generate_reference(model, prompt, 6)
+    with pytest.raises(ValueError, match=r"fixed in 5\.16\.0"):
+        model.generate_batch(
+            [prompt],
+            generation_config=greedy_config(6),
+            continuous_batching_config=ContinuousBatchingConfig(**SMALL_CACHE),
+        )
+    assert model.config._attn_implementation == "eager"
+    assert generate_reference(model, prompt, 6) == expected
+
+
+def test_generate_after_generate_batch_where_the_release_keeps_the_paged_implementation(monkeypatch):
+    # transformers 5.4.0's manager switches the model to `paged|<implementation>` and never gives it back (5.13.1 does,
+    # when it stops): IHA gives it back when the manager stops, unless the manager is kept for a next session.
+    from transformers.generation.continuous_batching.continuous_api import ContinuousBatchingManager
+
+    def switch_like_5_4(self, model, *args, **kwargs):
+        if "paged|" not in model.config._attn_implementation:
+            model.set_attn_implementation(f"paged|{model.config._attn_implementation}")
+
+    monkeypatch.setattr(ContinuousBatchingManager, "switch_to_cb_friendly_attn", switch_like_5_4)
+    model = tiny_iha_model(attn_implementation="eager", num_pseudo_heads=2)
+    batch = prompts([5, 7])
+    expected = [generate_reference(model, prompt, 6) for prompt in batch]
+    config = ContinuousBatchingConfig(**SMALL_CACHE)
+    outputs = model.generate_batch(batch, generation_config=greedy_config(6), continuous_batching_config=config)
+    assert [output.generated_tokens for output in outputs.values()] == expected
+    assert model.config._attn_implementation == "eager"
+    assert [generate_reference(model, prompt, 6) for prompt in batch] == expected
+    # A manager kept for a next session keeps the paged implementation (5.4.0 reuses it as it is) until it stops
+    # without being kept (as 5.4.0's destroy_cached_continuous_batching_manager stops it).
+    model.generate_batch(
+        batch, generation_config=greedy_config(6), continuous_batching_config=config, persistent_manager=True
+    )
+    assert model.config._attn_implementation == "paged|eager"
+    model._cached_continuous_batching_manager.stop(block=True, keep_for_next_session=False)
+    assert model.config._attn_implementation == "eager"
+    assert [generate_reference(model, prompt, 6) for prompt in batch] == expected
+
+
 @pytest.mark.parametrize("mask_mode", ["flat_causal", "token_causal"])
 @pytest.mark.parametrize("sliding_window", [None, 3])
 @pytest.mark.parametrize("query_len, key_len", [(1, 1), (1, 7), (4, 4), (3, 9)])
