@@ -4,7 +4,9 @@
 flag after its field (`--model_name_or_path`) and accepts the dashed spelling too (`--model-name-or-path`). The other
 commands build their parsers with `ArgumentParser` below, which does the same for every option however it is
 declared: both spellings parse, so scripts written with either keep working, and help lists each flag once, as `--snake_case`
-(`--num_pseudo_heads NUM_PSEUDO_HEADS`). Every parser answers `--version`.
+(`--num_pseudo_heads NUM_PSEUDO_HEADS`). Every parser answers `--version`, and none accepts an abbreviated flag
+(argparse's default takes `--max-step` for `--max-steps`, and would take it for another flag once one is added with the
+same prefix: a script that ran yesterday would set something else today).
 
 A command's settings dataclass becomes its flags in one way, `add_dataclass_arguments`, the way `HfArgumentParser`
 declares them: one flag per field, named after it, typed by its annotation, with the field's metadata (`help`,
@@ -118,8 +120,8 @@ class ArgumentParser(_SpelledOptions, argparse.ArgumentParser):
     Subparsers (`add_subparsers().add_parser`) are of this class too, and use `HelpFormatter` unless told otherwise.
     """
 
-    def __init__(self, *args, formatter_class=HelpFormatter, **kwargs):
-        super().__init__(*args, formatter_class=formatter_class, **kwargs)
+    def __init__(self, *args, formatter_class=HelpFormatter, allow_abbrev=False, **kwargs):
+        super().__init__(*args, formatter_class=formatter_class, allow_abbrev=allow_abbrev, **kwargs)
         if self.add_help:
             self.add_argument("--version", action="version", version=version_text(), help="print the version and exit")
 

@@ -2,6 +2,7 @@
 
 import argparse
 import importlib
+import re
 
 import pytest
 import torch
@@ -119,3 +120,73 @@ def test_threads_reach_torch_before_the_work(tmp_path, capsys):
     finally:
         torch.set_num_threads(before)
     capsys.readouterr()
+
+
+def every_parser(parser: argparse.ArgumentParser):
+    """`parser` and its subparsers, at every depth."""
+    yield parser
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for subparser in action.choices.values():
+                yield from every_parser(subparser)
+
+
+@pytest.mark.parametrize(
+    "argv, abbreviation",
+    [
+        # `--max-steps`: it ran, and replaced an earlier demo's output. The model folders below do not exist, so that a
+        # parser taking the abbreviation stops at once.
+        (["demo", "--model", "./missing", "--output-dir", "./missing-out", "--max-step", "5"], "--max-step"),
+        (["sft", "--model_name_or_path", "m", "--dataset_name", "d", "--max_step", "5"], "--max_step"),
+        (["serve", "./missing", "--por", "8001"], "--por"),
+        (["eval", "needle", "--model", "m", "--num-example", "5"], "--num-example"),
+    ],
+)
+def test_an_abbreviated_flag_is_refused_not_taken_for_the_flag_it_begins(
+    argv, abbreviation, tmp_path, capsys, monkeypatch
+):
+    from iha.cli.main import main as iha_main
+
+    monkeypatch.chdir(tmp_path)
+    try:
+        status = iha_main(argv)
+    except SystemExit as exit_info:  # argparse's usage error
+        status = exit_info.code
+    error = capsys.readouterr().err
+    assert status == 2
+    # argparse says "unrecognized arguments"; TRL's parser (`iha sft`) "arguments are not used".
+    assert re.search(
+        rf"(unrecognized arguments: |arguments are not used by the HfArgumentParser: \[')"
+        rf"{abbreviation}",
+        error,
+    ), error
+
+
+def test_no_parser_of_a_command_accepts_abbreviations():
+    from iha.cli.main import COMMANDS, command_module
+
+    for command in COMMANDS:
+        for parser in every_parser(importlib.import_module(command_module(command)).make_parser()):
+            assert parser.allow_abbrev is False, f"{parser.prog} accepts abbreviated flags"
+
+
+def test_every_parser_of_the_repository_is_built_without_abbreviations():
+    # Scripts and benchmarks build theirs with the factory above, or with argparse's class and allow_abbrev=False.
+    import ast
+
+    from testing_utils import REPO_ROOT
+
+    for path in sorted(REPO_ROOT.glob("*/**/*.py")):
+        if path.parts[len(REPO_ROOT.parts)].startswith(".") or "site-packages" in path.parts:
+            continue
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if (
+                isinstance(node, ast.Call)
+                and isinstance(node.func, ast.Attribute)
+                and node.func.attr == "ArgumentParser"
+            ):
+                keywords = {keyword.arg: keyword.value for keyword in node.keywords}
+                value = keywords.get("allow_abbrev")
+                assert isinstance(value, ast.Constant) and value.value is False, (
+                    f"{path.relative_to(REPO_ROOT)}:{node.lineno} builds a parser that accepts abbreviated flags"
+                )
