@@ -33,6 +33,15 @@ if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):
         os.environ["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // workers))
     torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
+from iha.utils.optional_packages import quiet_optional_package_notices  # noqa: E402
+
+
+# The notices every `iha` command drops (bitsandbytes' `kernels-community` line, DeepSpeed's "Setting accelerator to
+# CPU"), dropped in the test processes too, before anything imports those packages (testing_utils imports the training
+# wing, and so peft): the first was logged while pytest loaded this file, where nothing shows it until the run ends,
+# and it showed after pytest's summary as if something had failed.
+quiet_optional_package_notices()
+
 from testing_utils import TEST_DATA, Precision, start_process, tiny_llama_for_tokenizer  # noqa: E402
 
 from iha.cli.arguments import option_spellings  # noqa: E402
