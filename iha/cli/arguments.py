@@ -24,9 +24,6 @@ import types
 import typing
 from collections.abc import Collection, Mapping
 
-import torch
-from transformers.hf_argparser import string_to_bool  # `--flag VALUE` of a yes/no setting, read as HF reads it
-
 from .. import __version__
 
 
@@ -143,6 +140,14 @@ def spell_options(name_or_flags) -> list[str]:
 # listed in, the help of a yes/no setting's `--no_` flag, and (`iha.conversion.options`) the `IHAConfig` field a
 # setting fills.
 NOT_ARGPARSE_METADATA = ("group", "config_field", "no_help")
+
+
+def string_to_bool(value: str) -> bool:
+    """`--flag VALUE` of a yes/no setting, read as transformers' `HfArgumentParser` reads it (`yes`, `true`, `1`, ...).
+    transformers is imported when a value is read, not with the parser: `--help` and a bad flag need none of it."""
+    from transformers.hf_argparser import string_to_bool as read_as_transformers_does
+
+    return read_as_transformers_does(value)
 
 
 def flag_type(annotation) -> tuple[type, bool]:
@@ -312,4 +317,6 @@ def add_threads_argument(parser) -> None:
 def set_threads(threads: int | None) -> None:
     """`torch.set_num_threads(threads)`, unless `--threads` was not given (torch's default then)."""
     if threads is not None:
+        import torch  # here, not at the top: the parser is built and `--help` answered without torch
+
         torch.set_num_threads(threads)
