@@ -20,6 +20,7 @@ import copy
 import dataclasses
 import importlib.metadata
 import math
+import os
 import types
 import typing
 from collections.abc import Collection, Mapping
@@ -301,11 +302,10 @@ positive_float = real_number(above=0)  # learning rates, timeouts
 fraction = real_number(above=0, at_most=1)  # a share of memory
 
 
-# Measured on this project's 2-core machine with other jobs on its cores: the demo took 1,249 s with torch's default
-# threads and 556 s with one; one `iha serve` chat 21.1 s and 1.8 s. A second thread waits for a core that is busy.
 THREADS_HELP = (
-    "CPU threads torch computes with (default: torch's, one per core); on cores that other jobs share, 1 is often "
-    "several times faster"
+    "CPU threads torch computes with (default: one per core that other work leaves idle when the command starts, "
+    "from the load average, at least 1; torch's own, one per core, where OMP_NUM_THREADS is set or no load average "
+    "is known)"
 )
 
 
@@ -314,9 +314,41 @@ def add_threads_argument(parser) -> None:
     parser.add_argument("--threads", type=positive_int, default=None, metavar="N", help=THREADS_HELP)
 
 
-def set_threads(threads: int | None) -> None:
-    """`torch.set_num_threads(threads)`, unless `--threads` was not given (torch's default then)."""
-    if threads is not None:
-        import torch  # here, not at the top: the parser is built and `--help` answered without torch
+def idle_cores() -> int | None:
+    """The cores that other work leaves idle now: the machine's cores less its 1-minute load average (the processes
+    running or waiting for a core), rounded; None where the system keeps no load average (Windows)."""
+    if not hasattr(os, "getloadavg"):
+        return None
+    try:
+        load = os.getloadavg()[0]
+    except OSError:
+        return None
+    return round((os.cpu_count() or 1) - load)
 
-        torch.set_num_threads(threads)
+
+def default_threads(torch_threads: int) -> int:
+    """The threads a command computes with when `--threads` is not given: torch's (`torch_threads`, one per core) on
+    idle cores, fewer on busy ones.
+
+    Each of torch's parallel operations waits for its slowest thread, and a thread whose core another process holds
+    waits for it: on cores other work keeps busy, a second thread makes every operation wait. Measured side by side on
+    this project's 2-core machine at a load average of 10 to 19 (benchmarks/results/threads.md): with torch's two
+    threads the demo's generation took 2.8x the time of one thread, a fine-tuning step 3.5x, the conversion's check 8x.
+    OMP_NUM_THREADS, where set, is the caller's choice and is kept."""
+    if os.environ.get("OMP_NUM_THREADS"):
+        return torch_threads
+    idle = idle_cores()
+    if idle is None:
+        return torch_threads
+    return max(1, min(torch_threads, idle))
+
+
+def set_threads(threads: int | None) -> int:
+    """Set torch's CPU threads to `threads` (`--threads`), or when not given to `default_threads`; returns the
+    number set."""
+    import torch  # here, not at the top: the parser is built and `--help` answered without torch
+
+    if threads is None:
+        threads = default_threads(torch.get_num_threads())
+    torch.set_num_threads(threads)
+    return threads

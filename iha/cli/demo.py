@@ -81,7 +81,14 @@ def main(argv: list[str] | None = None, prog: str = "iha demo") -> int:
     settings = {key.replace("-", "_"): value for key, value in vars(args).items() if key != "threads"}
 
     def demo() -> int:
-        set_threads(args.threads)
+        threads = set_threads(args.threads)
+        if args.threads is not None:
+            chosen = "--threads"
+        elif os.environ.get("OMP_NUM_THREADS"):
+            chosen = "OMP_NUM_THREADS"
+        else:
+            chosen = "the cores idle now; --threads N to choose"
+        pipeline.log(f"computing with {threads} CPU thread{'s' * (threads > 1)} ({chosen})")
         run_demo(**settings)
         return 0
 

@@ -2,6 +2,7 @@
 
 import argparse
 import importlib
+import os
 import re
 
 import pytest
@@ -190,3 +191,46 @@ def test_every_parser_of_the_repository_is_built_without_abbreviations():
                 assert isinstance(value, ast.Constant) and value.value is False, (
                     f"{path.relative_to(REPO_ROOT)}:{node.lineno} builds a parser that accepts abbreviated flags"
                 )
+
+
+@pytest.mark.parametrize(
+    "cores, load, torch_threads, expected",
+    [
+        (2, 6.7, 2, 1),  # the project's busy 2-core machine: one thread, never none
+        (2, 1.0, 2, 1),  # one other job holds a core
+        (2, 0.2, 2, 2),  # idle: torch's own count
+        (8, 3.4, 8, 5),  # 4.6 cores idle, rounded
+        (64, 0.0, 8, 8),  # never more than torch's own count
+    ],
+)
+def test_without_threads_a_command_takes_the_cores_other_work_leaves_idle(
+    cores, load, torch_threads, expected, monkeypatch
+):
+    from iha.cli.arguments import default_threads
+
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setattr(os, "cpu_count", lambda: cores)
+    monkeypatch.setattr(os, "getloadavg", lambda: (load, load, load))
+    assert default_threads(torch_threads) == expected
+    monkeypatch.setenv("OMP_NUM_THREADS", str(torch_threads))  # the caller's choice: torch's count is kept
+    assert default_threads(torch_threads) == torch_threads
+    monkeypatch.delenv("OMP_NUM_THREADS")
+    monkeypatch.delattr(os, "getloadavg")  # Windows keeps no load average
+    assert default_threads(torch_threads) == torch_threads
+
+
+def test_the_demo_says_how_many_threads_it_computes_with(tmp_path, capsys, monkeypatch):
+    from iha.cli.main import main as iha_main
+
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setattr(os, "cpu_count", lambda: 2)
+    monkeypatch.setattr(os, "getloadavg", lambda: (8.0, 8.0, 8.0))
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        assert iha_main(["demo", "--model", str(tmp_path / "missing"), "--output-dir", str(tmp_path / "out")]) == 2
+        assert torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(before)
+    out = capsys.readouterr().out
+    assert "[iha demo] computing with 1 CPU thread (the cores idle now; --threads N to choose)" in out
