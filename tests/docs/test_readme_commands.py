@@ -13,8 +13,8 @@ what earlier ones wrote, as they would for a user who follows the README). Each 
      a repeated flag, so these override the README's own values: fewer steps, rows, tokens, examples, epochs, seeds);
 2. or, when the README marks it "needs the Hub" or "needs GPUs" (and `NOT_RUN` says why), **parsed** by the
    command's own argument parser: its arguments must be valid, nothing runs; so is a command whose tiny run would
-   repeat one that runs elsewhere (`RUN_ELSEWHERE` says where: once shrunk, every `iha synthetic` preset is the tiny
-   one, which the README's own `--preset tiny` command runs);
+   repeat one that runs elsewhere (`RUN_ELSEWHERE` says where: once shrunk, every `python -m research.synthetic`
+   preset is the tiny one, which the README's own `--preset tiny` command runs);
 3. or, for `make` and `pip install`, checked without building or downloading anything: `make -n TARGET` must work,
    and the versions `pip install` pins must be the ones installed;
 4. or, for a server (`iha serve`), started in the background on a free port instead of the README's, on a machine
@@ -79,8 +79,8 @@ TINY_SETTINGS = {
     ("accelerate", "launch"): [*SFT_TINY, "--max_train_rows", "8"],
     ("iha-eval", "math"): ["--limit", "1", "--num-samples", "2", "--max-new-tokens", "8"],
     ("iha-eval", "needle"): ["--num-examples", "1", "--lengths", "256", "--max-new-tokens", "8"],
-    ("iha", "synthetic"): ["--tasks", "binary", "--max-epochs", "1", "--num-train", "128"],
-    ("iha", "polynomial-filter"): [
+    ("python", "-m research.synthetic"): ["--tasks", "binary", "--max-epochs", "1", "--num-train", "128"],
+    ("python", "-m research.polynomial_filter"): [
         "--steps",
         "100",
         "--seeds",
@@ -95,15 +95,15 @@ NOT_RUN = {
     "--push_to_hub me/my-llama-p2": "uploads to the Hub (the offline failure is tested in tests/conversion/test_convert.py)",
     "--dataset_name open-thoughts/OpenThoughts-114k": "OpenThoughts-114k is on the Hub only",
     "examples/accelerate/fsdp.yaml": "the GPU configuration as shipped (8 processes, bf16); its CPU run is run",
-    "iha ab --preset gpu": "the gpu preset trains on all of GSM8K on a CUDA device (tests/experiments/ab/test_ab.py runs the tiny one)",
+    "research.ab --preset gpu": "the gpu preset trains on all of GSM8K on a CUDA device (tests/research/ab/test_ab.py runs the tiny one)",
     "lm_eval --model hf": "the lm-eval gsm8k task downloads GSM8K (tests/evaluation/test_lm_eval.py runs lm_eval offline)",
 }
-# Commands that, given their tiny settings, would only repeat a run made elsewhere: (program, command) -> where that
-# run is made. Every such command that trains a preset other than `tiny` is parsed instead (the presets' own
+# Commands that, given their tiny settings, would only repeat a run made elsewhere: the command's first words -> where
+# that run is made. Every such command that trains a preset other than `tiny` is parsed instead (the presets' own
 # settings are what a user's run takes; none is tiny); `--preset tiny`, --report and --summarize run as written.
 RUN_ELSEWHERE = {
-    ("iha", "synthetic"): "shrunk to the tiny preset, as the README's `iha synthetic --preset tiny` command runs it",
-    ("iha", "ab"): "shrunk to the tiny preset, which tests/experiments/ab/test_ab.py runs whole",
+    "python -m research.synthetic": "shrunk to the tiny preset, as the README's `--preset tiny` command runs it",
+    "python -m research.ab": "shrunk to the tiny preset, which tests/research/ab/test_ab.py runs whole",
 }
 MARKER = re.compile(r"#.*needs (the Hub|GPUs)")
 # The port the README's server commands use, replaced by a free one; how long a server may take to answer /health.
@@ -247,14 +247,8 @@ def parse_only(program: str, arguments: list[str]) -> None:
         from iha.cli.sft import parse_args
 
         parse_args(arguments)
-    elif program == "iha" and arguments[:1] == ["ab"]:
-        from iha.cli.ab import make_parser
-
-        make_parser().parse_args(arguments[1:])
-    elif program == "iha" and arguments[:1] == ["synthetic"]:
-        from iha.cli.synthetic import make_parser
-
-        make_parser().parse_args(arguments[1:])
+    elif research_task(program, arguments):
+        research_parser(research_task(program, arguments)).parse_args(arguments[2:])
     elif program == "lm_eval":
         from lm_eval._cli import HarnessCLI
 
@@ -289,9 +283,26 @@ def check_without_running(program: str, arguments: list[str]) -> None:
             assert extras <= provided, (extras, provided)
 
 
+def research_task(program: str, arguments: list[str]) -> str | None:
+    """`python -m research.TASK ...` -> TASK (research/, run from the checkout: `python -m`), else None."""
+    if program == "python" and arguments[:1] == ["-m"] and arguments[1:2] and arguments[1].startswith("research."):
+        return arguments[1].removeprefix("research.")
+    return None
+
+
+def research_parser(task: str):
+    """The argument parser of `python -m research.TASK` (its `cli.make_parser`)."""
+    import importlib
+
+    return importlib.import_module(f"research.{task}.cli").make_parser()
+
+
 def run_elsewhere(program: str, arguments: list[str]) -> str | None:
     """Where the run this command's tiny run would repeat is made (`RUN_ELSEWHERE`), or None."""
-    where = RUN_ELSEWHERE.get((program, arguments[0] if arguments else ""))
+    words = [program, *arguments]
+    where = next(
+        (where for start, where in RUN_ELSEWHERE.items() if words[: len(start.split())] == start.split()), None
+    )
     preset = arguments[arguments.index("--preset") + 1] if "--preset" in arguments[:-1] else None
     if where is None or preset == "tiny" or {"--report", "--summarize"} & set(arguments):
         return None
@@ -300,8 +311,10 @@ def run_elsewhere(program: str, arguments: list[str]) -> str | None:
 
 def test_every_command_run_elsewhere_is_in_the_readme():
     split = [shlex.split(command, comments=True) for command, _ in COMMANDS]
-    for program, command in RUN_ELSEWHERE:
-        assert any(run_elsewhere(words[0], words[1:]) for words in split if words[:2] == [program, command]), command
+    for start in RUN_ELSEWHERE:
+        assert any(
+            run_elsewhere(words[0], words[1:]) for words in split if words[: len(start.split())] == start.split()
+        ), start
 
 
 def test_every_marked_command_is_listed_with_its_reason():
@@ -365,6 +378,55 @@ def test_the_docs_have_training_commands():
 def test_docs_training_command_parses(command):
     program, *arguments = shlex.split(command, comments=True)
     parse_only(program, arguments)
+
+
+# Every `python -m research.<task>` command the pages show, in a code block (```bash or plain, `\` continuations
+# joined) or in running text (`...`): what a user copies must parse with the task's own parser. The README's run as
+# well (above); the long presets elsewhere are the same code with other settings.
+RESEARCH_PAGES = [
+    REPO_ROOT / "README.md",
+    REPO_ROOT / "CONTRIBUTING.md",
+    *sorted((REPO_ROOT / "docs").glob("*.md")),
+    *sorted((REPO_ROOT / "benchmarks").glob("*/README.md")),
+]
+RESEARCH_COMMAND = re.compile(r"python -m research\.[a-z_]+(?: [^`\n]*)?")
+
+
+def research_commands(page: Path) -> list[str]:
+    """The page's `python -m research.TASK ...` commands, as one line each (a pattern with `...` left out)."""
+    text = page.read_text(encoding="utf-8")
+    blocks = re.findall(r"^```[a-z]*\n(.*?)^```", text, re.S | re.M)
+    lines = [line for block in blocks for line in re.sub(r"\\\n\s*", " ", block).splitlines()]
+    spans = re.findall(r"`([^`]+)`", re.sub(r"^```.*?^```", "", text, flags=re.S | re.M).replace("\n", " "))
+    found = [match.group(0).strip() for piece in [*lines, *spans] for match in RESEARCH_COMMAND.finditer(piece)]
+    return [command for command in found if "..." not in command]
+
+
+RESEARCH_COMMANDS = sorted(
+    {(str(page.relative_to(REPO_ROOT)), command) for page in RESEARCH_PAGES for command in research_commands(page)}
+)
+
+
+def test_the_pages_show_every_research_task():
+    tasks = {command.split()[2] for _, command in RESEARCH_COMMANDS}
+    assert tasks == {"research.synthetic", "research.polynomial_filter", "research.ab"}, tasks
+
+
+@pytest.mark.parametrize("page, command", RESEARCH_COMMANDS, ids=[f"{p}: {c[:50]}" for p, c in RESEARCH_COMMANDS])
+def test_every_research_command_the_pages_show_parses(page, command, capsys):
+    words = shlex.split(command, comments=True)
+    if words[-1] == "&":  # run in the background, beside the next command
+        words = words[:-1]
+    words = ["1" if word == "N" else word for word in words]  # `--seed N`: a placeholder for a seed
+    program, *arguments = words
+    task = research_task(program, arguments)
+    assert task is not None, command
+    if arguments[2:] == ["--help"]:
+        with pytest.raises(SystemExit) as exit_info:
+            research_parser(task).parse_args(arguments[2:])
+        assert exit_info.value.code == 0 and capsys.readouterr().out.startswith(f"usage: python -m research.{task}")
+        return
+    research_parser(task).parse_args(arguments[2:])
 
 
 @pytest.mark.slow  # it reads what the (slow) README commands above wrote
