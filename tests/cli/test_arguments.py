@@ -161,6 +161,20 @@ def test_an_abbreviated_flag_is_refused_not_taken_for_the_flag_it_begins(
     ), error
 
 
+@pytest.mark.parametrize("spelling", ["--window_unit", "--window-unit"])
+def test_the_retired_token_window_flag_is_an_unrecognized_argument(spelling, tmp_path, capsys):
+    # The token-unit window is retired (one window: W * P virtual tokens), so its flag is gone, not ignored: convert
+    # stops at argparse, before it reads the source or writes the output folder.
+    from iha.cli.main import main as iha_main
+
+    output = tmp_path / "out"
+    with pytest.raises(SystemExit) as exit_info:
+        iha_main(["convert", str(tmp_path / "missing-source"), str(output), spelling, "token"])
+    assert exit_info.value.code == 2
+    assert f"iha convert: error: unrecognized arguments: {spelling} token" in capsys.readouterr().err
+    assert not output.exists()
+
+
 def test_no_parser_of_a_command_accepts_abbreviations():
     from iha.cli.main import COMMANDS, command_module
 
