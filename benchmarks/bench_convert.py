@@ -135,7 +135,9 @@ def render_markdown(results: dict) -> str:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False
+    )
     parser.add_argument("--source", help="checkpoint folder or Hub id (default: the built-in SmolLM2-135M-Instruct)")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument(

@@ -179,7 +179,7 @@ def report(results: dict) -> str:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
     parser.add_argument("--iha-folder", help="a trained IHA folder of the built-in source (default: its conversion)")
     parser.add_argument(
         "--perturb-mixing",

@@ -32,6 +32,19 @@ if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):
     if not os.environ.get("OMP_NUM_THREADS"):
         os.environ["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // workers))
     torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+# A command run without --threads takes the cores the load average leaves idle (iha.cli.arguments.default_threads),
+# unless OMP_NUM_THREADS is set: set here, the commands the tests run, in this process or a child, compute with the same
+# count whatever the machine's load, so no result depends on what else runs.
+os.environ.setdefault("OMP_NUM_THREADS", str(torch.get_num_threads()))
+
+from iha.utils.optional_packages import quiet_optional_package_notices  # noqa: E402
+
+
+# The notices every `iha` command drops (bitsandbytes' `kernels-community` line, DeepSpeed's "Setting accelerator to
+# CPU"), dropped in the test processes too, before anything imports those packages (testing_utils imports the training
+# wing, and so peft): the first was logged while pytest loaded this file, where nothing shows it until the run ends,
+# and it showed after pytest's summary as if something had failed.
+quiet_optional_package_notices()
 
 from testing_utils import TEST_DATA, Precision, start_process, tiny_llama_for_tokenizer  # noqa: E402
 

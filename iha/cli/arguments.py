@@ -4,7 +4,9 @@
 flag after its field (`--model_name_or_path`) and accepts the dashed spelling too (`--model-name-or-path`). The other
 commands build their parsers with `ArgumentParser` below, which does the same for every option however it is
 declared: both spellings parse, so scripts written with either keep working, and help lists each flag once, as `--snake_case`
-(`--num_pseudo_heads NUM_PSEUDO_HEADS`). Every parser answers `--version`.
+(`--num_pseudo_heads NUM_PSEUDO_HEADS`). Every parser answers `--version`, and none accepts an abbreviated flag
+(argparse's default takes `--max-step` for `--max-steps`, and would take it for another flag once one is added with the
+same prefix: a script that ran yesterday would set something else today).
 
 A command's settings dataclass becomes its flags in one way, `add_dataclass_arguments`, the way `HfArgumentParser`
 declares them: one flag per field, named after it, typed by its annotation, with the field's metadata (`help`,
@@ -17,12 +19,11 @@ import argparse
 import copy
 import dataclasses
 import importlib.metadata
+import math
+import os
 import types
 import typing
 from collections.abc import Collection, Mapping
-
-import torch
-from transformers.hf_argparser import string_to_bool  # `--flag VALUE` of a yes/no setting, read as HF reads it
 
 from .. import __version__
 
@@ -118,8 +119,8 @@ class ArgumentParser(_SpelledOptions, argparse.ArgumentParser):
     Subparsers (`add_subparsers().add_parser`) are of this class too, and use `HelpFormatter` unless told otherwise.
     """
 
-    def __init__(self, *args, formatter_class=HelpFormatter, **kwargs):
-        super().__init__(*args, formatter_class=formatter_class, **kwargs)
+    def __init__(self, *args, formatter_class=HelpFormatter, allow_abbrev=False, **kwargs):
+        super().__init__(*args, formatter_class=formatter_class, allow_abbrev=allow_abbrev, **kwargs)
         if self.add_help:
             self.add_argument("--version", action="version", version=version_text(), help="print the version and exit")
 
@@ -140,6 +141,14 @@ def spell_options(name_or_flags) -> list[str]:
 # listed in, the help of a yes/no setting's `--no_` flag, and (`iha.conversion.options`) the `IHAConfig` field a
 # setting fills.
 NOT_ARGPARSE_METADATA = ("group", "config_field", "no_help")
+
+
+def string_to_bool(value: str) -> bool:
+    """`--flag VALUE` of a yes/no setting, read as transformers' `HfArgumentParser` reads it (`yes`, `true`, `1`, ...).
+    transformers is imported when a value is read, not with the parser: `--help` and a bad flag need none of it."""
+    from transformers.hf_argparser import string_to_bool as read_as_transformers_does
+
+    return read_as_transformers_does(value)
 
 
 def flag_type(annotation) -> tuple[type, bool]:
@@ -244,22 +253,59 @@ def dataclass_values(args: argparse.Namespace, dataclass_type, exclude: Collecti
     return {name: getattr(args, name) for name in fields}
 
 
-def positive_int(value: str) -> int:
-    """A whole number of at least 1 (`--threads`); anything else is a usage error naming the value."""
-    try:
-        number = int(value)
-    except ValueError:
-        number = 0
-    if number < 1:
-        raise argparse.ArgumentTypeError(f"expected a whole number of at least 1, not {value!r}")
-    return number
+# Argument types of the numbers a command cannot run with out of range: a value outside it is a usage error naming the
+# value and the range (exit 2), found when the command line is parsed, before any work starts.
 
 
-# Measured on this project's 2-core machine with other jobs on its cores: the demo took 1,249 s with torch's default
-# threads and 556 s with one; one `iha serve` chat 21.1 s and 1.8 s. A second thread waits for a core that is busy.
+def whole_number(minimum: int, maximum: int | None = None, what: str = "a whole number"):
+    """An argparse `type`: a whole number from `minimum` (to `maximum`)."""
+    expected = f"{what} from {minimum} to {maximum}" if maximum is not None else f"{what} of at least {minimum}"
+
+    def parse(value: str) -> int:
+        try:
+            number = int(value)
+        except ValueError:
+            number = None
+        if number is None or number < minimum or (maximum is not None and number > maximum):
+            raise argparse.ArgumentTypeError(f"expected {expected}, not {value!r}")
+        return number
+
+    return parse
+
+
+def real_number(above: float | None = None, at_least: float | None = None, at_most: float | None = None):
+    """An argparse `type`: a finite number above `above` (or at least `at_least`), and at most `at_most`."""
+    bounds = [f"above {above:g}" if above is not None else f"of at least {at_least:g}"]
+    if at_most is not None:
+        bounds.append(f"at most {at_most:g}")
+    expected = "a number " + " and ".join(bounds)
+
+    def parse(value: str) -> float:
+        try:
+            number = float(value)
+        except ValueError:
+            number = math.nan
+        in_range = math.isfinite(number)
+        in_range = in_range and (number > above if above is not None else number >= at_least)
+        in_range = in_range and (at_most is None or number <= at_most)
+        if not in_range:
+            raise argparse.ArgumentTypeError(f"expected {expected}, not {value!r}")
+        return number
+
+    return parse
+
+
+positive_int = whole_number(1)  # `--threads`, step and row counts
+non_negative_int = whole_number(0)  # seeds (numpy takes none below 0), counts that may be 0
+port_number = whole_number(1, 65535, "a port number")  # 0 would be a port the server picks, not the one it prints
+positive_float = real_number(above=0)  # learning rates, timeouts
+fraction = real_number(above=0, at_most=1)  # a share of memory
+
+
 THREADS_HELP = (
-    "CPU threads torch computes with (default: torch's, one per core); on cores that other jobs share, 1 is often "
-    "several times faster"
+    "CPU threads torch computes with (default: one per core that other work leaves idle when the command starts, "
+    "from the load average, at least 1; torch's own, one per core, where OMP_NUM_THREADS is set or no load average "
+    "is known)"
 )
 
 
@@ -268,7 +314,41 @@ def add_threads_argument(parser) -> None:
     parser.add_argument("--threads", type=positive_int, default=None, metavar="N", help=THREADS_HELP)
 
 
-def set_threads(threads: int | None) -> None:
-    """`torch.set_num_threads(threads)`, unless `--threads` was not given (torch's default then)."""
-    if threads is not None:
-        torch.set_num_threads(threads)
+def idle_cores() -> int | None:
+    """The cores that other work leaves idle now: the machine's cores less its 1-minute load average (the processes
+    running or waiting for a core), rounded; None where the system keeps no load average (Windows)."""
+    if not hasattr(os, "getloadavg"):
+        return None
+    try:
+        load = os.getloadavg()[0]
+    except OSError:
+        return None
+    return round((os.cpu_count() or 1) - load)
+
+
+def default_threads(torch_threads: int) -> int:
+    """The threads a command computes with when `--threads` is not given: torch's (`torch_threads`, one per core) on
+    idle cores, fewer on busy ones.
+
+    Each of torch's parallel operations waits for its slowest thread, and a thread whose core another process holds
+    waits for it: on cores other work keeps busy, a second thread makes every operation wait. Measured side by side on
+    this project's 2-core machine at a load average of 10 to 19 (benchmarks/results/threads.md): with torch's two
+    threads the demo's generation took 2.8x the time of one thread, a fine-tuning step 3.5x, the conversion's check 8x.
+    OMP_NUM_THREADS, where set, is the caller's choice and is kept."""
+    if os.environ.get("OMP_NUM_THREADS"):
+        return torch_threads
+    idle = idle_cores()
+    if idle is None:
+        return torch_threads
+    return max(1, min(torch_threads, idle))
+
+
+def set_threads(threads: int | None) -> int:
+    """Set torch's CPU threads to `threads` (`--threads`), or when not given to `default_threads`; returns the
+    number set."""
+    import torch  # here, not at the top: the parser is built and `--help` answered without torch
+
+    if threads is None:
+        threads = default_threads(torch.get_num_threads())
+    torch.set_num_threads(threads)
+    return threads

@@ -3,7 +3,6 @@
 from collections.abc import Sequence
 from pathlib import Path
 
-from ..training.card import rewrite_trainer_card
 from ..utils.model_source import check_model_source
 from .arguments import ArgumentParser
 from .running import run_command
@@ -26,6 +25,9 @@ def main(argv: Sequence[str] | None = None, prog: str = "iha card") -> int:
     args = make_parser(prog).parse_args(argv)
 
     def write_card() -> int:
+        # Imported here: the training wing loads TRL and peft, which `--help` and a bad flag do not need.
+        from ..training.card import rewrite_trainer_card
+
         check_model_source(args.folder, hub=False)
         check_model_source(args.base_model)
         folder = Path(args.folder)

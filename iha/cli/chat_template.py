@@ -2,13 +2,6 @@
 
 from collections.abc import Sequence
 
-from transformers import AutoTokenizer
-
-from ..training.chat_template import (
-    SMOLLM2_TRAINING_CHAT_TEMPLATE,
-    training_chat_template,
-    write_chat_template,
-)
 from ..utils.model_source import check_model_source
 from .arguments import ArgumentParser
 from .running import run_command
@@ -31,6 +24,11 @@ def main(argv: Sequence[str] | None = None, prog: str = "iha chat-template") -> 
     args = make_parser(prog).parse_args(argv)
 
     def write() -> int:
+        # Imported here: the training wing loads TRL and peft, which `--help` and a bad flag do not need.
+        from transformers import AutoTokenizer
+
+        from ..training.chat_template import SMOLLM2_TRAINING_CHAT_TEMPLATE, training_chat_template, write_chat_template
+
         if args.tokenizer is None:
             template = SMOLLM2_TRAINING_CHAT_TEMPLATE
         else:

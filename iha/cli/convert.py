@@ -18,7 +18,7 @@ from ..conversion.architectures import SUPPORTED_DESCRIPTION
 from ..conversion.checkpoint import convert_checkpoint
 from ..conversion.options import CheckpointOptions, IHAConversionOptions
 from ..conversion.plan import describe_layers
-from ..hub.push import push_to_hub
+from ..hub.push import check_push_target, push_to_hub
 from ..utils import atomic_folders
 from .arguments import ArgumentParser, add_dataclass_arguments, dataclass_values
 from .running import run_command
@@ -63,6 +63,8 @@ def run_conversion(args: argparse.Namespace, prog: str) -> int:
     gives them their exit status (a failed verification or upload: 1)."""
     options = IHAConversionOptions(**dataclass_values(args, IHAConversionOptions))
     checkpoint_options = CheckpointOptions(**dataclass_values(args, CheckpointOptions))
+    if args.push_to_hub:
+        check_push_target(args.push_to_hub)  # an upload that cannot succeed is said before the conversion
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(logging.Formatter("%(message)s"))
     # The conversion's own messages (every module of iha.conversion logs under it) and the atomic folder's.

@@ -4,7 +4,7 @@ from collections.abc import Sequence
 
 from ..data.gsm8k import gsm8k_file_to_openthoughts
 from ..data.messages import load_sft_dataset, write_jsonl
-from .arguments import ArgumentParser
+from .arguments import ArgumentParser, positive_int
 from .running import run_command
 
 
@@ -17,13 +17,13 @@ def make_parser(prog: str = "iha data") -> ArgumentParser:
     gsm8k.add_argument("source", help="a Hub dataset id (openai/gsm8k) or your own GSM8K .jsonl file")
     gsm8k.add_argument("output", help="the .jsonl file to write")
     gsm8k.add_argument("--split", default="train", help="Hub split (default: train)")
-    gsm8k.add_argument("--limit", type=int, help="convert the first N rows only")
+    gsm8k.add_argument("--limit", type=positive_int, help="convert the first N rows only")
     messages = commands.add_parser("to-messages", help="any supported schema (Hub id or file) -> messages .jsonl")
     messages.add_argument("source", help="Hub dataset id, or .json / .jsonl / .parquet file or folder")
     messages.add_argument("output")
     messages.add_argument("--split", default="train")
     messages.add_argument("--config_name")
-    messages.add_argument("--max_rows", type=int)
+    messages.add_argument("--max_rows", type=positive_int)
     messages.add_argument(
         "--default_system_prompt", help="system prompt for rows without one; 'openthoughts' = the OpenThoughts one"
     )

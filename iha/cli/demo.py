@@ -7,8 +7,15 @@ from ..demo import pipeline
 from ..demo.pipeline import (
     run_demo,
 )
-from ..utils.model_source import check_model_source
-from .arguments import ArgumentParser, HelpFormatter, add_threads_argument, set_threads
+from .arguments import (
+    ArgumentParser,
+    HelpFormatter,
+    add_threads_argument,
+    non_negative_int,
+    positive_float,
+    positive_int,
+    set_threads,
+)
 from .running import run_command
 
 
@@ -27,27 +34,43 @@ def make_parser(prog: str = "iha demo") -> ArgumentParser:
     )
     parser.add_argument("--train-data", default=None, help="training rows: a .jsonl / .json / .parquet file or Hub id")
     parser.add_argument("--eval-data", default=None, help="held-out problems: a GSM8K or MATH-500 .jsonl")
-    parser.add_argument("--num-train", type=int, default=defaults["num_train"], help="training rows")
-    parser.add_argument("--num-eval", type=int, default=defaults["num_eval"], help="held-out problems evaluated")
-    parser.add_argument("--max-steps", type=int, default=defaults["max_steps"], help="optimizer steps of fine-tuning")
-    parser.add_argument("--batch-size", type=int, default=defaults["batch_size"], help="training rows per step")
+    parser.add_argument("--num-train", type=positive_int, default=defaults["num_train"], help="training rows")
     parser.add_argument(
-        "--learning-rate", type=float, default=defaults["learning_rate"], help="learning rate of the base weights"
+        "--num-eval", type=positive_int, default=defaults["num_eval"], help="held-out problems evaluated"
+    )
+    parser.add_argument(
+        "--max-steps", type=positive_int, default=defaults["max_steps"], help="optimizer steps of fine-tuning"
+    )
+    parser.add_argument(
+        "--batch-size", type=positive_int, default=defaults["batch_size"], help="training rows per step"
+    )
+    parser.add_argument(
+        "--learning-rate",
+        type=positive_float,
+        default=defaults["learning_rate"],
+        help="learning rate of the base weights",
     )
     parser.add_argument(
         "--mixing-learning-rate",
-        type=float,
+        type=positive_float,
         default=defaults["mixing_learning_rate"],
         help="learning rate of the IHA mixing coefficients",
     )
-    parser.add_argument("--max-length", type=int, default=defaults["max_length"], help="longest training row in tokens")
     parser.add_argument(
-        "--max-new-tokens", type=int, default=defaults["max_new_tokens"], help="tokens generated per problem"
+        "--max-length", type=positive_int, default=defaults["max_length"], help="longest training row in tokens"
     )
     parser.add_argument(
-        "--num-pseudo-heads", type=int, default=defaults["num_pseudo_heads"], help="P, the pseudo-heads per head"
+        "--max-new-tokens", type=positive_int, default=defaults["max_new_tokens"], help="tokens generated per problem"
     )
-    parser.add_argument("--seed", type=int, default=defaults["seed"], help="seed of the data and the training")
+    parser.add_argument(
+        "--num-pseudo-heads",
+        type=positive_int,
+        default=defaults["num_pseudo_heads"],
+        help="P, the pseudo-heads per head",
+    )
+    parser.add_argument(
+        "--seed", type=non_negative_int, default=defaults["seed"], help="seed of the data and the training"
+    )
     add_threads_argument(parser)
     return parser
 
@@ -58,9 +81,14 @@ def main(argv: list[str] | None = None, prog: str = "iha demo") -> int:
     settings = {key.replace("-", "_"): value for key, value in vars(args).items() if key != "threads"}
 
     def demo() -> int:
-        set_threads(args.threads)
-        if args.model is not None:
-            check_model_source(args.model)
+        threads = set_threads(args.threads)
+        if args.threads is not None:
+            chosen = "--threads"
+        elif os.environ.get("OMP_NUM_THREADS"):
+            chosen = "OMP_NUM_THREADS"
+        else:
+            chosen = "the cores idle now; --threads N to choose"
+        pipeline.log(f"computing with {threads} CPU thread{'s' * (threads > 1)} ({chosen})")
         run_demo(**settings)
         return 0
 

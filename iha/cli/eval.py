@@ -21,6 +21,7 @@ from ..evaluation.needle import evaluate_needle
 from ..evaluation.report import math_report, needle_report
 from ..evaluation.settings import BENCHMARKS, PRESETS, SamplingConfig, sampling_preset
 from ..utils.atomic_files import write_json_atomic, write_text_atomic
+from ..utils.atomic_folders import check_output_folder
 from ..utils.model_source import check_model_source
 from .arguments import (
     ArgumentParser,
@@ -28,6 +29,8 @@ from .arguments import (
     add_dataclass_arguments,
     add_threads_argument,
     dataclass_values,
+    non_negative_int,
+    positive_int,
     set_threads,
 )
 from .running import run_command
@@ -65,7 +68,7 @@ def _add_model_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda when available)")
     parser.add_argument("--trust-remote-code", action="store_true", help="allow code from the model folder")
-    parser.add_argument("--batch-size", type=int, default=8, help="prompts per generate call")
+    parser.add_argument("--batch-size", type=positive_int, default=8, help="prompts per generate call")
     parser.add_argument("--no-chat-template", action="store_true", help="plain 'Question: ... Answer:' prompts")
     add_threads_argument(parser)
 
@@ -91,7 +94,7 @@ def make_parser(prog: str = "iha-eval") -> argparse.ArgumentParser:
         + "); =FILE.jsonl reads your own copy, =ORG/NAME another Hub dataset with the same columns; repeatable",
     )
     math.add_argument("--split", default=None, help="Hub split (default: test)")
-    math.add_argument("--limit", type=int, default=None, help="evaluate the first N problems only")
+    math.add_argument("--limit", type=positive_int, default=None, help="evaluate the first N problems only")
     math.add_argument("--preset", default="greedy", choices=sorted(PRESETS), help="sampling settings")
     add_dataclass_arguments(math, SamplingConfig, "sampling", from_preset=dict(sorted(PRESETS.items())))
     math.add_argument("--system-prompt", default=None, help="system message (default: the chat template's own)")
@@ -106,12 +109,14 @@ def make_parser(prog: str = "iha-eval") -> argparse.ArgumentParser:
         formatter_class=HelpFormatter,
     )
     _add_model_arguments(needle)
-    needle.add_argument("--lengths", type=int, nargs="+", default=[1024, 2048, 4096], help="context lengths (tokens)")
-    needle.add_argument("--num-keys", type=int, default=1, help="needles asked about per example")
-    needle.add_argument("--num-distractors", type=int, default=3, help="needles not asked about")
-    needle.add_argument("--num-examples", type=int, default=50, help="examples per context length")
-    needle.add_argument("--seed", type=int, default=0, help="seed of the generated examples")
-    needle.add_argument("--max-new-tokens", type=int, default=32, help="tokens generated per answer")
+    needle.add_argument(
+        "--lengths", type=positive_int, nargs="+", default=[1024, 2048, 4096], help="context lengths (tokens)"
+    )
+    needle.add_argument("--num-keys", type=positive_int, default=1, help="needles asked about per example")
+    needle.add_argument("--num-distractors", type=non_negative_int, default=3, help="needles not asked about")
+    needle.add_argument("--num-examples", type=positive_int, default=50, help="examples per context length")
+    needle.add_argument("--seed", type=non_negative_int, default=0, help="seed of the generated examples")
+    needle.add_argument("--max-new-tokens", type=positive_int, default=32, help="tokens generated per answer")
     needle.add_argument("--output-dir", default="runs/needle", help="writes needle_MODEL.json, needle_report.md")
 
     compare = commands.add_parser(
@@ -140,6 +145,7 @@ def _run_math(args) -> int:
 
     sampling = sampling_preset(args.preset, **dataclass_values(args, SamplingConfig))
     models = _named_models(args)
+    output_dir = check_output_folder(args.output_dir)  # a file in its way is said now, not after the evaluation
     datasets = []
     for spec in args.dataset:
         benchmark, _, source = spec.partition("=")
@@ -147,7 +153,6 @@ def _run_math(args) -> int:
             raise ValueError(f"unknown benchmark {benchmark!r} in --dataset; choose from {sorted(BENCHMARKS)}")
         problems = load_problems(source or benchmark, benchmark=benchmark, split=args.split, limit=args.limit)
         datasets.append((benchmark, source or BENCHMARKS[benchmark].hub_id, problems))
-    output_dir = Path(args.output_dir)
     results = []
     for name, path in models:
         model, tokenizer = load_model_and_tokenizer(
@@ -184,7 +189,7 @@ def _run_needle(args) -> int:
     from ..evaluation.math_eval import load_model_and_tokenizer
 
     models = _named_models(args)
-    output_dir = Path(args.output_dir)
+    output_dir = check_output_folder(args.output_dir)  # a file in its way is said now, not after the evaluation
     print(
         f"needle: {args.num_examples} examples at each of {len(args.lengths)} context lengths "
         f"({', '.join(map(str, args.lengths))} tokens) per model, {args.batch_size} per batch; results in {output_dir}",

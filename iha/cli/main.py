@@ -26,7 +26,7 @@ import sys
 from collections.abc import Sequence
 
 from ..conversion.architectures import SUPPORTED_FAMILIES
-from ..utils.optional_packages import quiet_bitsandbytes_kernels_notice
+from ..utils.optional_packages import quiet_optional_package_notices
 from .arguments import version_text
 from .running import report_error
 
@@ -82,7 +82,7 @@ def run(command: str, argv: Sequence[str], prog: str | None = None) -> int:
     every failure; a package missing when the command's module is imported ends it the same way (one line naming the
     pip command, exit 2)."""
     argv, prog_kwargs = list(argv), {} if prog is None else {"prog": prog}
-    quiet_bitsandbytes_kernels_notice()
+    quiet_optional_package_notices()
     if command == "convert" and argv[:1] == ["push"]:  # `iha-convert push` is `iha push`, with the other Hub code
         command, argv = "push", argv[1:]
         prog_kwargs = {"prog": f"{prog or 'iha-convert'} push"}

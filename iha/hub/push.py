@@ -14,7 +14,9 @@ import json
 import os
 from pathlib import Path
 
-from huggingface_hub import CommitOperationAdd, HfApi
+from huggingface_hub import CommitOperationAdd, HfApi, constants
+from huggingface_hub.errors import HFValidationError
+from huggingface_hub.utils import validate_repo_id
 
 from .. import IHA_MODEL_TYPES
 from ..utils.errors import WorkFailedError
@@ -36,6 +38,20 @@ def check_iha_folder(folder: Path) -> None:
         raise ValueError(
             f"{folder} is not an IHA checkpoint folder (no config.json with model_type "
             f"{' or '.join(map(repr, IHA_MODEL_TYPES))})."
+        )
+
+
+def check_push_target(repo_id: str, flag: str = "--push_to_hub") -> None:
+    """Refuse, before the work whose result is to be uploaded (a conversion), an upload that cannot succeed from
+    here: a repository id the Hub does not accept, or huggingface_hub told to stay offline (HF_HUB_OFFLINE)."""
+    try:
+        validate_repo_id(repo_id)
+    except HFValidationError as error:
+        raise ValueError(f"{flag} {repo_id} is not a Hub repository id ('user/name'): {error}") from None
+    if constants.HF_HUB_OFFLINE:
+        raise ValueError(
+            f"{flag} needs the Hub, and HF_HUB_OFFLINE is set: unset it, or leave {flag} out and upload the folder "
+            "later with `iha push FOLDER REPO_ID`"
         )
 
 
@@ -110,4 +126,4 @@ def push_to_hub(
     return str(getattr(commit, "commit_url", None) or f"the Hub repository {repo_id}")
 
 
-__all__ = ["HubUploadError", "card_for_repo", "push_to_hub", "upload_operations"]
+__all__ = ["HubUploadError", "card_for_repo", "check_push_target", "push_to_hub", "upload_operations"]

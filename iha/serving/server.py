@@ -18,10 +18,12 @@ For many users or large models, serve with an engine built for it (docs/serving.
 
 import contextlib
 import dataclasses
+import errno
 import logging
 import math
 import os
 import signal
+import socket
 import sys
 import threading
 
@@ -128,13 +130,76 @@ def continuous_batching_config(args, sampling: bool):
     return ContinuousBatchingConfig(**continuous_batching_settings(args))
 
 
+# The flags that size or steer continuous batching: given without --continuous_batching, they would do nothing.
+CONTINUOUS_BATCHING_FLAGS = ("cb_num_blocks", "cb_max_batch_tokens", "cb_max_memory_percent", "cb_sampling")
+
+
+def check_device(device: str) -> None:
+    """A ValueError naming the fix unless `device` is `auto` or a device torch names and, for CUDA and MPS, has."""
+    if device == "auto":
+        return
+    try:
+        parsed = torch.device(device)
+    except (RuntimeError, ValueError):
+        raise ValueError(f"--device {device} is not a device: give auto, cpu, cuda, cuda:1, mps, ...") from None
+    if parsed.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"--device {device}: torch sees no CUDA device on this machine; give cpu (or auto)")
+        if parsed.index is not None and parsed.index >= torch.cuda.device_count():
+            raise ValueError(
+                f"--device {device}: torch sees {torch.cuda.device_count()} CUDA device(s), cuda:0 to "
+                f"cuda:{torch.cuda.device_count() - 1}"
+            )
+    if parsed.type == "mps" and not torch.backends.mps.is_available():
+        raise ValueError(f"--device {device}: MPS is not available on this machine; give cpu (or auto)")
+
+
 def check_flags(args) -> None:
-    if args.max_concurrent_requests < 1:
-        raise ValueError(f"--max_concurrent_requests must be at least 1, not {args.max_concurrent_requests}")
-    if not args.request_timeout > 0:
-        raise ValueError(f"--request_timeout must be a positive number of seconds, not {args.request_timeout}")
-    if args.max_model_len is not None and args.max_model_len < 2:
-        raise ValueError(f"--max_model_len must be at least 2 (a prompt token and a new one), not {args.max_model_len}")
+    """What the parser's types cannot see: flags that do nothing together, a device this machine lacks, a dtype torch
+    does not name. Called before anything is read or loaded."""
+    if not args.continuous_batching:
+        given = [f"--{name}" for name in CONTINUOUS_BATCHING_FLAGS if getattr(args, name) not in (None, False)]
+        if given:
+            raise ValueError(
+                f"{', '.join(given)} {'applies' if len(given) == 1 else 'apply'} to continuous batching only: add "
+                "--continuous_batching, or leave "
+                f"{'it' if len(given) == 1 else 'them'} out"
+            )
+    check_device(args.device)
+    model_dtype(args.dtype)
+
+
+def check_address(host: str, port: int) -> None:
+    """Bind `host`:`port` as uvicorn will (every address the name resolves to, SO_REUSEADDR as asyncio sets it), and
+    let go at once: a port in use or an address this machine does not have is found before the model loads, not after.
+    (Another process may still take the port before the server listens: the server then says so.)"""
+    try:
+        addresses = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as error:
+        raise ValueError(f"--host {host} is no address this machine can listen on ({error.strerror})") from None
+    for family, kind, protocol, _, address in dict.fromkeys(addresses):
+        with socket.socket(family, kind, protocol) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            if family == socket.AF_INET6:
+                probe.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+            try:
+                probe.bind(address)
+            except OSError as error:
+                raise address_error(host, port, error) from None
+
+
+def address_error(host: str, port: int, error: OSError) -> Exception:
+    """The one-line error of a failed bind of `host`:`port`: a port in use is a server that cannot start (exit 1);
+    an address not of this machine, or a port this process may not take, is a wrong flag (exit 2)."""
+    if error.errno == errno.EADDRINUSE:
+        return ServeError(f"port {port} on {host} is in use (another server?): stop it, or give another --port")
+    if error.errno == errno.EACCES:
+        return ValueError(
+            f"this process may not listen on port {port} (below 1024 needs privileges): give --port 1024 or above"
+        )
+    if error.errno == errno.EADDRNOTAVAIL:
+        return ValueError(f"--host {host} is not an address of this machine: give 127.0.0.1, 0.0.0.0 or one of its own")
+    return ServeError(f"cannot listen on {host}:{port}: {error.strerror}")
 
 
 def load_model(args):
@@ -216,7 +281,6 @@ def serve(args, prog: str, ran: list) -> int:
     from .engines import BatchingEngine, EngineStartError, GenerateEngine
     from .limits import token_limit
 
-    check_flags(args)
     transformers_logging.set_verbosity(transformers_logging.log_levels[args.log_level.lower()])
     log_handler = logging.StreamHandler()
     log_handler.setFormatter(logging.Formatter(f"%(asctime)s {prog} %(levelname)s: %(message)s"))
@@ -293,6 +357,8 @@ __all__ = [
     "CPU_CACHE_TOKENS",
     "CPU_MAX_BATCH_TOKENS",
     "ServeError",
+    "check_address",
+    "check_flags",
     "continuous_batching_settings",
     "engine_page_size",
     "serve",

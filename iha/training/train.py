@@ -18,7 +18,7 @@ from trl import SFTConfig, get_quantization_config
 import iha  # noqa: F401  (registers IHAConfig / IHAForCausalLM with the Auto classes)
 
 from ..conversion import llama_to_iha
-from ..data.messages import filter_by_length, load_sft_dataset
+from ..data.messages import filter_by_length, load_sft_dataset, local_data_path
 from ..utils.atomic_files import write_json_atomic
 from ..utils.atomic_folders import staged_folder
 from ..utils.model_source import check_model_source
@@ -207,8 +207,18 @@ def train_sft(
     script_args = as_iha_config(script_args, IHAScriptArguments)
     model_args = as_iha_config(model_args, IHAModelConfig)
     _check_processes_are_connected(training_args)
+    # Missing folders and files, each said before the model loads (and, with --convert_to_iha, converts).
+    if model is None and model_args.model_name_or_path is not None:
+        check_model_source(model_args.model_name_or_path)
     if model_args.tokenizer_name_or_path is not None:
-        check_model_source(model_args.tokenizer_name_or_path)  # a missing folder said before the model loads
+        check_model_source(model_args.tokenizer_name_or_path)
+    eval_source = eval_dataset if eval_dataset is not None else script_args.eval_dataset_name
+    for source in (
+        train_dataset if train_dataset is not None else script_args.dataset_name,
+        eval_source if training_args.eval_strategy != "no" else None,
+    ):
+        if isinstance(source, (str, os.PathLike)):
+            local_data_path(source)
 
     model, model_source, converted = sft_model(model_args, training_args, model)
     tokenizer = sft_tokenizer(model_args, training_args, model_source, processing_class)

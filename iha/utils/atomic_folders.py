@@ -164,6 +164,22 @@ def remove_stale_staging(destination: str | os.PathLike, tool: str) -> list[Path
     return removed
 
 
+def check_output_folder(folder: str | os.PathLike) -> Path:
+    """`folder` as a Path, once writing into it can work: raises now, before a command's work, what writing into it
+    would raise at the end. A file where the folder (or one of its parents) should be is NotADirectoryError; a nearest
+    existing folder this process may not write into is PermissionError. Nothing is created."""
+    folder = Path(folder).expanduser()
+    for ancestor in [folder, *folder.parents]:
+        if not ancestor.exists():
+            continue
+        if not ancestor.is_dir():
+            raise NotADirectoryError(errno.ENOTDIR, f"{ancestor} is a file, not a folder; choose another output")
+        if not os.access(ancestor, os.W_OK | os.X_OK):
+            raise PermissionError(errno.EACCES, f"{ancestor} may not be written by this user; choose another output")
+        return folder
+    return folder
+
+
 def make_missing_parents(folder: Path) -> list[Path]:
     """`mkdir -p folder`; returns the folders it created, deepest first (to remove them again after a failure)."""
     missing = []
@@ -285,6 +301,7 @@ def staged_folder(
 
 __all__ = [
     "Terminated",
+    "check_output_folder",
     "remove_stale_staging",
     "signals_deferred",
     "signals_raise",

@@ -74,21 +74,39 @@ def missing_package_message(error: ModuleNotFoundError) -> str | None:
 __all__ = ["MissingPackageError", "missing_package_message", "pip_command", "require"]
 
 
-# bitsandbytes' CPU backend, imported by peft (and so by transformers' Trainer) whenever bitsandbytes is installed,
-# logs at import, on CPUs with AVX512-BF16, that the optional `kernels` package is missing: a faster 4-bit matmul it
-# would download from the Hub. No command but QLoRA on CPU uses 4-bit layers, and that falls back to bitsandbytes'
-# own kernel, so every command would open with a warning about a package it does not need.
+# Two notices optional packages log at import that look like failures and are none, dropped by every `iha` command
+# (`quiet_optional_package_notices`; the other messages of the same loggers still show):
+#
+# - bitsandbytes' CPU backend, imported by peft (and so by transformers' Trainer) whenever bitsandbytes is installed,
+#   logs at import, on CPUs with AVX512-BF16, that the optional `kernels` package is missing: a faster 4-bit matmul it
+#   would download from the Hub. No command but QLoRA on CPU uses 4-bit layers, and that falls back to bitsandbytes'
+#   own kernel, so every command would open with a warning about a package it does not need.
+# - DeepSpeed, imported by accelerate whenever a model is saved (`save_pretrained` unwraps it) or a Trainer is built,
+#   picks its accelerator at import and, where torch sees no GPU, warns "Setting accelerator to CPU. If you have GPU or
+#   other accelerator, we were unable to detect it." The command runs where torch runs it (the CPU, there), and a
+#   DeepSpeed run on the CPU is what `iha sft --deepspeed` does on purpose.
 BITSANDBYTES_CPU_LOGGER = "bitsandbytes.backends.cpu.ops"
 BITSANDBYTES_KERNELS_NOTICE = "Failed to load CPU gemm_4bit_forward from kernels-community"
+DEEPSPEED_LOGGER = "DeepSpeed"
+DEEPSPEED_CPU_NOTICE = "Setting accelerator to CPU."
+QUIET_NOTICES = {BITSANDBYTES_CPU_LOGGER: BITSANDBYTES_KERNELS_NOTICE, DEEPSPEED_LOGGER: DEEPSPEED_CPU_NOTICE}
 
 
-def _not_the_kernels_notice(record) -> bool:
-    return not str(record.msg).startswith(BITSANDBYTES_KERNELS_NOTICE)
+class _DropNotice(logging.Filter):
+    """Drops the records whose message starts with `notice`."""
+
+    def __init__(self, notice: str):
+        super().__init__()
+        self.notice = notice
+
+    def filter(self, record) -> bool:
+        return not str(record.msg).startswith(self.notice)
 
 
-def quiet_bitsandbytes_kernels_notice() -> None:
-    """Drop that one message from bitsandbytes' CPU backend logger (its other messages still show). Call it before
-    bitsandbytes is imported: the logger exists from here on and bitsandbytes' module logs through it."""
-    logger = logging.getLogger(BITSANDBYTES_CPU_LOGGER)
-    if _not_the_kernels_notice not in logger.filters:
-        logger.addFilter(_not_the_kernels_notice)
+def quiet_optional_package_notices() -> None:
+    """Drop those notices (`QUIET_NOTICES`) from their packages' loggers. Call it before the packages are imported:
+    the loggers exist from here on, the packages log through them, and their set-up keeps the filters."""
+    for name, notice in QUIET_NOTICES.items():
+        logger = logging.getLogger(name)
+        if not any(isinstance(each, _DropNotice) and each.notice == notice for each in logger.filters):
+            logger.addFilter(_DropNotice(notice))

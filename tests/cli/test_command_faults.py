@@ -69,6 +69,82 @@ def test_demo_bad_input_is_one_line_and_leaves_nothing(tmp_path, capsys):
     assert listing(tmp_path) == ["taken"]
 
 
+def not_before_the_inputs_are_checked(*args, **kwargs):
+    raise AssertionError("the work started before every input was checked")
+
+
+@pytest.mark.parametrize(
+    "flag, rows, words",
+    [
+        ("--train-data", None, "Data file {path} does not exist"),
+        ("--eval-data", None, "Data file {path} does not exist"),
+        ("--train-data", [{"instruction": "add", "output": "2"}], "Cannot tell the dataset's schema from its columns"),
+        ("--eval-data", [{"prompt": "1 + 1"}], "Cannot tell the format of {path}"),
+    ],
+)
+def test_demo_reads_and_checks_its_data_before_any_conversion(flag, rows, words, tmp_path, capsys, monkeypatch):
+    # `iha demo --train_data /missing.jsonl` converted and evaluated for minutes before saying the file was missing.
+    from iha.demo import pipeline
+
+    monkeypatch.setattr(pipeline, "convert_checkpoint", not_before_the_inputs_are_checked)
+    monkeypatch.setattr(pipeline, "smollm2_dir", not_before_the_inputs_are_checked)
+    path = tmp_path / "data.jsonl"
+    if rows is not None:
+        path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    argv = ["demo", flag, str(path), "--output-dir", str(tmp_path / "new" / "demo"), "--threads", "1"]
+    assert iha_main(argv) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("iha demo: error: ") and words.format(path=path) in lines[0]
+    assert listing(tmp_path) == (["data.jsonl"] if rows is not None else [])
+
+
+@pytest.mark.parametrize(
+    "flags, words",
+    [
+        (["--max-steps", "0"], "--max-steps: expected a whole number of at least 1, not '0'"),
+        (["--num-eval", "-3"], "--num-eval: expected a whole number of at least 1, not '-3'"),
+        (["--learning-rate", "0"], "--learning-rate: expected a number above 0, not '0'"),
+        (["--learning-rate", "nan"], "--learning-rate: expected a number above 0, not 'nan'"),
+        (["--seed", "-1"], "--seed: expected a whole number of at least 0, not '-1'"),
+        (["--num-pseudo-heads", "0"], "--num-pseudo-heads: expected a whole number of at least 1, not '0'"),
+    ],
+)
+def test_demo_numbers_out_of_range_are_usage_errors(flags, words, tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as exit_info:
+        iha_main(["demo", *flags])
+    assert exit_info.value.code == 2
+    assert words in capsys.readouterr().err and listing(tmp_path) == []
+
+
+def test_sft_says_a_missing_data_file_before_it_loads_the_model(tiny_llama_dir, tmp_path, capsys, monkeypatch):
+    from iha.training import train
+
+    monkeypatch.setattr(train, "sft_model", not_before_the_inputs_are_checked)
+    missing = tmp_path / "missing.jsonl"
+    argv = ["sft", "--model_name_or_path", str(tiny_llama_dir), "--dataset_name", str(missing), "--use_cpu", "true"]
+    assert iha_main([*argv, "--output_dir", str(tmp_path / "run")]) == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        f"iha sft: error: Data file {missing} does not exist (and it does not look like a Hub dataset id)."
+    )
+
+
+@pytest.mark.parametrize("command", ["math", "needle"])
+def test_eval_says_an_output_folder_it_cannot_write_before_it_loads_a_model(command, tmp_path, capsys, monkeypatch):
+    from iha.evaluation import math_eval
+
+    monkeypatch.setattr(math_eval, "load_model_and_tokenizer", not_before_the_inputs_are_checked)
+    (tmp_path / "results").write_text("a file where the output folder should be")
+    problems = tmp_path / "problems.jsonl"
+    problems.write_text(json.dumps({"question": "What is 1 + 1?", "answer": "1 + 1 = 2\n#### 2"}) + "\n")
+    data = ["--dataset", f"gsm8k={problems}"] if command == "math" else []
+    argv = ["eval", command, "--model", "org/name", *data, "--output-dir", str(tmp_path / "results" / "run")]
+    assert iha_main([*argv, "--threads", "1"]) == 2
+    assert capsys.readouterr().err.strip() == (
+        f"iha eval {command}: error: {tmp_path / 'results'} is a file, not a folder; choose another output"
+    )
+
+
 def one_step_sft_argv(model_dir, tmp_path, output) -> list[str]:
     """`iha sft` for one CPU step of the tiny model on 8 rows written to tmp_path, saving to `output`."""
     data = tmp_path / "train.jsonl"

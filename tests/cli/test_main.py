@@ -101,3 +101,25 @@ def test_eval_compare_names_a_bad_result_file_in_one_line(tmp_path, capsys):
         err = capsys.readouterr().err
         # The command names itself as it was called (`iha eval` here, `iha-eval` as the console script).
         assert err.startswith("iha eval compare: error: ") and problem in err and len(err.splitlines()) == 1
+
+
+# A command's --help builds its parser only: the work's packages are imported when the work runs. `iha` itself imports
+# torch and transformers (importing the package registers the model classes); TRL and peft are the training wing's,
+# which `iha card` and `iha chat-template` run (`iha sft`'s parser is TRL's own, so it imports TRL to build it).
+HELP_IMPORTS = """
+import contextlib, io, sys
+from iha.cli.main import main
+for command in ("card", "chat-template"):
+    with contextlib.redirect_stdout(io.StringIO()):
+        try:
+            main([command, "--help"])
+        except SystemExit as exit:
+            assert exit.code == 0, (command, exit.code)
+print(sorted(name for name in ("trl", "peft") if name in sys.modules))
+"""
+
+
+def test_help_of_card_and_chat_template_imports_neither_trl_nor_peft():
+    result = subprocess.run([sys.executable, "-c", HELP_IMPORTS], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.strip().splitlines()[-1] == "[]", result.stdout

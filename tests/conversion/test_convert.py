@@ -386,7 +386,23 @@ def test_hub_id_is_served_from_the_hub_cache(tmp_path):
     assert read_model_card(tmp_path / "out").metadata["base_model"] == "someone/tiny-llama"
 
 
-def test_push_to_hub_offline_keeps_the_folder_and_says_how_to_retry(tmp_path, capsys):
+class UnreachableHub:
+    """Stands for `huggingface_hub.HfApi` where the Hub cannot be reached."""
+
+    def __init__(self, token=None):
+        pass
+
+    def create_repo(self, *args, **kwargs):
+        raise ConnectionError("the Hub could not be reached")
+
+
+def test_a_failed_push_keeps_the_folder_and_says_how_to_retry(tmp_path, capsys, monkeypatch):
+    import huggingface_hub
+
+    from iha.hub import push
+
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(push, "HfApi", UnreachableHub)
     source = make_source("llama3", tmp_path / "source")
     output = tmp_path / "out"
     assert convert_command.main([str(source), str(output), "--quiet", "--push-to-hub", "someone/tiny-iha"]) == 1
@@ -396,6 +412,23 @@ def test_push_to_hub_offline_keeps_the_folder_and_says_how_to_retry(tmp_path, ca
     # The upload failed, so the folder's card still loads from the folder, not from the repo.
     how_to_load = read_model_card(output).sections["How to load"]
     assert 'from_pretrained("out")' in how_to_load and "someone/tiny-iha" not in how_to_load
+
+
+@pytest.mark.parametrize(
+    "repo_id, words",
+    [
+        ("someone/tiny-iha", "--push_to_hub needs the Hub, and HF_HUB_OFFLINE is set"),  # the tests run offline
+        ("not a repo id!", "--push_to_hub not a repo id! is not a Hub repository id ('user/name')"),
+    ],
+)
+def test_a_push_that_cannot_succeed_is_refused_before_the_conversion(repo_id, words, tmp_path, capsys):
+    source = make_source("llama3", tmp_path / "source")
+    capsys.readouterr()  # the source's own writing
+    output = tmp_path / "out"
+    assert convert_command.main([str(source), str(output), "--quiet", "--push-to-hub", repo_id]) == 2
+    error = capsys.readouterr().err.strip()
+    assert error.startswith("iha-convert: error: ") and words in error and "\n" not in error
+    assert not output.exists()
 
 
 def test_push_refuses_a_folder_that_is_not_iha(tmp_path, capsys):

@@ -491,6 +491,67 @@ def test_max_model_len_over_the_context_stops_the_command_before_loading(model_d
     assert "\n" not in error
 
 
+@pytest.mark.parametrize(
+    "flags, words",
+    [
+        (["--port", "99999"], "argument --port: expected a port number from 1 to 65535, not '99999'"),
+        (["--port", "0"], "argument --port: expected a port number from 1 to 65535, not '0'"),
+        (["--cb_num_blocks", "0"], "--cb-num-blocks: expected a whole number of at least 1, not '0'"),
+        (
+            ["--cb_max_memory_percent", "90"],
+            "--cb-max-memory-percent: expected a number above 0 and at most 1",
+        ),
+        (["--request_timeout", "-1"], "--request-timeout: expected a number above 0, not '-1'"),
+        (["--max_model_len", "1"], "--max-model-len: expected a whole number of at least 2, not '1'"),
+        (["--log_level", "loud"], "--log-level: invalid choice: 'loud'"),
+    ],
+)
+def test_a_flag_value_the_server_cannot_honour_is_a_usage_error(flags, words, tmp_path, capsys):
+    # `--port 99999` printed that port and listened on another: now the parser refuses it, before anything loads.
+    with pytest.raises(SystemExit) as exit_info:
+        serve_command.main([str(tmp_path), *flags])
+    assert exit_info.value.code == 2
+    assert words in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "flags, words",
+    [
+        (["--cb_num_blocks", "4"], "--cb_num_blocks applies to continuous batching only: add --continuous_batching"),
+        (["--cb_sampling", "--cb_max_batch_tokens", "64"], "--cb_max_batch_tokens, --cb_sampling apply to continuous"),
+        (["--dtype", "float33"], "--dtype float33 is not a torch dtype"),
+        (["--device", "gpu"], "--device gpu is not a device"),
+        (["--host", "no-such-host.invalid"], "--host no-such-host.invalid is no address this machine can listen on"),
+        (["--host", "192.0.2.1"], "--host 192.0.2.1 is not an address of this machine"),
+    ],
+)
+def test_flags_the_server_cannot_honour_stop_it_before_the_model_is_read(flags, words, tmp_path, capsys):
+    # tmp_path holds no model: an error about anything but the flag would mean the command read the folder first.
+    argv = [str(tmp_path), "--port", str(free_port()), *flags]
+    assert serve_command.main(argv) == 2
+    error = capsys.readouterr().err.strip()
+    assert error.startswith("iha serve: error: ") and words in error and "\n" not in error
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="a machine with CUDA has the device")
+def test_a_cuda_device_on_a_machine_without_one_is_refused_before_loading(tmp_path, capsys):
+    assert serve_command.main([str(tmp_path), "--device", "cuda", "--port", str(free_port())]) == 2
+    assert "--device cuda: torch sees no CUDA device on this machine" in capsys.readouterr().err
+
+
+def test_a_port_in_use_is_found_before_the_model_loads(tmp_path, capsys):
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen()
+        port = listener.getsockname()[1]
+        assert serve_command.main([str(tmp_path), "--host", "127.0.0.1", "--port", str(port)]) == 1
+    error = capsys.readouterr().err.strip()
+    assert (
+        error
+        == f"iha serve: error: port {port} on 127.0.0.1 is in use (another server?): stop it, or give another --port"
+    )
+
+
 def test_a_model_the_server_cannot_load_is_one_line(tmp_path, capsys):
     # A folder without a config: the server never starts, and the command says why in one line.
     status = serve_command.main([str(tmp_path), "--device", "cpu", "--port", str(free_port())])

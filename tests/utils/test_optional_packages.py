@@ -1,6 +1,8 @@
 """A missing optional package is one line that names the pip command, with the version the package pins."""
 
 import logging
+import os
+import subprocess
 import sys
 
 import pytest
@@ -41,16 +43,43 @@ def test_the_builtin_model_without_gguf_says_how_to_install_it(monkeypatch, tmp_
     assert list(tmp_path.iterdir()) == []
 
 
-def test_commands_drop_bitsandbytes_kernels_notice_and_keep_its_other_messages(tmp_path, caplog, capsys):
-    # The notice shows only on CPUs with AVX512-BF16, so it is sent here by hand, through the logger bitsandbytes uses.
+@pytest.mark.parametrize("logger_name", ["bitsandbytes.backends.cpu.ops", "DeepSpeed"])
+def test_commands_drop_the_import_notices_and_keep_the_packages_other_messages(logger_name, tmp_path, caplog, capsys):
+    # bitsandbytes' notice shows only on CPUs with AVX512-BF16, DeepSpeed's only where torch sees no GPU: both are sent
+    # here by hand, through the loggers the packages use.
     from iha.cli.main import main as iha_main
-    from iha.utils.optional_packages import BITSANDBYTES_CPU_LOGGER, BITSANDBYTES_KERNELS_NOTICE
+    from iha.utils.optional_packages import QUIET_NOTICES
 
-    # Every command installs the filter before its module (and so bitsandbytes) is imported.
+    # Every command installs the filters before its module (and so bitsandbytes or DeepSpeed) is imported.
     assert iha_main(["card", str(tmp_path / "missing"), "--base-model", "x"]) == 2
     capsys.readouterr()
-    logger = logging.getLogger(BITSANDBYTES_CPU_LOGGER)
-    with caplog.at_level(logging.WARNING, logger=BITSANDBYTES_CPU_LOGGER):
-        logger.warning(BITSANDBYTES_KERNELS_NOTICE + ": %s. Please make sure ...", "No module named 'kernels'")
-        logger.warning("another bitsandbytes warning")
-    assert [record.getMessage() for record in caplog.records] == ["another bitsandbytes warning"]
+    logger = logging.getLogger(logger_name)
+    with caplog.at_level(logging.WARNING, logger=logger_name):
+        logger.warning(QUIET_NOTICES[logger_name] + " If you have GPU or other accelerator, %s.", "...")
+        logger.warning("another warning of the package")
+    assert [record.getMessage() for record in caplog.records] == ["another warning of the package"]
+
+
+DEEPSPEED_IMPORT = """
+import sys
+from iha.cli.main import main
+main(["card", sys.argv[1], "--base-model", "x"])  # any command, failing at once
+import deepspeed  # what accelerate does when a model is saved
+print("imported", deepspeed.__name__)
+"""
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="DeepSpeed says nothing where torch sees a GPU")
+def test_deepspeed_imported_by_a_command_says_nothing_about_its_accelerator(tmp_path):
+    pytest.importorskip("deepspeed")
+    env = {**os.environ, "HOME": str(tmp_path), "HF_HOME": str(tmp_path / "hf")}
+    result = subprocess.run(
+        [sys.executable, "-c", DEEPSPEED_IMPORT, str(tmp_path / "missing")],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=env,
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "imported deepspeed" in result.stdout
+    assert "accelerator" not in result.stdout + result.stderr
