@@ -56,8 +56,8 @@ ENGINE_BACKENDS = {"vllm": "vLLM's Transformers backend", "sglang": "SGLang's Tr
 CONTINUOUS_BATCHING_PATH = INSTALLED_PATH_PREFIX + "paged"
 NEEDS_THE_PACKAGE = (
     "Continuous batching of IHA models (generate_batch, transformers serve) runs IHA's layers request by request on "
-    "the paged cache, which the installed iha package provides: pip install iha, and import iha before loading the "
-    "model (or serve with `iha serve MODEL --continuous_batching`)."
+    "the paged cache, which the installed iha package provides: pip install iha-transformers, and import iha before "
+    "loading the model (or serve with `iha serve MODEL --continuous_batching`)."
 )
 
 
@@ -94,7 +94,7 @@ def check_attention_implementation(name: str | None, kwargs: dict, paged: bool |
             f"IHA layers cannot run under {engine} (attn_implementation={name!r}): its paged kernels and cache slots "
             "hold one key per real token, while an IHA layer attends over N * P pseudo-tokens of mixed heads, so it "
             "would decode wrong tokens without any error. Serve IHA with the iha vLLM plugin (`vllm serve FOLDER`, "
-            "`pip install iha[vllm]`) or `iha serve MODEL --continuous_batching`."
+            '`pip install "iha-transformers[vllm]"`) or `iha serve MODEL --continuous_batching`.'
         )
     if name.startswith("paged|"):
         continuous_batching_path()

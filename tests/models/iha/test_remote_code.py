@@ -335,5 +335,7 @@ def test_continuous_batching_without_the_package_is_refused_with_the_fix(monkeyp
     monkeypatch.delitem(AttentionInterface._global_mapping, "iha|paged")
     generation_config = GenerationConfig(max_new_tokens=2, do_sample=False, eos_token_id=-1, pad_token_id=0)
     small = ContinuousBatchingConfig(num_blocks=4, page_size=16, max_batch_tokens=16)
-    with pytest.raises(ValueError, match=r"installed iha package provides: pip install iha, and import iha"):
+    with pytest.raises(
+        ValueError, match=r"installed iha package provides: pip install iha-transformers, and import iha"
+    ):
         model.generate_batch([[3, 4, 5]], generation_config=generation_config, continuous_batching_config=small)
