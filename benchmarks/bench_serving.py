@@ -234,7 +234,7 @@ def markdown_report(meta: dict, rows: list[dict]) -> str:
         f"Model: {meta['shape_note']}, **{meta['layers']} layers**, random weights; the IHA model is converted from the "
         "base model's weights (identity head mixing, shared positions, flat causal mask, per-head collapse; token cache "
         "mode). Hybrid layout = the paper's 4 sliding IHA : 1 global MHA, W = N / (2 P^2) tokens with N the longest "
-        "prompt.  ",
+        "prompt, its IHA layers attending to the paper's flat window of the last W * P virtual tokens.  ",
         f"Workload: {len(meta['prompt_lengths'])} requests arriving together, prompts of {meta['prompt_lengths']} "
         f"tokens, {meta['decode_tokens']} greedy tokens each, `generate_batch` with a paged cache of "
         f"{meta['cache_blocks']} blocks of 256 tokens and at most {meta['max_batch_tokens']} new tokens per forward.  ",

@@ -15,7 +15,6 @@ import torch  # noqa: E402
 from iha.models.iha.masking_iha import (
     flat_causal_mask_function,
     token_causal_mask_function,
-    token_window_overlay,
     virtual_window_overlay,
 )
 from iha.utils.atomic_files import save_figure_atomic  # noqa: E402
@@ -30,28 +29,20 @@ def main(output: Path = Path(__file__).parent / "images" / "iha_masks.png") -> P
     num_tokens, num_pseudo, window = 5, 2, 2
     flat, token = flat_causal_mask_function(num_pseudo), token_causal_mask_function(num_pseudo)
     virtual_window = virtual_window_overlay(window, num_pseudo)
-    token_window = token_window_overlay(window, num_pseudo)
 
-    def sliding_virtual(b, h, q, k):
+    def sliding(b, h, q, k):
         return flat(b, h, q, k) & virtual_window(b, h, q, k)
-
-    def sliding_token(b, h, q, k):
-        return flat(b, h, q, k) & token_window(b, h, q, k)
 
     panels = [
         ("flat causal (paper, default)", pattern(flat, num_tokens, num_pseudo)),
         ("token causal", pattern(token, num_tokens, num_pseudo)),
         (
-            f"sliding, W={window}: last W*P={window * num_pseudo} virtual\n(paper; iha_window_unit='virtual')",
-            pattern(sliding_virtual, num_tokens, num_pseudo),
-        ),
-        (
-            f"sliding, W={window}: last {window} tokens\n(iha_window_unit='token')",
-            pattern(sliding_token, num_tokens, num_pseudo),
+            f"sliding, W={window} tokens: the last\nW*P={window * num_pseudo} virtual tokens (paper)",
+            pattern(sliding, num_tokens, num_pseudo),
         ),
     ]
     labels = [f"t{n}.p{p}" for n in range(num_tokens) for p in range(num_pseudo)]
-    figure, axes = plt.subplots(1, 4, figsize=(17, 4.9))
+    figure, axes = plt.subplots(1, 3, figsize=(13, 5.3))
     for axis, (title, allowed) in zip(axes, panels):
         axis.imshow(allowed, cmap="Blues", vmin=0, vmax=1.3)
         axis.set_title(title)
