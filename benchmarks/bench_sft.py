@@ -214,7 +214,7 @@ def markdown_report(report: dict) -> str:
     return "\n".join(lines)
 
 
-def main(argv=None):
+def make_parser() -> ArgumentParser:
     parser = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument(
         "--model", help="Llama-style checkpoint (default: SmolLM2-135M-Instruct via iha.conversion.builtin)"
@@ -253,6 +253,11 @@ def main(argv=None):
         "barriers while the machine's other jobs hold the cores)",
     )
     parser.add_argument("--output", default=str(RESULTS_DIR / "sft"), help="writes OUTPUT.md and OUTPUT.json")
+    return parser
+
+
+def main(argv=None):
+    parser = make_parser()
     options = parser.parse_args(argv)
     if options.threads is not None or not torch.cuda.is_available():
         torch.set_num_threads(options.threads or 1)
