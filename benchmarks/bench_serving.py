@@ -134,10 +134,7 @@ def layout_options(layout: str, num_layers: int, num_pseudo_heads: int, prompt_l
     if layout == "global":
         return {}
     # The paper's window W = N / (2 P^2) for the longest prompt as N, over the last W * P virtual tokens.
-    return {
-        **iha.paper_hybrid_layout(num_layers, num_pseudo_heads, training_length=max(prompt_lengths)),
-        "iha_window_unit": "virtual",
-    }
+    return iha.paper_hybrid_layout(num_layers, num_pseudo_heads, training_length=max(prompt_lengths))
 
 
 def decode_step_flops(shape, attention_types, prompt_lengths, decode_tokens, **flop_kwargs) -> int:
@@ -176,11 +173,7 @@ def measure(args, shape, base, progress) -> list[dict]:
             }
             for name in ("base", "iha")
         }
-        flop_kwargs = dict(
-            num_pseudo_heads=args.pseudo_heads,
-            sliding_window=options.get("sliding_window"),
-            window_unit=options.get("iha_window_unit", "token"),
-        )
+        flop_kwargs = dict(num_pseudo_heads=args.pseudo_heads, sliding_window=options.get("sliding_window"))
         flops = {
             "base": decode_step_flops(shape, ["full_attention"] * args.layers, args.prompt_lengths, args.decode_tokens),
             "iha": decode_step_flops(

@@ -13,7 +13,7 @@ Three engines in this process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`, as benchmarks
 `LlamaForCausalLM` on a random folder shaped like SmolLM2-135M (`--layers` layers, all global: the base), the same
 weights with `layer_types` making 4 of every 5 layers sliding with a window of P^2 * W tokens (Global+Local: the
 FLOP-matched window, the same attention work per layer as the hybrid's IHA layers), and the plugin on the IHA hybrid
-converted from the same weights (identity mixing, shared positions, iha_window_unit "virtual": a window of W * P
+converted from the same weights (identity mixing, shared positions, the paper's window of W * P
 virtual tokens; the training length 2 * P^2 * W). For 8 and 32 requests with prompts of 1x, 4x and 16x the window W,
 the engines take turns, the order flipping every round. Each round takes fresh prompts, so that nothing is cached:
 
@@ -111,7 +111,6 @@ def build_folders(shape: dict, args, root: Path) -> dict[str, Path]:
         iha_position_mode="shared",
         attention_types=layer_types(args, "iha_sliding_attention"),
         sliding_window=args.window,
-        iha_window_unit="virtual",
     )
     hybrid.save_pretrained(root / "hybrid")
     return {name: root / name for name in MODELS}
@@ -227,7 +226,6 @@ def forward_flops(shape, args, name: str, num_tokens: int, past_tokens: int, log
             sliding_window=window,
             cache_mode="pseudo",
             logits_tokens=0,
-            window_unit="virtual",
         )
         total += flops["total"]
         if attention_type.startswith("iha_"):

@@ -12,7 +12,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import torch  # noqa: E402
 
-from iha.models.iha.masking_iha import (
+from iha.models.iha.masking_iha import (  # noqa: E402
     flat_causal_mask_function,
     token_causal_mask_function,
     virtual_window_overlay,
@@ -28,21 +28,28 @@ def pattern(mask_function, num_tokens: int, num_pseudo: int) -> torch.Tensor:
 def main(output: Path = Path(__file__).parent / "images" / "iha_masks.png") -> Path:
     num_tokens, num_pseudo, window = 5, 2, 2
     flat, token = flat_causal_mask_function(num_pseudo), token_causal_mask_function(num_pseudo)
-    virtual_window = virtual_window_overlay(window, num_pseudo)
+    virtual_window = virtual_window_overlay(window * num_pseudo)
 
-    def sliding(b, h, q, k):
+    def sliding_flat(b, h, q, k):
         return flat(b, h, q, k) & virtual_window(b, h, q, k)
+
+    def sliding_token_causal(b, h, q, k):
+        return token(b, h, q, k) & virtual_window(b, h, q, k)
 
     panels = [
         ("flat causal (paper, default)", pattern(flat, num_tokens, num_pseudo)),
         ("token causal", pattern(token, num_tokens, num_pseudo)),
         (
-            f"sliding, W={window} tokens: the last\nW*P={window * num_pseudo} virtual tokens (paper)",
-            pattern(sliding, num_tokens, num_pseudo),
+            f"sliding W={window} (paper): last W*P={window * num_pseudo} virtual",
+            pattern(sliding_flat, num_tokens, num_pseudo),
+        ),
+        (
+            f"token causal, sliding W={window}",
+            pattern(sliding_token_causal, num_tokens, num_pseudo),
         ),
     ]
     labels = [f"t{n}.p{p}" for n in range(num_tokens) for p in range(num_pseudo)]
-    figure, axes = plt.subplots(1, 3, figsize=(13, 5.3))
+    figure, axes = plt.subplots(1, 4, figsize=(17, 4.9))
     for axis, (title, allowed) in zip(axes, panels):
         axis.imshow(allowed, cmap="Blues", vmin=0, vmax=1.3)
         axis.set_title(title)

@@ -6,11 +6,14 @@ Importing this package registers the IHA model types with the Auto classes: `iha
 `auto_map` and copies the code files next to the weights (a folder then loads with `trust_remote_code=True` in a
 process that never imports `iha`).
 
-The model classes are importable from here (`from iha import IHAConfig`).
+It also registers IHA's exact fast paths with transformers' attention registries (`iha.attention`): a folder loaded
+without the package is correct and only slower. The model classes are importable from here (`from iha import
+IHAConfig`).
 """
 
 from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
 
+from .attention import register_attention_paths
 from .models.iha import (
     IHAConfig,
     IHAForCausalLM,
@@ -46,6 +49,9 @@ def register_auto_classes() -> None:
 
 
 register_auto_classes()
+# IHA's exact fast paths (blocked sliding windows, packed documents, continuous batching), by name in transformers'
+# registries: the model files find them there, and run transformers' own functions where the package is absent.
+register_attention_paths()
 
 
 __all__ = [
@@ -59,5 +65,6 @@ __all__ = [
     "IHAModel",
     "IHAPreTrainedModel",
     "paper_hybrid_layout",
+    "register_attention_paths",
     "register_auto_classes",
 ]

@@ -13,7 +13,7 @@ that fails is reported with its error and the next one runs, unless it needs wha
   tests_float32   the model tests on the device in float32: against the plain reference (every mask, position,
                   collapse mode, P, MHA/GQA, eager and SDPA), caches and generate(), packed rows, blocked local
                   attention, flex attention forward and backward (documents and sliding windows) against the reference,
-                  FlashAttention with the sliding window in virtual units (tests/models/iha/test_window_unit.py)
+                  FlashAttention with the sliding window in virtual units (tests/models/iha/test_window.py)
   compile         tests/models/iha/test_compile.py with inductor: logits, loss and gradients against eager in one
                   graph, and compiled static-cache generation against greedy decoding without a cache
   sft             a few steps of iha-sft in bf16 on the converted SmolLM2 (packed rows)
@@ -26,9 +26,9 @@ that fails is reported with its error and the next one runs, unless it needs wha
                   W * P virtual tokens, the paper's hybrid, IHA Gemma 3) and benchmarks/bench_vllm.py --quick; skipped, which
                   fails nothing, where vLLM is not importable or the device is not CUDA
   bench_sft       benchmarks/bench_sft.py, short: SFT tokens per second, IHA / base
-  synthetic       iha synthetic --preset tiny on the device (the synthetic task's training loop)
-  paper_regime    iha synthetic --preset paper-regime: one epoch of seed 0's 12 runs at full size, and the whole
-                  grid's time projected from them (--quick: shrunk to seconds)
+  synthetic       python -m research.synthetic --preset tiny on the device (the synthetic task's training loop)
+  paper_regime    python -m research.synthetic --preset paper-regime: one epoch of seed 0's 12 runs at full size,
+                  and the whole grid's time projected from them (--quick: shrunk to seconds)
 
 A test skipped for want of CUDA on a CUDA run counts as a failure, so no CUDA path is skipped unseen. OUT receives
 summary.json, summary.md, steps.log (the end of every step's output) and the benchmarks' reports; both summaries

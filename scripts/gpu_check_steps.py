@@ -18,9 +18,9 @@ from gpu_check_results import DetailedFailure, StepFailed, read_json, read_junit
 REPO_ROOT = Path(__file__).resolve().parent.parent
 MODEL_TEST_FILES = [
     "tests/models/iha/test_modeling.py",
-    "tests/models/iha/test_fast_paths.py",
-    "tests/models/iha/test_packed.py",
-    "tests/models/iha/test_window_unit.py",
+    "tests/attention/test_sdpa.py",
+    "tests/attention/test_packed_documents.py",
+    "tests/models/iha/test_window.py",
 ]
 TRAINING_TEST_FILES = ["tests/training/test_sft.py", "tests/benchmarks/test_bench_perf.py"]
 # The compiled tests inductor runs on the GPU. All 9 layouts and input kinds of the training step would compile 9
@@ -35,11 +35,11 @@ COMPILE_SELECTION = (
 QUICK_MODEL_TESTS = [
     "tests/models/iha/test_modeling.py::test_model_matches_reference[token_causal-virtual-global-2-gqa-sdpa]",
     "tests/models/iha/test_modeling.py::test_cached_generation_matches_uncached[flat_causal-virtual-per_head-3-sdpa]",
-    "tests/models/iha/test_fast_paths.py::test_blocked_local_attention_gradients_match_reference[flat_causal]",
-    "tests/models/iha/test_packed.py::test_per_document_attention_matches_dense_mask_and_reference[flat_causal-virtual-P2-gqa-unequal]",
-    "tests/models/iha/test_packed.py::test_flex_attention_gradients_match_the_reference[sliding]",
-    # FlashAttention's own window in virtual units (iha_window_unit="virtual"): skipped where flash-attn is absent.
-    "tests/models/iha/test_window_unit.py::test_flash_attention_with_the_virtual_window_matches_reference",
+    "tests/attention/test_sdpa.py::test_blocked_local_attention_gradients_match_reference[flat_causal]",
+    "tests/attention/test_packed_documents.py::test_per_document_attention_matches_dense_mask_and_reference[flat_causal-virtual-P2-gqa-unequal]",
+    "tests/attention/test_packed_documents.py::test_flex_attention_gradients_match_the_reference[sliding]",
+    # FlashAttention's own window, the paper's W * P virtual tokens: skipped where flash-attn is absent.
+    "tests/models/iha/test_window.py::test_flash_attention_with_the_virtual_window_matches_reference",
 ]
 QUICK_COMPILE_TESTS = [
     "tests/models/iha/test_compile.py::test_compiled_training_step_matches_eager_in_one_graph[hybrid-padded]"
@@ -115,7 +115,7 @@ print("ENVIRONMENT " + json.dumps(result))
 # seconds per epoch its one-epoch runs measured (the first epoch includes CUDA's warm-up: an upper estimate).
 PAPER_REGIME_PROJECTION = r"""
 import json, sys
-from iha.experiments.synthetic.config import PAPER_REGIME, PRESET_SEEDS
+from research.synthetic.config import PAPER_REGIME, PRESET_SEEDS
 results = json.load(open(sys.argv[1]))
 per_epoch = {f"{run['task']} {run['model']} lr {run['learning_rate']:g}": run["train_seconds"] / run["epochs_run"]
              for run in results["runs"]}
@@ -276,10 +276,12 @@ class Steps:
                 skip=self.vllm_skip_reason,
             ),
             Step("bench_sft", "bench_sft, short", self.bench_sft_commands, 150, ["smollm2"], self.read_bench_sft),
-            Step("synthetic", "iha synthetic, tiny", self.synthetic_commands, 60, read=self.read_synthetic),
+            Step(
+                "synthetic", "python -m research.synthetic, tiny", self.synthetic_commands, 60, read=self.read_synthetic
+            ),
             Step(
                 "paper_regime",
-                "iha synthetic --preset paper-regime, one epoch of seed 0",
+                "python -m research.synthetic --preset paper-regime, one epoch of seed 0",
                 self.paper_regime_commands,
                 150,
                 read=self.read_paper_regime,
@@ -384,7 +386,7 @@ class Steps:
         return [command]
 
     def synthetic_commands(self) -> list[list[str]]:
-        command = [self.python, "-m", "iha.cli", "synthetic", "--preset", "tiny", "--tasks", "binary"]
+        command = [self.python, "-m", "research.synthetic", "--preset", "tiny", "--tasks", "binary"]
         command += ["--max_epochs", "2", "--num_train", "256", "--device", self.device, "--fresh"]
         return [command + ["--output_dir", str(self.work / "synthetic")]]
 
@@ -393,7 +395,7 @@ class Steps:
         both learning rates) at the preset's full size, then the grid's time projected from the epochs measured;
         --quick: the same command shrunk to seconds."""
         folder = self.work / "paper-regime"
-        command = [self.python, "-m", "iha.cli", "synthetic", "--preset", "paper-regime", "--seeds", "0"]
+        command = [self.python, "-m", "research.synthetic", "--preset", "paper-regime", "--seeds", "0"]
         command += ["--max_epochs", "1", "--device", self.device, "--fresh", "--output_dir", str(folder)]
         if self.quick:
             command += ["--m", "binary=3-4", "ternary=3-4", "--num_train", "64", "--num_val", "32", "--num_test", "32"]
@@ -527,7 +529,7 @@ class Steps:
     def read_synthetic(self, log: str) -> dict:
         found = sorted((self.work / "synthetic").rglob("results.json"))
         if not found:
-            raise StepFailed("iha synthetic wrote no results.json")
+            raise StepFailed("python -m research.synthetic wrote no results.json")
         results = read_json(found[0])
         runs = {
             f"{run['task']} {run['model']} lr {run['learning_rate']}": run["test_accuracy"] for run in results["runs"]

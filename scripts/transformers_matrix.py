@@ -1,6 +1,6 @@
 """Run converted IHA models on several transformers releases, each in an environment that cannot import `iha`.
 
-A model folder travels with its code files (`configuration_iha.py`, `modeling_iha.py`, ..., `compat_iha.py`) and is
+A model folder travels with its code files (`configuration_iha.py`, `modeling_iha.py`, ..., `version_iha.py`) and is
 loaded by whatever transformers its user has. For each release this script builds (once, then reuses) an environment
 with torch and only that transformers, and runs `transformers_matrix_check.py` there on folders converted here once:
 a tiny Llama (GQA), a tiny Mistral (sliding window), a tiny Qwen3 (per-head q/k norm, explicit head_dim, a sliding
@@ -45,12 +45,7 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO_ROOT))
 
 from iha.cli.arguments import ArgumentParser  # noqa: E402
-from iha.models.iha.compat_iha import (  # noqa: E402
-    MINIMUM_TRANSFORMERS,
-    NEWEST_TESTED_TRANSFORMERS,
-    release_text,
-    supported_range_text,
-)
+from iha.models.iha.version_iha import MINIMUM_TRANSFORMERS, newest_tested_line, supported_range_text  # noqa: E402
 from iha.utils.atomic_files import write_json_atomic, write_text_atomic  # noqa: E402
 
 
@@ -68,16 +63,11 @@ def setup_constants(*names: str) -> dict:
     return found
 
 
-# The ends of the supported range (`SUPPORTED_TRANSFORMERS` in compat_iha.py: the oldest release and the first of the
+# The ends of the supported range (`SUPPORTED_TRANSFORMERS` in version_iha.py: the oldest release and the first of the
 # newest tested line), the last release before `Cache.get_query_offset` (the compatibility fallback), and the
 # development release (setup.py).
 DEVELOPMENT_RELEASE = setup_constants("DEVELOPMENT_TRANSFORMERS")["DEVELOPMENT_TRANSFORMERS"].partition("==")[2]
-RELEASES = [
-    release_text(MINIMUM_TRANSFORMERS),
-    "5.13.1",
-    DEVELOPMENT_RELEASE,
-    f"{release_text(NEWEST_TESTED_TRANSFORMERS)}.0",
-]
+RELEASES = [str(MINIMUM_TRANSFORMERS), "5.13.1", DEVELOPMENT_RELEASE, f"{newest_tested_line()}.0"]
 # Releases below the supported range, where loading must be refused clearly.
 REFUSED_RELEASES = ["5.3.0"]
 CHECK_SCRIPT = Path(__file__).resolve().with_name("transformers_matrix_check.py")
@@ -416,8 +406,8 @@ def main(argv=None) -> int:
     failed = [result["transformers"] for result in results if not result["passed"]]
     summary = {
         "supported": supported_range_text(),
-        "minimum": release_text(MINIMUM_TRANSFORMERS),
-        "newest_tested": release_text(NEWEST_TESTED_TRANSFORMERS),
+        "minimum": str(MINIMUM_TRANSFORMERS),
+        "newest_tested": newest_tested_line(),
         "results": results,
         "failed": failed,
         "seconds": round(time.perf_counter() - started, 1),

@@ -77,10 +77,10 @@ def tiny_llama_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def tiny_results():
-    """The tiny relation-composition comparison (`iha synthetic --preset tiny`), trained once per test module that reads
-    it (tests/experiments/synthetic/test_synthetic_training.py and test_synthetic_report.py)."""
-    from iha.experiments.synthetic import run_comparison
-    from iha.experiments.synthetic.config import TINY
+    """The tiny relation-composition comparison (`python -m research.synthetic --preset tiny`), trained once per test
+    module that reads it (tests/research/synthetic/test_synthetic_training.py and test_synthetic_report.py)."""
+    from research.synthetic import run_comparison
+    from research.synthetic.config import TINY
 
     torch.manual_seed(0)
     return run_comparison(TINY, progress=False)
@@ -94,8 +94,9 @@ def test_data() -> Path:
 
 @pytest.fixture
 def paused_command():
-    """paused_command(ready, target, nth, argv): `iha ARGV` in a subprocess stopped before the nth call of target
-    (see testing_utils.start_process), for tests that signal a command mid-work; killed after the test if still alive."""
+    """paused_command(ready, target, nth, argv, entry=...): `iha ARGV` (or the command line whose main is `entry`) in a
+    subprocess stopped before the nth call of target (see testing_utils.start_process), for tests that signal a command
+    mid-work; killed after the test if still alive."""
     processes = []
 
     def start(*args, **kwargs):

@@ -1,6 +1,7 @@
 """The test tree mirrors the package: the tests of `iha/<path>/<module>.py` live in `tests/<path>/`, so that a
-contributor finds them by the module's path (CONTRIBUTING.md, "Tests"). Every package folder has its tests folder, and
-every tests folder mirrors a package folder or one of the repository's folders outside the package."""
+contributor finds them by the module's path (CONTRIBUTING.md, "Tests"); those of `research/<path>/<module>.py` (the
+research code beside the package) in `tests/research/<path>/`. Every package folder has its tests folder, and every
+tests folder mirrors a package folder or one of the repository's folders outside the package."""
 
 from pathlib import Path
 
@@ -8,6 +9,9 @@ from testing_utils import REPO_ROOT, TESTS_DIR
 
 
 PACKAGE_DIR = REPO_ROOT / "iha"
+RESEARCH_DIR = REPO_ROOT / "research"
+# Each tree of Python packages -> the tests folder that mirrors it.
+MIRRORED_TREES = {PACKAGE_DIR: TESTS_DIR, RESEARCH_DIR: TESTS_DIR / "research"}
 
 # The one tests folder named otherwise than its package folder. pytest puts each test file's folder on sys.path
 # (rootdir-relative imports, no __init__.py in tests/), so tests/serving is on it while tests/serving/test_*.py
@@ -20,15 +24,17 @@ OUTSIDE_THE_PACKAGE = {"benchmarks", "docs", "scripts"}
 
 
 def mirror(package_folder: Path) -> Path:
-    relative = package_folder.relative_to(PACKAGE_DIR)
-    for folder, renamed in RENAMED.items():
-        if relative == folder or folder in relative.parents:
-            relative = renamed / relative.relative_to(folder)
-    return TESTS_DIR / relative
+    tree = next(tree for tree in MIRRORED_TREES if package_folder == tree or tree in package_folder.parents)
+    relative = package_folder.relative_to(tree)
+    if tree == PACKAGE_DIR:
+        for folder, renamed in RENAMED.items():
+            if relative == folder or folder in relative.parents:
+                relative = renamed / relative.relative_to(folder)
+    return MIRRORED_TREES[tree] / relative
 
 
 def package_folders() -> list[Path]:
-    return sorted(init.parent for init in PACKAGE_DIR.rglob("__init__.py"))
+    return sorted(init.parent for tree in MIRRORED_TREES for init in tree.rglob("__init__.py"))
 
 
 def has_modules(package_folder: Path) -> bool:
@@ -72,3 +78,13 @@ def test_the_renamed_mirror_is_still_needed():
         assert (PACKAGE_DIR / folder / "__init__.py").is_file() and (TESTS_DIR / renamed).is_dir()
         assert not (TESTS_DIR / folder).exists()
         assert any((TESTS_DIR / folder.parent).glob("test_*.py"))
+
+
+def test_research_is_imported_from_the_checkout_not_from_its_tests_folder():
+    # pytest puts tests/ on sys.path, where tests/research/ (no __init__.py) could be imported as an empty namespace
+    # package `research`; pyproject.toml's `pythonpath = ["."]` puts the repository's root, and its regular package
+    # research/, first. The package's own tests folders never land in tests/research/.
+    import research
+
+    assert Path(research.__file__).resolve() == RESEARCH_DIR / "__init__.py"
+    assert not (PACKAGE_DIR / "research").exists()

@@ -355,8 +355,9 @@ def folder_listing(folder: Path) -> list[str]:
     return sorted(path.name for path in folder.iterdir())
 
 
-# argv: READY TARGET NTH COMMAND ARGS...; TARGET is "module:attribute.path". Before the NTH call of TARGET the
-# process writes READY and sleeps, so the test knows exactly where it is when it sends a signal.
+# argv: READY TARGET NTH ENTRY ARGS...; TARGET is "module:attribute.path", ENTRY "module:function", the command line's
+# main (`iha.cli.main:main`, or a research task's `research.synthetic.cli:main`), called with ARGS. Before the NTH call
+# of TARGET the process writes READY and sleeps, so the test knows exactly where it is when it sends a signal.
 PAUSING_COMMAND = """
 import functools, importlib, signal, sys, time
 from pathlib import Path
@@ -380,8 +381,9 @@ def pause_before_nth_call(*args, **kwargs):
     return real(*args, **kwargs)
 
 setattr(owner, name, pause_before_nth_call)
-from iha.cli.main import main
-sys.exit(main(sys.argv[4:]))
+entry_module, _, entry_function = sys.argv[4].partition(":")
+main = getattr(importlib.import_module(entry_module), entry_function)
+sys.exit(main(sys.argv[5:]))
 """
 # Generous: the subprocess imports torch and transformers on a shared machine. Only a hang reaches it.
 LIMIT_S = 300
@@ -392,11 +394,13 @@ def subprocess_env() -> dict:
     return {**os.environ, "PYTHONPATH": root, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
 
 
-def start_process(ready: Path, target: str, nth: int, argv: list[str], cwd: Path | None = None) -> subprocess.Popen:
-    """`iha ARGV` in a subprocess that has stopped before the `nth` call of `target` (fails the test if it never
-    gets there)."""
+def start_process(
+    ready: Path, target: str, nth: int, argv: list[str], cwd: Path | None = None, entry: str = "iha.cli.main:main"
+) -> subprocess.Popen:
+    """`iha ARGV` (or the command line whose main is `entry`) in a subprocess that has stopped before the `nth` call of
+    `target` (fails the test if it never gets there)."""
     process = subprocess.Popen(
-        [sys.executable, "-c", PAUSING_COMMAND, str(ready), target, str(nth), *argv],
+        [sys.executable, "-c", PAUSING_COMMAND, str(ready), target, str(nth), entry, *argv],
         env=subprocess_env(),
         cwd=cwd,
         stdin=subprocess.DEVNULL,
@@ -409,7 +413,7 @@ def start_process(ready: Path, target: str, nth: int, argv: list[str], cwd: Path
         if process.poll() is not None or time.monotonic() > deadline:
             process.kill()
             out, err = process.communicate()
-            pytest.fail(f"`iha {' '.join(argv)}` never reached {target}:\n{out}\n{err}")
+            pytest.fail(f"`{entry} {' '.join(argv)}` never reached {target}:\n{out}\n{err}")
         time.sleep(0.05)
     return process
 

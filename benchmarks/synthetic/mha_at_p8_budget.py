@@ -11,18 +11,24 @@ state), and said to be unfinished. Reads only the committed folders; trains noth
 """
 
 import json
+import sys
 from dataclasses import replace
 from pathlib import Path
 
-from iha.experiments.statistics import holm_adjusted, paired_differences
-from iha.experiments.synthetic.checkpoints import runs_in_progress
-from iha.experiments.synthetic.config import PRESETS, config_from_saved
-from iha.experiments.synthetic.relations import seed_relation_tests
-from iha.experiments.synthetic.summary import best_so_far
 from iha.utils.atomic_files import write_json_atomic, write_text_atomic
 
 
 HERE = Path(__file__).resolve().parent
+# research/ is not installed with the package: it is read from the checkout this script is in (run as a file, the
+# script's own folder is on the path, not the repository's root).
+sys.path.insert(0, str(HERE.parents[1]))
+from research.statistics import holm_adjusted, paired_differences  # noqa: E402
+from research.synthetic.checkpoints import runs_in_progress  # noqa: E402
+from research.synthetic.config import PRESETS, config_from_saved  # noqa: E402
+from research.synthetic.relations import seed_relation_tests  # noqa: E402
+from research.synthetic.summary import best_so_far  # noqa: E402
+
+
 SEEDS = (0, 1, 2)
 
 

@@ -49,8 +49,8 @@ def print_report(report, write: Callable[[str], None]) -> None:
     write(f"Converted {report.source} ({report.architecture}) -> {report.output_dir}")
     write(
         f"  P={report.num_pseudo_heads}, IHA layers {describe_layers(report.iha_layers) or 'none'} of "
-        f"{len(report.attention_types)}, mask {report.mask_mode}, positions {report.position_mode}, collapse "
-        f"{report.collapse_mode}/{report.collapse_init}, dtype {report.dtype}, files {', '.join(report.weight_files)}"
+        f"{len(report.attention_types)}, mask {report.options.mask_mode}, positions {report.options.position_mode}, "
+        f"collapse {report.options.collapse_mode}/{report.options.collapse_init}, dtype {report.dtype}, files {', '.join(report.weight_files)}"
     )
     if report.verification is not None:
         write(f"  verification: {report.verification.message}")

@@ -4,12 +4,9 @@ iha demo        convert SmolLM2-135M-Instruct, verify, fine-tune briefly, evalua
 iha convert     convert a Llama / Qwen / SmolLM / Mistral / Gemma 3 checkpoint to IHA   (same as `iha-convert`)
 iha sft         reasoning SFT with TRL, full or LoRA                     (same as `iha-sft`)
 iha eval        GSM8K / MATH-500 / needle-in-a-haystack evaluation       (same as `iha-eval`)
-iha ab          A/B: SFT of a model as it is vs of its IHA conversion, with paired tests
-iha synthetic   the paper's relation-composition comparison: MHA, 2-simplicial, IHA
 iha card        the IHA model card of a folder `trl sft` trained
 iha push        upload an IHA folder to the Hub                          (same as `iha-convert push`)
 iha data        SFT data: GSM8K to OpenThoughts rows, any schema to `messages` rows
-iha polynomial-filter  the paper's polynomial filter trained: MHA with k heads against IHA with fewer
 iha chat-template  a chat template with {% generation %} markers
 iha export      `llama`: a P = 1 folder folded into a stock Llama / Mistral / Qwen2; `mlx`: mlx-lm's model file
 iha serve       an OpenAI-compatible server for an IHA model (local and small-scale; continuous batching)
@@ -18,6 +15,10 @@ Every command takes its flags as `--snake_case` (transformers' and TRL's style),
 (`iha.cli.arguments`). The console scripts `iha`, `iha-convert`, `iha-sft` and `iha-eval` are `main`, `convert`, `sft`
 and `evaluate` below (`python -m iha.cli` is `iha`). Each command is a module of `iha.cli` with `make_parser(prog)`
 and `main(argv, prog)`, whose work runs in `iha.cli.running.run_command`: one exit-status protocol for all.
+
+The research tasks are not commands of the package: they run from a checkout of the repository as
+`python -m research.synthetic`, `python -m research.polynomial_filter` and `python -m research.ab` (research/, which
+the wheel does not contain). `iha synthetic`, `iha polynomial-filter` and `iha ab` say so (`MOVED`).
 """
 
 import importlib
@@ -37,9 +38,6 @@ COMMANDS = {
     "convert": f"convert a {SUPPORTED_FAMILIES} checkpoint to IHA",
     "sft": "supervised fine-tuning (OpenThoughts-style reasoning) with TRL",
     "eval": "math (GSM8K, MATH-500) and long-context retrieval evaluation",
-    "ab": "A/B: SFT of a Llama-style model as it is vs of its IHA conversion (paired tests)",
-    "synthetic": "the paper's synthetic relation-composition comparison: MHA, 2-simplicial, IHA",
-    "polynomial-filter": "the paper's polynomial filter, trained: MHA with k heads against IHA with fewer",
     "card": "write the IHA model card of a folder `trl sft` trained (base, how to load)",
     "push": "upload an IHA folder (converted or fine-tuned) to the Hugging Face Hub",
     "data": "SFT data: GSM8K rows to OpenThoughts format, any row schema to `messages` rows",
@@ -47,6 +45,21 @@ COMMANDS = {
     "export": "a P = 1 IHA folder as a stock Llama/Mistral/Qwen2 folder; the MLX model file for mlx-lm",
     "serve": "an OpenAI-compatible server for an IHA model (local and small-scale; continuous batching)",
 }
+
+# Former commands -> the module that runs them now, with the same flags (from a checkout of the repository).
+MOVED = {
+    "ab": "research.ab",
+    "synthetic": "research.synthetic",
+    "polynomial-filter": "research.polynomial_filter",
+}
+
+
+def moved_text(command: str) -> str:
+    """The one line `iha COMMAND` answers for a command that left the package."""
+    return (
+        f"iha: `iha {command}` moved out of the package: run `python -m {MOVED[command]}` with the same flags, from "
+        "the root of a checkout of the iha repository (research/)"
+    )
 
 
 def command_module(command: str) -> str:
@@ -93,6 +106,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(version_text() % {"prog": "iha"})
         return 0
     command, rest = argv[0], argv[1:]
+    if command in MOVED:
+        print(moved_text(command), file=sys.stderr)
+        return 2
     if command not in COMMANDS:
         print(f"iha: unknown command {command!r}\n\n{usage()}", file=sys.stderr)
         return 2

@@ -15,26 +15,23 @@ from ..hub.model_card import (
     read_model_card,
     render_model_card,
 )
-from ..models.iha.configuration_iha import is_sliding_layer
+from ..models.iha.layer_iha import is_sliding_layer
 from ..utils.atomic_files import write_text_atomic
 from .plan import describe_layers
 from .report import REPORT_NAME, ConversionReport
 
 
 def describe_sliding_window(report: ConversionReport, sliding: list[int]) -> str:
-    """The card's sliding-window row: the window, its unit (`iha_window_unit`) and the layers it applies to."""
+    """The card's sliding-window row: the window and the layers it applies to."""
     if not sliding:
         return "none"
     window, num_pseudo = report.sliding_window, report.num_pseudo_heads
-    if not any(index in report.iha_layers for index in sliding):
-        unit = ""
-    elif report.window_unit == "virtual":
+    unit = ""
+    if any(index in report.iha_layers for index in sliding):
         unit = (
-            f" (IHA layers: the paper's flat window of {window * num_pseudo} virtual tokens, `iha_window_unit` "
-            f'"virtual"; the last pseudo-head of a token sees exactly its last {window} tokens)'
+            f" (IHA layers: the paper's flat window of {window * num_pseudo} virtual tokens; the last pseudo-head of a "
+            f"token sees exactly its last {window} tokens)"
         )
-    else:
-        unit = f' (IHA layers: the pseudo-tokens of the last {window} tokens, `iha_window_unit` "token")'
     return f"{window} tokens{unit}, layers {describe_layers(sliding)}"
 
 
@@ -50,9 +47,9 @@ def conversion_card_sections(report: ConversionReport, model_id: str) -> dict[st
         f"| IHA layers | {describe_layers(iha_layers) or 'none'} (of {len(report.attention_types)}) |",
         f"| standard attention layers | {describe_layers(standard_layers) or 'none'} |",
         f"| sliding window | {describe_sliding_window(report, sliding)} |",
-        f"| mask | {report.mask_mode} |",
-        f"| positions | {report.position_mode} |",
-        f"| collapse | {report.collapse_mode}, initialised to `{report.collapse_init}` |",
+        f"| mask | {report.options.mask_mode} |",
+        f"| positions | {report.options.position_mode} |",
+        f"| collapse | {report.options.collapse_mode}, initialised to `{report.options.collapse_init}` |",
         f"| head-mixing parameters added | {report.head_mixing_parameters:,} |",
         f"| dtype | {report.dtype} |",
     ]

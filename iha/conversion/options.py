@@ -23,9 +23,9 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-# The choices of the `IHAConfig` fields these settings fill are the config's own: one set, in the file that
-# travels with the weights.
-from ..models.iha.configuration_iha import COLLAPSE_INITS, COLLAPSE_MODES, MASK_MODES, POSITION_MODES, WINDOW_UNITS
+# The `IHAConfig` fields these settings fill, with their choices and defaults, are the config's own: one set, in the
+# file that owns what an IHA layer is and travels with the weights.
+from ..models.iha.layer_iha import FIELD_CHOICES, FIELD_DEFAULTS
 from .errors import ConversionError
 
 
@@ -38,19 +38,25 @@ EXACT_ATOL = 1e-5
 NOISE_MULTIPLE = 4.0
 
 
-def config_choice(default: str, choices: tuple[str, ...], config_field: str, help_text: str):
-    """A setting with fixed `choices` that fills the `IHAConfig` field `config_field`."""
-    return field(default=default, metadata={"choices": choices, "config_field": config_field, "help": help_text})
+def config_choice(config_field: str, help_text: str, default: str | None = None):
+    """A setting that fills the `IHAConfig` field `config_field`, with that field's choices and (unless a conversion
+    needs another, given here) its default."""
+    default = FIELD_DEFAULTS[config_field] if default is None else default
+    metadata = {"choices": FIELD_CHOICES[config_field], "config_field": config_field, "help": help_text}
+    return field(default=default, metadata=metadata)
 
 
 @dataclass
 class IHAConversionOptions:
     """What the converted model computes. The defaults give an exact conversion: every layer becomes an IHA layer
-    with the source's own window, positions are shared by the pseudo-tokens of a token, the mask is the paper's
-    flat causal mask and the collapse starts on the last pseudo-head. Sliding IHA layers take the paper's window in
-    virtual units (`window_unit="virtual"`), whose last pseudo-head sees exactly the source's token window."""
+    with the source's own window, positions are shared by the pseudo-tokens of a token (the one default that differs
+    from the config's, the paper's virtual positions), the mask is the paper's flat causal mask and the collapse starts
+    on the last pseudo-head. Sliding IHA layers see the paper's flat window of W * P virtual tokens, whose last
+    pseudo-head sees exactly the source's window of W tokens."""
 
-    num_pseudo_heads: int = field(default=2, metadata={"help": "pseudo-heads per head (default 2)", "aliases": ["-P"]})
+    num_pseudo_heads: int = field(
+        default=FIELD_DEFAULTS["num_pseudo_heads"], metadata={"help": "pseudo-heads per head", "aliases": ["-P"]}
+    )
     layers: str | list[int] = field(
         default="all",
         metadata={
@@ -66,29 +72,12 @@ class IHAConversionOptions:
         },
     )
     mask_mode: str = config_choice(
-        "flat_causal",
-        MASK_MODES,
-        "iha_mask_mode",
-        "flat_causal (the paper's, default) or token_causal (a pseudo-token sees all of its own token)",
+        "iha_mask_mode", "flat_causal (the paper's) or token_causal (a pseudo-token sees all of its own token)"
     )
-    position_mode: str = config_choice(
-        "shared", POSITION_MODES, "iha_position_mode", "virtual is the paper's, not exact"
-    )
-    collapse_mode: str = config_choice(
-        "per_head", COLLAPSE_MODES, "iha_collapse_mode", "collapse R: [H, P] or [H, H, P]"
-    )
+    position_mode: str = config_choice("iha_position_mode", "virtual is the paper's, not exact", default="shared")
+    collapse_mode: str = config_choice("iha_collapse_mode", "collapse R: [H, P] or [H, H, P]")
     collapse_init: str = config_choice(
-        "last",
-        COLLAPSE_INITS,
-        "iha_collapse_init",
-        "initial collapse; with flat_causal only 'last' is exact, with token_causal all are",
-    )
-    window_unit: str = config_choice(
-        "virtual",
-        WINDOW_UNITS,
-        "iha_window_unit",
-        "sliding IHA layers' window: virtual (the paper's flat window of W*P virtual tokens, default; exact with "
-        "collapse_init last) or token (the pseudo-tokens of the last W tokens)",
+        "iha_collapse_init", "initial collapse; with flat_causal only 'last' is exact, with token_causal all are"
     )
 
     def __post_init__(self):

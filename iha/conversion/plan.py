@@ -12,16 +12,16 @@ import torch
 from transformers import PreTrainedConfig
 
 from .. import IHA_MODEL_TYPES
-from ..models.iha.configuration_iha import (
+from ..models.iha.configuration_iha import IHAConfig
+from ..models.iha.configuration_iha_gemma3 import UNSUPPORTED_GEMMA3_FIELDS, IHAGemma3Config
+from ..models.iha.layer_iha import (
     IHA_FULL,
     IHA_SLIDING,
     STANDARD_FULL,
     STANDARD_SLIDING,
-    IHAConfig,
     is_sliding_layer,
     paper_hybrid_layout,
 )
-from ..models.iha.configuration_iha_gemma3 import UNSUPPORTED_GEMMA3_FIELDS, IHAGemma3Config
 from ..models.iha.modeling_iha import IHAForCausalLM
 from ..models.iha.modeling_iha_gemma3 import IHAGemma3ForCausalLM
 from .architectures import SUPPORTED_ARCHITECTURES, SUPPORTED_DESCRIPTION
@@ -318,11 +318,11 @@ def plan_conversion(source_config, options: IHAConversionOptions | Mapping | Non
                 "(--collapse_init last, or --mask_mode token_causal, keep the function)"
             )
         has_sliding_iha = IHA_SLIDING in config.attention_types
-        if has_sliding_iha and options.window_unit == "virtual" and options.collapse_init != "last":
+        if has_sliding_iha and options.collapse_init != "last":
             changes.append(
-                f"collapse init {options.collapse_init!r} with the window in virtual units: pseudo-heads before the "
-                "last also see part of the token just before the source's window "
-                "(--collapse_init last, or --window_unit token, keep the function)"
+                f"collapse init {options.collapse_init!r} with sliding IHA layers: under the paper's window of W * P "
+                "virtual tokens, pseudo-heads before the last also see part of the token just before the source's "
+                "window (--collapse_init last keeps the function)"
             )
     return ConversionPlan(
         config=config, architecture=architecture, source_windows=source_windows, function_changes=changes

@@ -6,7 +6,8 @@ import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from ..models.iha.configuration_iha import is_iha_layer
+from ..models.iha.layer_iha import is_iha_layer
+from .options import IHAConversionOptions
 from .verify import VerificationResult
 
 
@@ -15,16 +16,15 @@ REPORT_NAME = "iha_conversion.json"
 
 @dataclass
 class ConversionReport:
+    """What `convert_checkpoint` did: the settings it ran with (`options`, as given), the layout they gave
+    (`attention_types`, `sliding_window`) and what it wrote and measured."""
+
     source: str
     output_dir: str
     architecture: str
-    num_pseudo_heads: int
+    options: IHAConversionOptions
     attention_types: list[str]
     sliding_window: int | None
-    mask_mode: str
-    position_mode: str
-    collapse_mode: str
-    collapse_init: str
     dtype: str
     exact: bool
     function_changes: list[str]
@@ -34,8 +34,10 @@ class ConversionReport:
     verification: VerificationResult | None
     seconds: float
     base_model: str | None = None
-    # Reports written before the field existed: their folders' configs have no `iha_window_unit`, i.e. "token".
-    window_unit: str = "token"
+
+    @property
+    def num_pseudo_heads(self) -> int:
+        return self.options.num_pseudo_heads
 
     @property
     def iha_layers(self) -> list[int]:

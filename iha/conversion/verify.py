@@ -144,7 +144,7 @@ def logits_of_real_tokens(model, batch: dict[str, torch.Tensor]) -> torch.Tensor
 def release_memory() -> None:
     """Free a model before loading the next one: collect it, hand freed heap back to the OS (glibc keeps it
     otherwise) and empty CUDA's cache, so the peak is one model, not one model plus the last one's leftovers
-    (here and between the runs of `iha ab`)."""
+    (here and between the runs of `python -m research.ab`)."""
     gc.collect()
     try:
         ctypes.CDLL("libc.so.6").malloc_trim(0)

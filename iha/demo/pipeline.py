@@ -26,6 +26,7 @@ from ..data.gsm8k import gsm8k_final_answer, gsm8k_to_openthoughts
 from ..data.messages import BOXED_INSTRUCTION, OPENTHOUGHTS_SYSTEM_PROMPT, read_jsonl
 from ..data.word_problems import arithmetic_word_problems
 from ..hub.model_card import update_model_card
+from ..models.iha.layer_iha import FIELD_DEFAULTS
 from ..models.iha.modeling_iha import IHAForCausalLM
 from ..utils.atomic_files import saved_figure, write_json_atomic, write_text_atomic
 from ..utils.atomic_folders import staged_folder
@@ -144,7 +145,7 @@ def run_demo(
     batch_size: int = 4,
     max_length: int = 512,
     max_new_tokens: int = 96,
-    num_pseudo_heads: int = 2,
+    num_pseudo_heads: int = FIELD_DEFAULTS["num_pseudo_heads"],
     seed: int = 0,
     overwrite: bool = False,
 ) -> dict:

@@ -4,6 +4,7 @@ cannot take."""
 import json
 from pathlib import Path
 
+from ..models.iha.configuration_iha import IHAConfig
 from .errors import ExportError
 
 
@@ -19,4 +20,8 @@ def read_iha_config(folder: Path, gemma3_refusal: str) -> dict:
         raise ExportError(gemma3_refusal)
     if model_type != "iha":
         raise ExportError(f"{folder} is not an IHA folder (model_type {model_type!r}, expected 'iha').")
+    try:  # what transformers would refuse on load (a retired window, inconsistent fields) is refused here too
+        IHAConfig.from_dict(config)
+    except ValueError as error:
+        raise ExportError(f"{folder}: {error}") from None
     return config

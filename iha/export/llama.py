@@ -6,8 +6,7 @@ is left of IHA is linear across heads: `Q~[n, h] = sum_m alpha_q[m, h] * Q[n, m]
 V~) and the collapse `o[n, h] = sum_m R[h, m] * o~[n, m]` (global) or `R[h] * o~[n, h]` (per head). RoPE rotates
 every head by the same angle, so it commutes with the mixing; the mixing folds into the rows of `q_proj`, `k_proj`,
 `v_proj` (and their biases) and the collapse into the columns of `o_proj`, exactly (in float64, rounded once to the
-folder's dtype). The vLLM plugin folds the same way at load time: `iha.serving.vllm.folding`, shared here (pure
-torch, no vLLM).
+folder's dtype). The vLLM plugin folds the same way at load time: both use `iha.models.folding`.
 
 What does not fold is refused: P > 1 (attention over N * P interleaved pseudo-tokens is not a stock attention), and
 a per-head q/k norm before the mixing (Qwen3, Gemma 3: a norm of each head does not commute with mixing heads).
@@ -24,8 +23,8 @@ from safetensors.torch import load_file
 
 from ..conversion.readers import LICENSE_FILE_PATTERNS, TOKENIZER_FILES, find_weight_files
 from ..conversion.report import REPORT_NAME
-from ..models.iha.configuration_iha import is_iha_layer, is_sliding_layer
-from ..serving.vllm.folding import fold_collapse_into_output, fold_mixing_into_projection
+from ..models.folding import fold_collapse_into_output, fold_mixing_into_projection
+from ..models.iha.layer_iha import FIELD_DEFAULTS, RETIRED_WINDOW_FIELD, is_iha_layer, is_sliding_layer
 from ..utils.atomic_folders import staged_folder
 from .errors import ExportError
 from .folders import read_iha_config
@@ -43,16 +42,11 @@ EXPORT_ARCHITECTURES = {
 # What no stock architecture of these computes once folded, by the source architecture `iha_conversion.json` names.
 QK_NORM_ARCHITECTURES = ("Qwen3ForCausalLM", "Gemma3ForCausalLM")
 # IHA config fields that have no place in the exported config (every stock config ignores them, but a folder that
-# says `iha_mask_mode` would read as an IHA model).
+# says `iha_mask_mode` would read as an IHA model): the IHA fields, the retired window unit of older folders, and the
+# Llama-family switches only IHA's config carries.
 IHA_ONLY_FIELDS = (
-    "num_pseudo_heads",
-    "attention_types",
-    "iha_mask_mode",
-    "iha_position_mode",
-    "iha_collapse_mode",
-    "iha_collapse_init",
-    "iha_cache_mode",
-    "iha_window_unit",
+    *FIELD_DEFAULTS,
+    RETIRED_WINDOW_FIELD,
     "qkv_bias",
     "o_proj_bias",
     "use_qk_norm",
@@ -115,7 +109,7 @@ def source_architecture(folder: Path, config: dict) -> str:
 def check_foldable(config: dict, architecture: str) -> None:
     """Refuse, in one line that says why, a folder whose IHA layers do not fold into a stock attention."""
     iha_layers = [i for i, attention_type in enumerate(config["attention_types"]) if is_iha_layer(attention_type)]
-    num_pseudo_heads = config.get("num_pseudo_heads", 2)
+    num_pseudo_heads = config.get("num_pseudo_heads", FIELD_DEFAULTS["num_pseudo_heads"])
     if iha_layers and num_pseudo_heads != 1:
         raise ExportError(
             f"This folder has P = {num_pseudo_heads} pseudo-heads per head: its IHA layers attend over N * "

@@ -1,11 +1,16 @@
 """The MLX model file in an IHA folder: `iha export mlx FOLDER` copies `iha/models/mlx/modeling_iha_mlx.py` next to
 the weights and names it in config.json (`model_file`), which stock mlx-lm reads with `--trust-remote-code`
-(`trust_remote_code=True` in `mlx_lm.load`). transformers ignores the key, so the folder loads as before."""
+(`trust_remote_code=True` in `mlx_lm.load`). transformers ignores the key, so the folder loads as before. The MLX
+file reads every IHA field from config.json, without defaults of its own: the export writes what the folder's config
+means for every field (`IHAConfig`'s value: `layer_iha.FIELD_DEFAULTS` for a missing field, the attention types the
+config class fills in when `attention_types` is missing)."""
 
 import json
 import shutil
 from pathlib import Path
 
+from ..models.iha.configuration_iha import IHAConfig
+from ..models.iha.layer_iha import FIELD_DEFAULTS
 from .folders import read_iha_config
 
 
@@ -26,9 +31,10 @@ def add_mlx_model_file(folder: str | Path) -> Path:
     config = read_iha_config(folder, GEMMA3_REFUSAL)
     target = folder / MLX_MODEL_FILE
     shutil.copyfile(MLX_MODEL_SOURCE, target)
-    if config.get("model_file") != MLX_MODEL_FILE:
-        config["model_file"] = MLX_MODEL_FILE
-        (folder / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+    resolved = IHAConfig.from_dict(config)  # read_iha_config checked that it loads
+    complete = {**config, **{name: getattr(resolved, name) for name in FIELD_DEFAULTS}, "model_file": MLX_MODEL_FILE}
+    if complete != config:
+        (folder / "config.json").write_text(json.dumps(complete, indent=2, sort_keys=True) + "\n", encoding="utf-8")
     return target
 
 

@@ -18,7 +18,7 @@ from pathlib import Path
 
 from huggingface_hub import ModelCard, ModelCardData
 
-from ..models.iha.compat_iha import supported_range_text  # imports transformers (and torch)
+from ..models.iha.version_iha import supported_range_text
 from ..utils.atomic_files import write_text_atomic
 
 

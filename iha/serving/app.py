@@ -201,7 +201,7 @@ async def generate(service: Service, request: Request, kind: str) -> Response:
         "%s: %d prompt tokens, up to %d new (%s)", request_id, len(prompt_ids), max_new_tokens, service.engine.name
     )
     text = CompletionText(served.tokenizer, parsed.stop, service.engine.eos_token_ids, max_new_tokens)
-    generation = Generation(service, request_id, len(prompt_ids), stream, text, slot)
+    generation = Generation(request_id, len(prompt_ids), stream, text, slot, service.request_timeout)
     if parsed.stream:
         include_usage = bool(parsed.stream_options and parsed.stream_options.include_usage)
         chunks = (ChatChunks if is_chat else CompletionChunks)(request_id, served.name, include_usage)

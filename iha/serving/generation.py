@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-import typing
 
 from fastapi import Request
 
@@ -17,10 +16,6 @@ from .errors import SERVER_ERROR, APIError, bad_request, server_failure
 from .responses import STREAM_END, CompletionText, chat_chunk, server_sent_event, text_completion, usage, usage_chunk
 from .streams import GenerationCancelled, GenerationFailed
 from .validation import ChatCompletionRequest, CompletionRequest
-
-
-if typing.TYPE_CHECKING:
-    from .app import Service
 
 
 logger = logging.getLogger("iha.serving")
@@ -99,16 +94,17 @@ def completion_prompt_ids(tokenizer, request: CompletionRequest, vocab_size: int
 
 
 class Generation:
-    """One admitted request on its way through the engine: its stream, its text, its deadline, its slot."""
+    """One admitted request on its way through the engine: its stream, its text, its deadline (`request_timeout`
+    seconds from now, the server's `--request_timeout`), its slot."""
 
-    def __init__(self, service: Service, request_id: str, prompt_tokens: int, stream, text: CompletionText, slot):
-        self.service = service
+    def __init__(self, request_id: str, prompt_tokens: int, stream, text: CompletionText, slot, request_timeout: float):
         self.request_id = request_id
         self.prompt_tokens = prompt_tokens
         self.stream = stream
         self.text = text
         self.slot = slot
-        self.deadline = time.monotonic() + service.request_timeout
+        self.request_timeout = request_timeout
+        self.deadline = time.monotonic() + request_timeout
 
     async def next_text(self) -> str | None:
         """The next piece of text to send (possibly empty), or None once generation is over."""
@@ -118,7 +114,7 @@ class Generation:
         try:
             tokens = await asyncio.wait_for(self.stream.next(), timeout=max(remaining, 0))
         except TimeoutError:
-            raise timed_out(self.service.request_timeout, len(self.text.token_ids)) from None
+            raise timed_out(self.request_timeout, len(self.text.token_ids)) from None
         except GenerationFailed as error:
             raise engine_failed(str(error)) from None
         except GenerationCancelled:

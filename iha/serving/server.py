@@ -32,7 +32,7 @@ from transformers.generation.continuous_batching.continuous_api import Continuou
 from transformers.utils import logging as transformers_logging
 from transformers.utils.import_utils import is_serve_available
 
-from ..models.iha.compat_iha import supported_requirement
+from ..models.iha.version_iha import supported_requirement
 from ..utils.errors import WorkFailedError
 
 

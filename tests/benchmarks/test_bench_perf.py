@@ -16,29 +16,27 @@ from flops import attention_pairs, model_flops  # noqa: E402
 from perf_report import markdown_report, summarize  # noqa: E402
 
 
-@pytest.mark.parametrize("window_unit", ["token", "virtual"])
 @pytest.mark.parametrize("num_pseudo", [1, 2, 3])
 @pytest.mark.parametrize("mask_mode", ["flat_causal", "token_causal"])
 @pytest.mark.parametrize("window", [None, 1, 4])
-def test_attention_pairs_equal_the_reference_mask_count(num_pseudo, mask_mode, window, window_unit):
+def test_attention_pairs_equal_the_reference_mask_count(num_pseudo, mask_mode, window):
     seq_len = 11
-    allowed = reference_mask(seq_len, num_pseudo, mask_mode, window, padding_mask=None, window_unit=window_unit)[0]
-    assert attention_pairs(seq_len, num_pseudo, mask_mode, window, window_unit=window_unit) == allowed.sum().item()
+    allowed = reference_mask(seq_len, num_pseudo, mask_mode, window, padding_mask=None)[0]
+    assert attention_pairs(seq_len, num_pseudo, mask_mode, window) == allowed.sum().item()
     # Decoding the last 3 tokens after 8 cached ones scores the last 3 * P rows of the same mask.
     decode_rows = allowed[(seq_len - 3) * num_pseudo :]
-    decoded = attention_pairs(3, num_pseudo, mask_mode, window, past_tokens=8, window_unit=window_unit)
-    assert decoded == decode_rows.sum().item()
+    assert attention_pairs(3, num_pseudo, mask_mode, window, past_tokens=8) == decode_rows.sum().item()
 
 
 @pytest.mark.parametrize("num_pseudo", [2, 3])
 @pytest.mark.parametrize("window", [1, 4])
 def test_attention_pairs_of_the_flat_window_equal_a_mask_count(num_pseudo, window):
-    """iha_window_unit "virtual": virtual query i sees virtual keys i - W * P < j <= i."""
+    """The paper's window: virtual query i sees virtual keys i - W * P < j <= i."""
     virtual = torch.arange(11 * num_pseudo)
     allowed = (virtual[None, :] <= virtual[:, None]) & (virtual[None, :] > virtual[:, None] - window * num_pseudo)
-    assert attention_pairs(11, num_pseudo, "flat_causal", window, window_unit="virtual") == allowed.sum().item()
+    assert attention_pairs(11, num_pseudo, "flat_causal", window) == allowed.sum().item()
     decode_rows = allowed[8 * num_pseudo :]
-    assert attention_pairs(3, num_pseudo, "flat_causal", window, 8, "virtual") == decode_rows.sum().item()
+    assert attention_pairs(3, num_pseudo, "flat_causal", window, 8) == decode_rows.sum().item()
 
 
 TINY_SHAPE = dict(

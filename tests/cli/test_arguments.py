@@ -79,14 +79,12 @@ def test_every_parser_and_subparser_answers_version_under_the_prog_it_was_given(
     assert parser.format_usage().startswith("usage: iha tool ")
 
 
+# The research tasks take it too (tests/research/test_research_commands.py).
 THREADED_COMMANDS = [
     ["demo"],
     ["serve", "folder"],
     ["eval", "math", "--model", "m", "--dataset", "gsm8k"],
     ["eval", "needle", "--model", "m"],
-    ["ab"],
-    ["synthetic"],
-    ["polynomial-filter"],
 ]
 
 

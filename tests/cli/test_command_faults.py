@@ -3,7 +3,6 @@ signal, leaves no staging folder and no half-written output; bad input gives one
 
 import json
 import signal
-from pathlib import Path
 
 import pytest
 from testing_utils import finish
@@ -132,34 +131,6 @@ def test_eval_bad_input_is_one_line(tmp_path, capsys):
     assert err.startswith(f"iha eval math: error: {tmp_path / 'bad.json'} is not valid JSON") and err.count("\n") == 1
 
 
-def test_interrupted_synthetic_keeps_its_finished_runs_to_resume(paused_command, tmp_path):
-    output = tmp_path / "synthetic"
-    argv = ["synthetic", "--preset", "tiny", "--tasks", "binary", "--max-epochs", "1", "--output-dir", str(output)]
-    # Stopped before the second run: the first one is in results.partial.json.
-    process = paused_command(tmp_path / "ready", "iha.experiments.synthetic.train:train_one", 2, argv)
-    process.send_signal(signal.SIGINT)
-    out, err = finish(process)
-    last = assert_one_line_interruption(process, "iha synthetic", signal.SIGINT, out, err)
-    assert last.endswith(f"the runs finished so far are kept in {output}: the same command resumes from them")
-    # Beside the checkpoint: the empty lock files with which several processes share a comparison's runs, and the
-    # folder of the runs' states between epochs, empty: the finished run's state went with its result, whose best
-    # weights are in weights/.
-    assert listing(output) == [".epochs", ".locks", "results.partial.json", "weights"]
-    assert all(path.stat().st_size == 0 for path in (output / ".locks").iterdir())
-    assert not list((output / ".epochs").iterdir())
-    runs = json.loads((output / "results.partial.json").read_text())["runs"]
-    assert len(runs) == 1 and (output / runs[0]["weights"]).is_file()
-    assert listing(output / "weights") == [Path(runs[0]["weights"]).name]
-
-
-def test_synthetic_summarize_bad_input_is_one_line(tmp_path, capsys):
-    (tmp_path / "results.json").write_text("[]")
-    assert iha_main(["synthetic", "--summarize", str(tmp_path / "results.json"), "--output-dir", str(tmp_path)]) == 2
-    assert capsys.readouterr().err == (
-        f"iha synthetic: error: {tmp_path / 'results.json'} is not a results.json written by `iha synthetic`.\n"
-    )
-
-
 # Every command that takes a model, given a folder that does not exist: (argv with MISSING for the folder).
 MISSING_FOLDER_COMMANDS = [
     ["convert", "MISSING", "OUT"],
@@ -174,7 +145,6 @@ MISSING_FOLDER_COMMANDS = [
     ["card", "FOLDER", "--base-model", "MISSING"],
     ["push", "MISSING", "org/name"],
     ["convert", "push", "MISSING", "org/name"],
-    ["ab", "--model", "MISSING", "--output_dir", "OUT"],
 ]
 
 

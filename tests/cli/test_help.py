@@ -2,6 +2,7 @@
 classes by `import iha`, so also before a command runs."""
 
 import argparse
+import dataclasses
 import json
 import os
 import re
@@ -14,7 +15,7 @@ from testing_utils import REPO_ROOT
 from iha.cli import main as cli
 from iha.cli import sft as sft_cli
 from iha.conversion import options
-from iha.models.iha import configuration_iha
+from iha.models.iha import layer_iha
 from iha.training.config import DEFAULT_LORA_TARGET_MODULES
 from iha.training.model import iha_peft_config
 
@@ -70,8 +71,6 @@ HELP_PAGES = [
     ("main", ["iha", "sft"], ["--model_name_or_path", "--convert_to_iha", "--dataset_name", "--learning_rate"]),
     ("main", ["iha", "eval"], ["math", "needle", "compare"]),
     ("main", ["iha", "eval", "math"], ["--model", "--dataset", "--preset", "--temperature"]),
-    ("main", ["iha", "ab"], ["--preset", "--output_dir", "--model"]),
-    ("main", ["iha", "synthetic"], ["--preset", "--output_dir", "--tasks", "--pseudo_heads"]),
     ("main", ["iha", "card"], ["folder", "--base_model"]),
     ("main", ["iha", "push"], ["folder", "repo_id", "--private", "--token"]),
     ("main", ["iha", "data"], ["gsm8k-to-openthoughts", "to-messages"]),
@@ -193,9 +192,16 @@ def test_sft_refuses_trl_flags_it_cannot_honour(tmp_path, capsys, flags, problem
     assert error.startswith("iha-sft: error: ") and problem in error and "\n" not in error
 
 
-def test_conversion_choices_are_the_configs():
-    for name in ("MASK_MODES", "POSITION_MODES", "COLLAPSE_MODES", "COLLAPSE_INITS"):
-        assert getattr(options, name) is getattr(configuration_iha, name), name
+def test_conversion_choices_and_defaults_are_the_configs():
+    # Each setting that fills a config field takes that field's choices and default (layer_iha.py), except the one
+    # default an exact conversion needs: shared positions.
+    for setting in dataclasses.fields(options.IHAConversionOptions):
+        field_name = setting.metadata.get("config_field")
+        if field_name is None:
+            continue
+        assert setting.metadata["choices"] is layer_iha.FIELD_CHOICES[field_name], setting.name
+        expected_default = "shared" if setting.name == "position_mode" else layer_iha.FIELD_DEFAULTS[field_name]
+        assert setting.default == expected_default, setting.name
 
 
 IMPORT_REGISTERS = """

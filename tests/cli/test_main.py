@@ -1,6 +1,7 @@
 """The `iha` dispatcher reaches every command."""
 
 import importlib.metadata
+import importlib.util
 import re
 import subprocess
 import sys
@@ -21,6 +22,20 @@ def test_usage_lists_every_command(capsys):
 def test_unknown_command_is_an_error(capsys):
     assert cli.main(["frobnicate"]) == 2
     assert "unknown command 'frobnicate'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("command", sorted(cli.MOVED))
+def test_a_command_that_moved_to_research_says_where_in_one_line(command, capsys):
+    # `iha ab`, `iha synthetic`, `iha polynomial-filter` left the package for research/ (`python -m research.<task>`).
+    assert command not in cli.COMMANDS
+    for argv in ([command], [command, "--help"], [command, "--preset", "tiny"]):
+        assert cli.main(argv) == 2
+        captured = capsys.readouterr()
+        assert captured.out == "" and captured.err.count("\n") == 1, captured.err
+        assert f"`python -m {cli.MOVED[command]}`" in captured.err and "unknown command" not in captured.err
+    # The module it names is the one that runs it.
+    assert importlib.util.find_spec(f"{cli.MOVED[command]}.__main__") is not None
+    assert (Path(__file__).resolve().parents[2] / cli.MOVED[command].replace(".", "/") / "__main__.py").is_file()
 
 
 @pytest.mark.parametrize("command", sorted(cli.COMMANDS))

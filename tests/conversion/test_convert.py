@@ -79,8 +79,8 @@ def test_random_models_convert_exactly(kind, tmp_path):
         assert (config["qkv_bias"], config["o_proj_bias"], config["mlp_bias"]) == (True, True, True)
     else:
         assert config["attention_types"] == ["iha_full_attention"] * 3
-    # New conversions take the paper's window in virtual units: at identity its last pseudo-head sees the source's.
-    assert config["iha_window_unit"] == "virtual"
+    # The window has one meaning (the paper's W * P virtual tokens), so no field records a unit.
+    assert "iha_window_unit" not in config
 
 
 def test_sliding_window_is_exercised_by_the_checks(tmp_path):
@@ -95,29 +95,23 @@ def test_sliding_window_is_exercised_by_the_checks(tmp_path):
     assert max_logit_difference(source, tmp_path / "iha") > 1e-3
 
 
-@pytest.mark.parametrize("window_unit", ["virtual", "token"])
-def test_both_window_units_convert_a_sliding_source_exactly_and_the_card_names_the_unit(window_unit, tmp_path):
+def test_the_papers_window_converts_a_sliding_source_exactly_and_the_card_names_it(tmp_path):
     source = make_source("mistral_sliding", tmp_path / "source")
-    report = convert.convert_checkpoint(
-        source, tmp_path / "iha", num_pseudo_heads=3, window_unit=window_unit, show_progress=False
-    )
+    report = convert.convert_checkpoint(source, tmp_path / "iha", num_pseudo_heads=3, show_progress=False)
     assert report.exact and report.verification.passed, report.verification.message
-    assert report.window_unit == window_unit
+    assert report.options == convert.IHAConversionOptions(num_pseudo_heads=3)  # the report keeps the options
     assert max_logit_difference(source, tmp_path / "iha") <= EXACT_ATOL
-    config = json.loads((tmp_path / "iha" / "config.json").read_text())
-    assert config["iha_window_unit"] == window_unit
     card = (tmp_path / "iha" / "README.md").read_text()
-    if window_unit == "virtual":
-        assert "flat window of 24 virtual tokens" in card and '`iha_window_unit` "virtual"' in card
-    else:
-        assert "the pseudo-tokens of the last 8 tokens" in card
+    assert (
+        "the paper's flat window of 24 virtual tokens; the last pseudo-head of a token sees exactly its last 8" in card
+    )
 
 
-def test_virtual_window_with_another_collapse_init_is_reported_as_a_change():
+def test_the_window_with_another_collapse_init_is_reported_as_a_change():
     source_config = MistralConfig(**{**testing_utils.TINY, "num_key_value_heads": 2}, sliding_window=8)
     plan = convert.plan_conversion(source_config, collapse_init="mean", mask_mode="token_causal")
-    assert any("window in virtual units" in change for change in plan.function_changes)
-    exact = convert.plan_conversion(source_config, collapse_init="mean", mask_mode="token_causal", window_unit="token")
+    assert any("part of the token just before the source's window" in change for change in plan.function_changes)
+    exact = convert.plan_conversion(source_config, mask_mode="token_causal")
     assert exact.function_changes == []
 
 

@@ -99,7 +99,6 @@ EXPECTED_CONFIG = {
         "use_qk_norm": True,
         "attention_types": ["iha_full_attention", "iha_sliding_attention", "iha_sliding_attention"],
         "sliding_window": WINDOW,
-        "iha_window_unit": "virtual",
         "tie_word_embeddings": True,
     },
     "smollm3": {"use_qk_norm": False, "no_rope_layers": [1, 1, 0], "tie_word_embeddings": True},
@@ -109,7 +108,6 @@ EXPECTED_CONFIG = {
         "qkv_bias": True,
         "o_proj_bias": True,
         "mlp_bias": True,
-        "iha_window_unit": "virtual",
     },
     "gemma3": {
         "model_type": "iha_gemma3",
@@ -117,7 +115,6 @@ EXPECTED_CONFIG = {
         "attention_types": ["iha_sliding_attention", "iha_sliding_attention", "iha_full_attention"],
         "layer_types": ["sliding_attention", "sliding_attention", "full_attention"],
         "query_pre_attn_scalar": 12,
-        "iha_window_unit": "virtual",
         "auto_map": {
             "AutoConfig": "configuration_iha_gemma3.IHAGemma3Config",
             "AutoModel": "modeling_iha_gemma3.IHAGemma3TextModel",

@@ -360,8 +360,6 @@ def check_page_command(command, scratch: Path, servers: dict) -> None:
         pytest.fail(f"a command with a program this test does not know, {program!r}: {command.text}")
     arguments = substitute(arguments, program)
     task = research_task(program, arguments)
-    if task and not (REPO_ROOT / "research").is_dir():
-        pytest.skip("research/ is not in this checkout yet (issue 53 item 2 moves the research code there)")
     if not_run_reason(command.text, command.marker) or (task in PRESET_TASKS and not tiny_preset(arguments)):
         parse_only(program, arguments)
         return

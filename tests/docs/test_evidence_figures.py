@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from testing_utils import REPO_ROOT
 
-from iha.experiments.statistics import paired_differences
+from research.statistics import paired_differences
 
 
 SYNTHETIC = REPO_ROOT / "benchmarks" / "synthetic"
@@ -152,7 +152,7 @@ def test_recorded_epoch_times_against_the_idle_ones(paper_ternary):
     # The idle one-thread minutes per epoch the GPU estimate started from, and what the runs recorded on shared cores.
     idle = {"MHA": 0.4, "IHA P=2": 0.9, "IHA P=8": 3.3, "2-simplicial": 2.8}
     readme = _page("benchmarks/synthetic/README.md")
-    config = re.sub(r"\s+#?\s*", " ", (REPO_ROOT / "iha/experiments/synthetic/config.py").read_text(encoding="utf-8"))
+    config = re.sub(r"\s+#?\s*", " ", (REPO_ROOT / "research/synthetic/config.py").read_text(encoding="utf-8"))
     for model, label in [
         ("MHA", "MHA"),
         ("IHA P=2", "IHA P = 2"),

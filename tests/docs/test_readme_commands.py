@@ -3,6 +3,10 @@ rot: the commands run as written in README order in one scratch folder, the snip
 (docs_commands.py says how, with every substitution it makes). The docs pages' commands and snippets are checked the
 same way by their own test files beside this one; this file also holds the checks that span every page."""
 
+import re
+import shlex
+from pathlib import Path
+
 import pytest
 from docs_commands import (
     NOT_RUN,
@@ -11,6 +15,8 @@ from docs_commands import (
     check_written_files_are_ignored,
     command_ids,
     page_fixtures,
+    research_parser,
+    research_task,
     run_snippet,
     snippet_ids,
     snippets_to_run,
@@ -53,6 +59,55 @@ def test_the_readme_has_the_four_starts():
     assert {"iha-convert", "iha", "vllm", "mlx_lm.generate"} <= set(programs)
     assert any(command.engine == "vllm" for command in COMMANDS)
     assert SNIPPETS and all("import" in snippet for snippet in SNIPPETS)
+
+
+# Every `python -m research.<task>` command the pages show, in a code block (```bash or plain, `\` continuations
+# joined) or in running text (`...`): what a user copies must parse with the task's own parser. Those of the pages'
+# shell blocks also run (above, or in their page's test); the long presets are the same code with other settings.
+RESEARCH_PAGES = [
+    REPO_ROOT / "README.md",
+    REPO_ROOT / "CONTRIBUTING.md",
+    *sorted((REPO_ROOT / "docs").glob("*.md")),
+    *sorted((REPO_ROOT / "benchmarks").glob("*/README.md")),
+]
+RESEARCH_COMMAND = re.compile(r"python -m research\.[a-z_]+(?: [^`\n]*)?")
+
+
+def research_commands(page: Path) -> list[str]:
+    """The page's `python -m research.TASK ...` commands, as one line each (a pattern with `...` left out)."""
+    text = page.read_text(encoding="utf-8")
+    blocks = re.findall(r"^```[a-z]*\n(.*?)^```", text, re.S | re.M)
+    lines = [line for block in blocks for line in re.sub(r"\\\n\s*", " ", block).splitlines()]
+    spans = re.findall(r"`([^`]+)`", re.sub(r"^```.*?^```", "", text, flags=re.S | re.M).replace("\n", " "))
+    found = [match.group(0).strip() for piece in [*lines, *spans] for match in RESEARCH_COMMAND.finditer(piece)]
+    return [command for command in found if "..." not in command]
+
+
+RESEARCH_COMMANDS = sorted(
+    {(str(page.relative_to(REPO_ROOT)), command) for page in RESEARCH_PAGES for command in research_commands(page)}
+)
+
+
+def test_the_pages_show_every_research_task():
+    tasks = {command.split()[2] for _, command in RESEARCH_COMMANDS}
+    assert tasks == {"research.synthetic", "research.polynomial_filter", "research.ab"}, tasks
+
+
+@pytest.mark.parametrize("page, command", RESEARCH_COMMANDS, ids=[f"{p}: {c[:50]}" for p, c in RESEARCH_COMMANDS])
+def test_every_research_command_the_pages_show_parses(page, command, capsys):
+    words = shlex.split(command, comments=True)
+    if words[-1] == "&":  # run in the background, beside the next command
+        words = words[:-1]
+    words = ["1" if word == "N" else word for word in words]  # `--seed N`: a placeholder for a seed
+    program, *arguments = words
+    task = research_task(program, arguments)
+    assert task is not None, command
+    if arguments[2:] == ["--help"]:
+        with pytest.raises(SystemExit) as exit_info:
+            research_parser(task).parse_args(arguments[2:])
+        assert exit_info.value.code == 0 and capsys.readouterr().out.startswith(f"usage: python -m research.{task}")
+        return
+    research_parser(task).parse_args(arguments[2:])
 
 
 @pytest.mark.slow

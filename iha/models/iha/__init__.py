@@ -6,8 +6,9 @@ never installed: those files import only torch, transformers and each other (sin
 `tests/models/iha/test_remote_code.py` enforces. `naive_iha` is the plain reference every path is tested against.
 """
 
-from .configuration_iha import IHAConfig, paper_hybrid_layout
+from .configuration_iha import IHAConfig
 from .configuration_iha_gemma3 import IHAGemma3Config
+from .layer_iha import IHALayerSpec, paper_hybrid_layout
 from .modeling_iha import IHAForCausalLM, IHAHeadMixing, IHAModel, IHAPreTrainedModel
 from .modeling_iha_gemma3 import IHAGemma3ForCausalLM, IHAGemma3TextModel
 
@@ -19,6 +20,7 @@ __all__ = [
     "IHAGemma3ForCausalLM",
     "IHAGemma3TextModel",
     "IHAHeadMixing",
+    "IHALayerSpec",
     "IHAModel",
     "IHAPreTrainedModel",
     "paper_hybrid_layout",

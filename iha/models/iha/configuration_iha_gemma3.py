@@ -1,29 +1,15 @@
-# Copyright 2026 The iha authors.
-#
-# Licensed under the Apache License, Version 2.0 (the "License");
-# you may not use this file except in compliance with the License.
-# You may obtain a copy of the License at
-#
-#     http://www.apache.org/licenses/LICENSE-2.0
-#
-# Unless required by applicable law or agreed to in writing, software
-# distributed under the License is distributed on an "AS IS" BASIS,
-# WITHOUT WARRANTIES OR CONDITIONS OF ANY KIND, either express or implied.
-# See the License for the specific language governing permissions and
-# limitations under the License.
-"""Interleaved Head Attention (IHA) on Gemma 3's text decoder: the configuration.
+# Copyright 2026 The iha authors. Licensed under the Apache License, Version 2.0: you may not use this file except in
+# compliance with it (http://www.apache.org/licenses/LICENSE-2.0). SPDX-License-Identifier: Apache-2.0
+"""Interleaved Head Attention (IHA) on Gemma 3's text decoder: the configuration. Travels with the weights: imports
+only transformers and its siblings, no torch (a config or tokenizer loads where torch is absent)."""
 
-This file is copied next to the weights by `save_pretrained`, so it may import only torch, transformers and its
-siblings (`configuration_iha.py`, `compat_iha.py`, ...): never the `iha` package itself.
-"""
-
-# First: importing the compatibility module refuses a transformers below the supported range with one clear error.
-from .compat_iha import MINIMUM_TRANSFORMERS  # noqa: F401  # isort: skip
+# First: the version check refuses a transformers below the supported range with one clear error.
+from .version_iha import SUPPORTED_TRANSFORMERS  # noqa: F401  # isort: skip
 
 from huggingface_hub.dataclasses import strict
 from transformers import Gemma3TextConfig
 
-from .configuration_iha import IHA_FULL, IHA_SLIDING, STANDARD_SLIDING, IHAAttentionFields
+from .layer_iha import IHA_FULL, IHA_SLIDING, STANDARD_SLIDING, IHAAttentionFields
 
 
 # Gemma 3 fields whose non-default value IHA layers cannot compute: (field, the value Gemma 3 language models use).
@@ -39,15 +25,9 @@ class IHAGemma3Config(IHAAttentionFields, Gemma3TextConfig):
     r"""
     Configuration of a Gemma 3 text decoder whose attention layers are Interleaved Head Attention (IHA) layers.
 
-    Every `Gemma3TextConfig` field keeps its meaning: `head_dim`, `query_pre_attn_scalar` (the attention scale is
-    `query_pre_attn_scalar ** -0.5`), `rope_parameters` keyed by layer type (`"full_attention"`,
-    `"sliding_attention"`: a RoPE base per type), `sliding_window`, `hidden_activation`, tied embeddings scaled by
-    `sqrt(hidden_size)`, and Gemma's (1 + w) RMSNorms around attention and MLP and over each head's query and key.
-    The IHA fields are `IHAConfig`'s, with the same names, values and meaning (`num_pseudo_heads`,
-    `attention_types`, `iha_mask_mode`, `iha_position_mode`, `iha_collapse_mode`, `iha_collapse_init`,
-    `iha_cache_mode`, `iha_window_unit`); `attention_types` defaults to IHA layers in Gemma 3's own layout (`layer_types` when given,
-    else five sliding layers to one full layer), and `layer_types` is derived from it.
-
+    Every `Gemma3TextConfig` field keeps its meaning (`query_pre_attn_scalar`, `rope_parameters` keyed by layer type,
+    `sliding_window`, ...). The IHA fields are `IHAAttentionFields`'s (`layer_iha.py`); `attention_types` defaults to
+    IHA layers in Gemma 3's own layout (`layer_types` when given, else five sliding layers to one full layer).
     `attn_logit_softcapping`, `final_logit_softcapping` and `use_bidirectional_attention` must keep the values Gemma 3
     language models use (None, None, False).
 
@@ -97,7 +77,7 @@ class IHAGemma3Config(IHAAttentionFields, Gemma3TextConfig):
         if self.attention_types is None:
             self.layer_types = None  # derived again from `attention_types` below
         self.set_up_attention_types(
-            [IHA_SLIDING if layer_type == STANDARD_SLIDING else IHA_FULL for layer_type in source_types]
+            [IHA_SLIDING if layer_type == STANDARD_SLIDING else IHA_FULL for layer_type in source_types], kwargs
         )
         super().__post_init__(**kwargs)
 

@@ -1,32 +1,18 @@
-# Copyright 2026 The iha authors.
-#
-# Licensed under the Apache License, Version 2.0 (the "License");
-# you may not use this file except in compliance with the License.
-# You may obtain a copy of the License at
-#
-#     http://www.apache.org/licenses/LICENSE-2.0
-#
-# Unless required by applicable law or agreed to in writing, software
-# distributed under the License is distributed on an "AS IS" BASIS,
-# WITHOUT WARRANTIES OR CONDITIONS OF ANY KIND, either express or implied.
-# See the License for the specific language governing permissions and
-# limitations under the License.
-"""Masks of IHA layers, in virtual units: N * P pseudo-tokens per row instead of N tokens.
+# Copyright 2026 The iha authors. Licensed under the Apache License, Version 2.0: you may not use this file except in
+# compliance with it (http://www.apache.org/licenses/LICENSE-2.0). SPDX-License-Identifier: Apache-2.0
+"""Masks of IHA layers in virtual units (N * P pseudo-tokens per row), and the sliding caches they read sizes from.
 
-`create_iha_masks` builds one mask per attention type of the model (the way Gemma3 keys masks by layer type). IHA
-layers get transformers' own mask for their backend, built with every length and offset multiplied by P, except where
-a cheaper exact kernel exists on SDPA: sliding IHA layers without past tokens get the plan of blocked local attention
-(`blocked_local_iha.py`), full IHA layers on packed rows the plan of attention per document
-(`packed_documents_iha.py`). `attention_iha.choose_attention_path` names the kernel each kind of mask runs.
-
-This file travels with the weights (`save_pretrained` copies it next to `modeling_iha.py`), so it imports only torch,
-transformers and its siblings.
+`create_iha_masks` builds one mask per attention type (as Gemma 3 keys masks by layer type): transformers' own for
+standard layers; for IHA layers their backend's mask function called with every length and offset times P and the
+padding and packed-sequence ids repeated P times, in the backend's usual format. An installed `iha` registers exact
+fast paths under `iha|<backend>` (`iha.attention`), called the same way with the layer's `IHALayerSpec` and the packed
+ids added. Travels with the weights: imports only torch, transformers and its siblings.
 """
 
 from collections.abc import Callable
 
 import torch
-from transformers.cache_utils import Cache
+from transformers.cache_utils import Cache, DynamicSlidingWindowLayer, StaticSlidingWindowLayer
 from transformers.masking_utils import (
     ALL_MASK_ATTENTION_FUNCTIONS,
     and_masks,
@@ -34,20 +20,21 @@ from transformers.masking_utils import (
     create_sliding_window_causal_mask,
     find_packed_sequence_indices,
     packed_sequence_mask_function,
-    padding_mask_function,
 )
+from transformers.modeling_outputs import BaseModelOutputWithPast
 
-from .blocked_local_iha import blocked_local_attention_applies, create_blocked_local_mask, window_reach_tokens
-from .compat_iha import cache_keyword, cache_query_offset
-from .configuration_iha import (
-    IHA_SLIDING,
-    STANDARD_FULL,
-    STANDARD_SLIDING,
-    IHAConfig,
-    is_iha_layer,
-    is_sliding_layer,
-)
-from .packed_documents_iha import create_packed_documents_mask, per_document_attention_applies
+from .layer_iha import STANDARD_FULL, IHALayerSpec, is_iha_layer
+
+
+# The prefix under which an installed `iha` registers its fast paths in transformers' attention and mask registries.
+INSTALLED_PATH_PREFIX = "iha|"
+# The cache's name in mask helpers and model outputs: `cache` from 5.24, `past_key_values` before (under the wrong name
+# it lands in `**kwargs`, ignored: garbage without an error), so every call names it with `cache_keyword`.
+CACHE_ARGUMENT = "cache" if "cache" in BaseModelOutputWithPast.__dataclass_fields__ else "past_key_values"
+
+
+def cache_keyword(cache) -> dict:
+    return {CACHE_ARGUMENT: cache}
 
 
 def flat_causal_mask_function(num_pseudo_heads: int) -> Callable:
@@ -68,29 +55,9 @@ def token_causal_mask_function(num_pseudo_heads: int) -> Callable:
     return inner_mask
 
 
-def token_window_overlay(sliding_window: int, num_pseudo_heads: int) -> Callable:
-    """`iha_window_unit="token"`: keep the pseudo-tokens of the last `sliding_window` tokens.
-
-    The window is counted in tokens, like transformers' sliding layers, so the sliding KV cache (which keeps the
-    last `sliding_window - 1` tokens) holds everything the mask lets through. For the last pseudo-head this is the
-    paper's window of `sliding_window * P` virtual tokens; earlier pseudo-heads of a token see slightly fewer.
-    """
-
-    def inner_mask(batch_idx, head_idx, q_idx, kv_idx):
-        return kv_idx // num_pseudo_heads > q_idx // num_pseudo_heads - sliding_window
-
-    return inner_mask
-
-
-def virtual_window_overlay(sliding_window: int, num_pseudo_heads: int) -> Callable:
-    """`iha_window_unit="virtual"`, the paper's window: keep the last `sliding_window * P` virtual tokens.
-
-    A flat band over the interleaved sequence, the same width for every pseudo-query (transformers'
-    `sliding_window_overlay` in virtual units): what FlashAttention's, SDPA's and vLLM's sliding-window kernels compute.
-    The last pseudo-query of token n sees exactly the pseudo-tokens of tokens n - W + 1 .. n (the token window), the
-    first reaches into token n - W: its sliding caches keep one token more (`keep_virtual_windows_in_cache`).
-    """
-    virtual_window = sliding_window * num_pseudo_heads
+def virtual_window_overlay(virtual_window: int) -> Callable:
+    """The paper's window: the last `virtual_window` (W * P) virtual tokens, the same width for every pseudo-query
+    (transformers' `sliding_window_overlay` in virtual units), what every stock sliding-window kernel computes."""
 
     def inner_mask(batch_idx, head_idx, q_idx, kv_idx):
         return kv_idx > q_idx - virtual_window
@@ -98,149 +65,94 @@ def virtual_window_overlay(sliding_window: int, num_pseudo_heads: int) -> Callab
     return inner_mask
 
 
-def window_unit(config) -> str:
-    """The config's `iha_window_unit`; configs written before the field existed mean "token"."""
-    return getattr(config, "iha_window_unit", "token")
+def cache_query_offset(cache: Cache, layer_idx: int):
+    """How many tokens precede the current queries in `cache` (an int, or a tensor for static caches)."""
+    if hasattr(cache, "get_query_offset"):
+        return cache.get_query_offset(layer_idx)
+    return cache.get_seq_length()  # before 5.14 transformers' own mask helpers count the cached tokens
 
 
-def window_overlay(config, sliding_window: int) -> Callable:
-    """The window of a sliding IHA layer of `config`, as a mask function over virtual indices."""
-    if window_unit(config) == "virtual":
-        return virtual_window_overlay(sliding_window, config.num_pseudo_heads)
-    return token_window_overlay(sliding_window, config.num_pseudo_heads)
-
-
-def kernel_sliding_window(config, attention_type: str) -> int | None:
-    """The `sliding_window` a layer hands its attention kernel (FlashAttention reads it; the others take the window
-    from the mask): the window in tokens on standard sliding layers, `sliding_window * P` virtual tokens on IHA
-    layers with the virtual window, and None on IHA layers with the token window, which no kernel's window computes
-    (and on full layers)."""
-    if not is_sliding_layer(attention_type):
-        return None
-    if not is_iha_layer(attention_type):
-        return config.sliding_window
-    if window_unit(config) == "virtual":
-        return config.sliding_window * config.num_pseudo_heads
-    return None
-
-
-def cache_window_tokens(config) -> int:
-    """The window a sliding cache layer of an IHA sliding layer is built with: transformers' sliding layers keep
-    `window - 1` past tokens, and the virtual window reaches `sliding_window` tokens back (one more) when P > 1."""
-    return window_reach_tokens(config.sliding_window, config.num_pseudo_heads, window_unit(config)) + 1
-
-
-def keep_virtual_windows_in_cache(config, cache: Cache | None) -> None:
-    """Give the sliding cache layers of a model with virtual-window IHA layers the window the mask reaches (one token
-    more).
-
-    transformers' caches build every sliding layer from `config.sliding_window` and keep `sliding_window - 1` past
-    tokens; the first pseudo-query of a token reaches `sliding_window` tokens back. The cache's window is widened
-    before the layer stores anything (dynamic layers keep one more token; static ones get one more slot), once:
-    this runs wherever the masks are built, since they read their sizes from the cache. Standard sliding layers are
-    widened alike (their mask still keeps `sliding_window` tokens): transformers' mask helpers read the sizes of every
-    sliding layer from the first one. A cache that already holds tokens under the narrower window cannot give back
-    the token it dropped, and is refused.
-    """
-    if cache is None or window_unit(config) != "virtual" or not hasattr(cache, "layers"):
+def fit_sliding_caches(config, cache: Cache | None) -> None:
+    """Rebuild the sliding layers of `cache`, still empty, with the public constructor of their class and the window
+    the paper's window reaches (`IHALayerSpec.cache_window`: transformers keeps `sliding_window - 1` past tokens, one
+    too few when P > 1). Standard sliding layers are widened alike (their masks keep their own window): transformers'
+    mask helpers read every sliding layer's sizes from the first. A layer that already dropped a token is refused."""
+    if cache is None or not hasattr(cache, "layers"):
         return
-    if IHA_SLIDING not in config.attention_types:
+    widest = max((config.layer_spec(i).cache_window or 0 for i in range(config.num_hidden_layers)), default=0)
+    if widest <= (config.sliding_window or 0):
         return
-    needed = cache_window_tokens(config)
-    if needed == config.sliding_window:
-        return
-    for layer_idx, attention_type in enumerate(config.attention_types):
-        if not is_sliding_layer(attention_type) or layer_idx >= len(cache.layers):
+    for layer_idx, layer in enumerate(cache.layers[: config.num_hidden_layers]):
+        if not getattr(layer, "is_sliding", False) or not config.layer_spec(layer_idx).is_sliding:
+            continue  # a layer that keeps every token (a `DynamicCache()` built without the config)
+        if isinstance(layer, DynamicSlidingWindowLayer):
+            too_narrow = layer.sliding_window < widest
+        elif isinstance(layer, StaticSlidingWindowLayer):  # min(sliding_window, the cache's length) slots, rolled
+            too_narrow = layer.max_cache_len == config.sliding_window
+        else:
+            too_narrow = True  # a kind of sliding layer IHA cannot read the window of
+        if not too_narrow:
             continue
-        layer = cache.layers[layer_idx]
-        if not getattr(layer, "is_sliding", False):
-            continue  # a cache layer that keeps every token (a `DynamicCache()` built without the config)
-        is_static = getattr(layer, "is_compileable", False) and hasattr(layer, "max_cache_len")
-        if not is_static and not hasattr(layer, "_sliding_window_tensor"):
+        if layer.get_seq_length() > 0 or type(layer) not in (DynamicSlidingWindowLayer, StaticSlidingWindowLayer):
             raise ValueError(
-                f"Layer {layer_idx} is a sliding layer of a model with the virtual window (iha_window_unit='virtual'), "
-                f"and IHA cannot widen its cache layer ({type(layer).__name__}) to the {needed - 1} past tokens the "
-                "window reaches. Use DynamicCache or StaticCache (what generate() builds)."
+                f"Layer {layer_idx} is a sliding layer whose window reaches {widest - 1} past tokens, but its cache "
+                f"({type(layer).__name__}) keeps {config.sliding_window - 1}. Pass a new DynamicCache or StaticCache "
+                "(or none, as generate() does): IHA widens its sliding layers before the first token is stored."
             )
-        if is_static:  # a static sliding layer: `max_cache_len` slots, rolled
-            if layer.max_cache_len != config.sliding_window:
-                continue  # already widened, or shorter than the window (then it holds every token)
-            holds_tokens = layer.get_seq_length() > 0
-            if not holds_tokens:
-                layer.max_cache_len = needed
-                if layer.is_initialized:  # allocated ahead of the first forward (`early_initialization`)
-                    layer.lazy_initialization(layer.keys[:, :, :1], layer.values[:, :, :1])
-        else:  # a dynamic sliding layer keeps `sliding_window - 1` past tokens
-            if layer.sliding_window != config.sliding_window:
-                continue
-            holds_tokens = layer.get_seq_length() > 0
-            if not holds_tokens:
-                layer.sliding_window = needed
-                layer._sliding_window_tensor = torch.full_like(layer._sliding_window_tensor, needed)
-        if holds_tokens:
-            raise ValueError(
-                f"Layer {layer_idx} is a sliding layer of a model with the virtual window (iha_window_unit='virtual'), "
-                f"whose sliding caches keep {needed - 1} past tokens, but this cache was filled keeping "
-                f"{config.sliding_window - 1}. Pass a new cache (or none) to the model: it widens the window of "
-                "the cache before the first token is stored."
-            )
+        if isinstance(layer, DynamicSlidingWindowLayer):
+            wider = DynamicSlidingWindowLayer(sliding_window=widest)
+        else:
+            full_lengths = [other.max_cache_len for other in cache.layers if not getattr(other, "is_sliding", False)]
+            wider = StaticSlidingWindowLayer(max_cache_len=max(full_lengths, default=widest + 1), sliding_window=widest)
+            if layer.is_initialized:  # allocated ahead of the first forward (a compiled generate): allocate it too
+                wider.lazy_initialization(layer.keys[:, :, :1], layer.values[:, :, :1])
+        cache.layers[layer_idx] = wider
 
 
 def create_interleaved_mask(
-    config: IHAConfig,
+    config,
+    spec: IHALayerSpec,
     inputs_embeds: torch.Tensor,
     attention_mask: torch.Tensor | None,
-    past_key_values: Cache | None,
+    cache: Cache | None,
     position_ids: torch.Tensor | None,
     layer_idx: int,
-    sliding_window: int | None = None,
 ):
-    """Build the attention mask of IHA layers in virtual units (queries and keys are N * P pseudo-tokens long).
-
-    transformers' mask helpers assume one query per token, so we call the backend's own mask function with every
-    length and offset multiplied by P, the padding mask repeated P times and packed-sequence ids repeated P times.
-    The result has the backend's usual format (bool for sdpa, float for eager, BlockMask for flex, 2D for flash),
-    except where a fast path applies on SDPA: sliding layers without past tokens get a `BlockedLocalMask`
-    (`blocked_local_iha.py`), full layers on packed rows a `PackedDocumentsMask` (`packed_documents_iha.py`). For flat-causal
-    full layers without padding `sdpa_mask` returns None, and SDPA runs its `is_causal` kernel.
-    `choose_attention_path` names the kernel each kind of mask goes to.
-    """
-    num_pseudo = config.num_pseudo_heads
-    if config._attn_implementation not in ALL_MASK_ATTENTION_FUNCTIONS:
+    """The mask of one IHA layer in virtual units (queries and keys are N * P pseudo-tokens long)."""
+    num_pseudo = spec.num_pseudo_heads
+    attn_implementation = config._attn_implementation
+    if attn_implementation not in ALL_MASK_ATTENTION_FUNCTIONS:
         return attention_mask
-    mask_interface = ALL_MASK_ATTENTION_FUNCTIONS[config._attn_implementation]
+    mask_interface = ALL_MASK_ATTENTION_FUNCTIONS.get(
+        INSTALLED_PATH_PREFIX + attn_implementation, ALL_MASK_ATTENTION_FUNCTIONS[attn_implementation]
+    )
 
     batch_size, query_length = inputs_embeds.shape[:2]
-    if past_key_values is not None:
-        query_offset = cache_query_offset(past_key_values, layer_idx)
+    if cache is not None:
+        query_offset = cache_query_offset(cache, layer_idx)
         if isinstance(query_offset, torch.Tensor):
             query_offset = query_offset.to(inputs_embeds.device)
-        kv_length, kv_offset = past_key_values.get_mask_sizes(query_length, layer_idx)
+        kv_length, kv_offset = cache.get_mask_sizes(query_length, layer_idx)
     else:
         query_offset, kv_offset = 0, 0
         kv_length = query_length if attention_mask is None else attention_mask.shape[-1]
 
-    if config.iha_mask_mode == "token_causal":
+    if spec.mask_mode == "token_causal":
         mask_function = token_causal_mask_function(num_pseudo)
     else:
         mask_function = flat_causal_mask_function(num_pseudo)
     # SDPA's `is_causal` shortcut is only valid for the plain flat-causal pattern; `sdpa_mask` still checks lengths
     # and offsets (in virtual units) before it takes it, so decoding P queries against a longer cache gets a mask.
-    allow_is_causal_skip = config.iha_mask_mode == "flat_causal"
-    if sliding_window is not None:
-        mask_function = and_masks(mask_function, window_overlay(config, sliding_window))
+    allow_is_causal_skip = spec.mask_mode == "flat_causal"
+    if spec.is_sliding:
+        mask_function = and_masks(mask_function, virtual_window_overlay(spec.virtual_window))
 
-    # Packed (padding-free) batches: restarting position_ids without an attention mask, as TRL sends them. Full layers
-    # on SDPA attend per document (`per_document_attention_applies` says when); flex gets the document ids in its
-    # BlockMask (whose blocks across documents are skipped), sliding layers in their blocked mask, eager the dense
-    # mask. FlashAttention finds the documents itself from the virtual position ids (`virtual_flash_kwargs`).
-    if position_ids is not None and attention_mask is None and past_key_values is None:
+    # Packed (padding-free) rows: restarting position ids without an attention mask, as TRL sends them. Documents must
+    # not see each other: the ids, repeated per pseudo-token, go into the mask function (flex skips the blocks across
+    # documents). FlashAttention finds the documents itself from the virtual position ids (`virtual_flash_kwargs`).
+    packed_sequence_ids = None
+    if position_ids is not None and attention_mask is None and cache is None:
         packed_sequence_ids = find_packed_sequence_indices(position_ids.expand(batch_size, -1))
-        attends_per_document = per_document_attention_applies(config._attn_implementation, sliding_window)
-        if packed_sequence_ids is not None and attends_per_document:
-            return create_packed_documents_mask(
-                packed_sequence_ids, num_pseudo, token_causal=config.iha_mask_mode == "token_causal"
-            )
         if packed_sequence_ids is not None:
             virtual_sequence_ids = packed_sequence_ids.repeat_interleave(num_pseudo, dim=-1)
             mask_function = and_masks(mask_function, packed_sequence_mask_function(virtual_sequence_ids))
@@ -251,28 +163,6 @@ def create_interleaved_mask(
         virtual_padding_mask = attention_mask.to(device=inputs_embeds.device, dtype=torch.bool)
         virtual_padding_mask = virtual_padding_mask.repeat_interleave(num_pseudo, dim=-1)
 
-    no_past_tokens = not isinstance(query_offset, torch.Tensor) and query_offset == 0 and kv_offset == 0
-    if blocked_local_attention_applies(
-        config._attn_implementation,
-        sliding_window,
-        query_length,
-        kv_length,
-        no_past_tokens,
-        num_pseudo,
-        window_unit(config),
-    ):
-        if virtual_padding_mask is not None:
-            mask_function = and_masks(mask_function, padding_mask_function(virtual_padding_mask))
-        return create_blocked_local_mask(
-            mask_function,
-            batch_size,
-            query_length,
-            num_pseudo,
-            sliding_window,
-            inputs_embeds.device,
-            window_unit(config),
-        )
-
     return mask_interface(
         batch_size=batch_size,
         q_length=query_length * num_pseudo,
@@ -282,28 +172,26 @@ def create_interleaved_mask(
         mask_function=mask_function,
         attention_mask=virtual_padding_mask,
         allow_is_causal_skip=allow_is_causal_skip,
-        local_size=None if sliding_window is None else sliding_window * num_pseudo,
+        local_size=spec.virtual_window,
         dtype=inputs_embeds.dtype,
         config=config,
         use_vmap=False,
         device=inputs_embeds.device,
+        iha_layer=spec,
+        packed_sequence_ids=packed_sequence_ids,
     )
 
 
 def create_iha_masks(
-    config: IHAConfig,
+    config,
     inputs_embeds: torch.Tensor,
     attention_mask: torch.Tensor | None,
-    past_key_values: Cache | None,
+    cache: Cache | None,
     position_ids: torch.Tensor | None = None,
-    **kwargs,
 ) -> dict:
-    """One mask per attention type present in the model, keyed by the entries of `config.attention_types`.
-
-    The sliding caches of virtual-window IHA layers get their window first (`keep_virtual_windows_in_cache`): the
-    masks' sizes are read from the cache.
-    """
-    keep_virtual_windows_in_cache(config, past_key_values)
+    """One mask per attention type present in the model, keyed by the entries of `config.attention_types`. The
+    sliding caches are fitted to the window first (`fit_sliding_caches`): the masks read their sizes from the cache."""
+    fit_sliding_caches(config, cache)
     if isinstance(attention_mask, torch.Tensor) and attention_mask.ndim != 2:
         raise ValueError(
             f"IHA models take a 2D padding mask [batch, tokens]; got a {attention_mask.ndim}D attention_mask. IHA layers "
@@ -314,30 +202,18 @@ def create_iha_masks(
     for layer_idx, attention_type in enumerate(config.attention_types):
         if attention_type in masks:
             continue
-        if attention_type == STANDARD_FULL:
-            masks[attention_type] = create_causal_mask(
-                config=config,
-                inputs_embeds=inputs_embeds,
-                attention_mask=attention_mask,
-                position_ids=position_ids,
-                **cache_keyword(past_key_values),
-            )
-        elif attention_type == STANDARD_SLIDING:
-            masks[attention_type] = create_sliding_window_causal_mask(
-                config=config,
-                inputs_embeds=inputs_embeds,
-                attention_mask=attention_mask,
-                position_ids=position_ids,
-                **cache_keyword(past_key_values),
-            )
-        else:
+        if is_iha_layer(attention_type):
+            spec = config.layer_spec(layer_idx)
             masks[attention_type] = create_interleaved_mask(
-                config,
-                inputs_embeds,
-                attention_mask,
-                past_key_values,
-                position_ids,
-                layer_idx=layer_idx,
-                sliding_window=config.sliding_window if is_sliding_layer(attention_type) else None,
+                config, spec, inputs_embeds, attention_mask, cache, position_ids, layer_idx
             )
+            continue
+        standard_mask = create_causal_mask if attention_type == STANDARD_FULL else create_sliding_window_causal_mask
+        masks[attention_type] = standard_mask(
+            config=config,
+            inputs_embeds=inputs_embeds,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            **cache_keyword(cache),
+        )
     return masks

@@ -1,33 +1,15 @@
-# Copyright 2026 The iha authors.
-#
-# Licensed under the Apache License, Version 2.0 (the "License");
-# you may not use this file except in compliance with the License.
-# You may obtain a copy of the License at
-#
-#     http://www.apache.org/licenses/LICENSE-2.0
-#
-# Unless required by applicable law or agreed to in writing, software
-# distributed under the License is distributed on an "AS IS" BASIS,
-# WITHOUT WARRANTIES OR CONDITIONS OF ANY KIND, either express or implied.
-# See the License for the specific language governing permissions and
-# limitations under the License.
+# Copyright 2026 The iha authors. Licensed under the Apache License, Version 2.0: you may not use this file except in
+# compliance with it (http://www.apache.org/licenses/LICENSE-2.0). SPDX-License-Identifier: Apache-2.0
 """Interleaved Head Attention (IHA, arXiv 2602.21371) for Llama-family decoders.
 
-An IHA layer projects q/k/v as usual, mixes the heads into P pseudo-heads per head with learned coefficients,
-interleaves the pseudo-tokens token-major into a sequence of N * P virtual tokens, runs ordinary attention over it
-and folds the H * P pseudo-outputs back to H heads with a learned collapse before `o_proj`.
-
-Like transformers' `modular_*.py` files, this file states only what IHA changes: the attention, its caches, the RoPE
-inputs of each layer (passed to the layers as their `position_embeddings`) and the model forward that builds IHA's
-masks. The decoder layer, the causal LM's forward and the weight init are the installed transformers' Llama classes,
-so they are whatever the user's release makes them (`compat_iha.py` bridges what differs between releases).
-
-The masks live in `masking_iha.py`, the choice of kernel in `attention_iha.py`, and the two fast paths on SDPA in
-their own files (`blocked_local_iha.py`, `packed_documents_iha.py`); `iha.models.iha.naive_iha` is the plain reference every
-path is tested against. This file is copied next to the weights by `save_pretrained`, so it imports only torch,
-transformers and its siblings (those above, `configuration_iha.py`, and `compat_iha.py`, where every difference
-between transformers releases is handled). Remote-code classes are different objects from the installed package's: nothing here may check
-`isinstance(config, IHAConfig)`.
+An IHA layer projects q/k/v as usual, mixes the heads into P pseudo-heads per head, interleaves the pseudo-tokens
+token-major into N * P virtual tokens, attends over them and folds the H * P pseudo-outputs back to H heads before
+`o_proj`. Like transformers' `modular_*.py` files, this file states only what IHA changes (the attention, its caches,
+each layer's RoPE inputs, the forward that builds the masks of `masking_iha.py`); the rest is transformers' Llama.
+What a layer is comes from `layer_iha.py`. IHA layers attend with transformers' own attention functions; an installed
+`iha` registers faster exact paths under `iha|<backend>` (`iha.attention`), and continuous batching, which a folder
+loaded without the package refuses. Copied next to the weights: imports only torch, transformers and its siblings, and
+never checks `isinstance(config, IHAConfig)` (remote-code classes are other objects than the package's).
 """
 
 from collections.abc import Callable
@@ -37,6 +19,7 @@ import torch
 from torch import nn
 from transformers import initialization as init
 from transformers.cache_utils import Cache, DynamicCache
+from transformers.generation.continuous_batching import PagedAttentionCache
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import BaseModelOutputWithPast
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
@@ -51,69 +34,114 @@ from transformers.models.llama.modeling_llama import (
     eager_attention_forward,
 )
 from transformers.processing_utils import Unpack
-from transformers.utils import TransformersKwargs, logging
+from transformers.utils import TransformersKwargs
 from transformers.utils.generic import merge_with_config_defaults
 from transformers.utils.output_capturing import capture_outputs
 
-from .attention_iha import IHA_ATTENTION_PATHS, choose_attention_path, virtual_flash_kwargs
-
 # transformers 5.4 - 5.9 copy into their remote-code cache only the files the loaded module imports itself, not the
 # files those import: the module `auto_map` names imports every sibling it needs, directly.
-from .blocked_local_iha import BlockedLocalMask  # noqa: F401
-from .compat_iha import (
-    CACHE_ARGUMENT_NAMES,
-    cache_keyword,
-    check_untested_release,
-    paged_cache_update,
-    take_cache_argument,
-)
-from .configuration_iha import IHAConfig, is_iha_layer, is_sliding_layer
-from .masking_iha import create_iha_masks, kernel_sliding_window
-from .packed_documents_iha import PackedDocumentsMask  # noqa: F401
-from .serving_iha import (
-    PAGED_ATTENTION_IMPLEMENTATIONS,
-    check_attention_engine,
-    continuous_batching_config_for_iha,
-    create_paged_iha_masks,
-    is_paged_cache,
-    keep_virtual_windows_in_paged_cache,
-    paged_attention_implementation,
+from .configuration_iha import IHAConfig
+from .layer_iha import FIELD_DEFAULTS, is_iha_layer
+from .masking_iha import INSTALLED_PATH_PREFIX, cache_keyword, create_iha_masks
+from .mixing_iha import collapse_matrix, mixing_matrix
+from .version_iha import SUPPORTED_TRANSFORMERS  # noqa: F401
+
+
+# Attention implementations whose functions take IHA's virtual sequence as it is.
+IHA_ATTENTION_IMPLEMENTATIONS = ("eager", "sdpa", "flex_attention", *(f"flash_attention_{v}" for v in (2, 3, 4)))
+# Engines that run a transformers model's layers with their own paged kernels, by the implementation name they
+# register: their cache slots hold one key per real token, which IHA's N * P pseudo-tokens do not fit.
+ENGINE_BACKENDS = {"vllm": "vLLM's Transformers backend", "sglang": "SGLang's Transformers backend"}
+# The name under which an installed `iha` registers its continuous batching (`iha.attention.continuous_batching`).
+CONTINUOUS_BATCHING_PATH = INSTALLED_PATH_PREFIX + "paged"
+NEEDS_THE_PACKAGE = (
+    "Continuous batching of IHA models (generate_batch, transformers serve) runs IHA's layers request by request on "
+    "the paged cache, which the installed iha package provides: pip install iha, and import iha before loading the "
+    "model (or serve with `iha serve MODEL --continuous_batching`)."
 )
 
 
-logger = logging.get_logger(__name__)
+def take_cache_argument(past_key_values, kwargs: dict):
+    """The cache passed to a forward under either name (`cache` from transformers 5.24, `past_key_values` before;
+    users, TRL and PEFT may use either); removes the other name from `kwargs`. Both at once is refused."""
+    other = kwargs.pop("cache", None)
+    if other is not None and past_key_values is not None:
+        raise ValueError("Pass the cache as `cache` or as `past_key_values`, not both.")
+    return past_key_values if past_key_values is not None else other
+
+
+def is_paged_cache(cache) -> bool:
+    """Whether `cache` is continuous batching's paged cache (not a `Cache`: no per-row tensors)."""
+    return isinstance(cache, PagedAttentionCache)
+
+
+def continuous_batching_path():
+    """The installed package's continuous batching of IHA layers, or a refusal naming the fix."""
+    path = ALL_ATTENTION_FUNCTIONS.get(CONTINUOUS_BATCHING_PATH)
+    if path is None:
+        raise ValueError(NEEDS_THE_PACKAGE)
+    return path
+
+
+def check_attention_implementation(name: str | None, kwargs: dict, paged: bool | None = None) -> None:
+    """Refuse, in one line, an engine's own backend (vLLM and SGLang hand every layer their paged kernels) or an
+    interface IHA was not checked with; continuous batching's `paged|...` names run on its paged cache only (`paged`:
+    whether this forward has one, None where the model is set up)."""
+    name = name or "eager"
+    if name in ENGINE_BACKENDS or "attention_instances" in kwargs:
+        engine = ENGINE_BACKENDS.get(name, f"an engine's attention backend ({name!r}, passing `attention_instances`)")
+        raise ValueError(
+            f"IHA layers cannot run under {engine} (attn_implementation={name!r}): its paged kernels and cache slots "
+            "hold one key per real token, while an IHA layer attends over N * P pseudo-tokens of mixed heads, so it "
+            "would decode wrong tokens without any error. Serve IHA with the iha vLLM plugin (`vllm serve FOLDER`, "
+            "`pip install iha[vllm]`) or `iha serve MODEL --continuous_batching`."
+        )
+    if name.startswith("paged|"):
+        continuous_batching_path()
+        if paged is False:
+            raise ValueError(
+                f"attn_implementation {name!r} runs only under continuous batching, with its paged cache; a plain "
+                f"forward or generate() runs IHA with {name.removeprefix('paged|')!r}."
+            )
+    elif name not in IHA_ATTENTION_IMPLEMENTATIONS:
+        raise ValueError(
+            f"IHA layers run with attn_implementation in {list(IHA_ATTENTION_IMPLEMENTATIONS)}, not {name!r}: an "
+            "attention interface IHA was not checked with may run ordinary attention over the tokens and give wrong "
+            "outputs without any error. Load the model with one of those."
+        )
+
+
+def virtual_flash_kwargs(kwargs: dict, num_pseudo_heads: int) -> dict:
+    """FlashAttention finds packed sequences from position ids / cumulative lengths: give them in virtual units."""
+    kwargs = dict(kwargs)
+    position_ids = kwargs.get("position_ids")
+    if position_ids is not None:
+        virtual_offsets = torch.arange(num_pseudo_heads, device=position_ids.device)
+        kwargs["position_ids"] = (position_ids[..., None] * num_pseudo_heads + virtual_offsets).flatten(-2)
+    for key in ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k"):
+        if kwargs.get(key) is not None:
+            kwargs[key] = kwargs[key] * num_pseudo_heads
+    return kwargs
 
 
 def mix_and_interleave(states: torch.Tensor, alpha: torch.Tensor) -> torch.Tensor:
-    """Mix heads into pseudo-heads and interleave them token-major.
-
-    states [B, M, N, d] (M source heads), alpha [M, H, P] -> [B, H, N * P, d] where virtual index n * P + p holds
-    pseudo-head p of token n: `out[b, h, n * P + p] = sum_m alpha[m, h, p] * states[b, m, n]`.
-
-    The result is a transposed view of a contiguous [B, N * P, H, d] tensor (the layout `q_proj` produces and SDPA
-    reads without a copy): one [P * H, M] @ [M, d] product per token writes every pseudo-head of that token in
-    place, where an einsum into [B, H, N, P, d] would need two extra permuting copies.
-    """
+    """states [B, M, N, d] (M source heads), alpha [M, H, P] -> [B, H, N * P, d]: `out[b, h, n * P + p] =
+    sum_m alpha[m, h, p] * states[b, m, n]`, a transposed view of a contiguous [B, N * P, H, d] tensor (one
+    [P * H, M] @ [M, d] product per token, no permuting copies; SDPA reads the layout without a copy)."""
     batch_size, _, seq_len, head_dim = states.shape
-    num_source_heads, num_target_heads, num_pseudo_heads = alpha.shape
-    # Row p * H + h of the mixing matrix holds alpha[:, h, p].
-    mixing_matrix = alpha.permute(2, 1, 0).reshape(num_pseudo_heads * num_target_heads, num_source_heads)
-    mixed = torch.matmul(mixing_matrix.to(states.dtype), states.transpose(1, 2))  # [B, N, P * H, d]
+    _, num_target_heads, num_pseudo_heads = alpha.shape
+    mixed = torch.matmul(mixing_matrix(alpha).to(states.dtype), states.transpose(1, 2))  # [B, N, P * H, d]
     return mixed.view(batch_size, seq_len * num_pseudo_heads, num_target_heads, head_dim).transpose(1, 2)
 
 
 def apply_pseudo_rotation(states: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate pseudo-token p of every token by RoPE at position p (states [B, H, N * P, d], cos/sin [P, d]).
-
-    Virtual positions are n * P + p and Rot(n * P + p) = Rot(p) . Rot(n * P): the token-level rotation at n * P was
-    applied before mixing (it commutes with mixing across heads), so only this small per-p rotation is left.
-    """
+    """Rotate pseudo-token p of every token by RoPE at position p (states [B, H, N * P, d], cos/sin [P, d]): with
+    virtual positions Rot(n * P + p) = Rot(p) . Rot(n * P), and Rot(n * P) ran before the mixing (it commutes)."""
     num_pseudo_heads = cos.shape[0]
     states = states.unflatten(2, (states.shape[2] // num_pseudo_heads, num_pseudo_heads))  # [B, H, N, P, d]
     half = states.shape[-1] // 2
-    # states * cos + rotate_half(states) * sin, with rotate_half(x) = (-x2, x1) added half by half in place: on these
-    # P-times larger tensors, fewer passes over memory than materialising rotate_half (this runs on the whole
-    # re-mixed cache at every decoding step in token cache mode).
+    # states * cos + rotate_half(states) * sin, added half by half in place: fewer passes over these P-times larger
+    # tensors (the whole re-mixed cache at every decoding step in token cache mode) than materialising rotate_half.
     rotated = states * cos
     rotated[..., :half].addcmul_(states[..., half:], sin[..., :half], value=-1)
     rotated[..., half:].addcmul_(states[..., :half], sin[..., half:])
@@ -121,36 +149,25 @@ def apply_pseudo_rotation(states: torch.Tensor, cos: torch.Tensor, sin: torch.Te
 
 
 def mixing_dtype() -> torch.dtype:
-    """The dtype of new mixing parameters: fp32 where the default dtype is 16-bit, else the default (fp32 or fp64).
-
-    Most mixing entries start at exactly 0 or 1, and an optimizer step of about the learning rate (1e-3) is below half
-    the spacing of bf16 numbers near 1.0 (2^-8 below, 2^-7 above): in bf16 the update rounds away and the identity
-    entries never move. The forward casts the mixing to the activations' dtype, which keeps identity exact.
-    """
+    """The dtype of new mixing parameters: fp32 where the default dtype is 16-bit. Most entries start at 0 or 1, and
+    a step of ~1e-3 is below half the spacing of bf16 numbers near 1.0: in bf16 the identity entries would never move.
+    The forward casts the mixing to the activations' dtype, which keeps identity exact."""
     return torch.promote_types(torch.get_default_dtype(), torch.float32)
 
 
 class IHAHeadMixing(nn.Module):
-    """The learned parameters of one IHA layer: head mixing into pseudo-heads and the collapse back to heads.
-
-    They live in their own submodule so that PEFT can keep them trainable with `modules_to_save=["head_mixing"]`.
-    They are kept in fp32 whatever the model's dtype (see `mixing_dtype`): built so here (`from_config(dtype=...)`,
-    a 16-bit default dtype) and loaded so by `from_pretrained` (`_keep_in_fp32_modules_strict`).
-
-    - `alpha_q` [H, H, P]: `Q~[n, h, p] = sum_m alpha_q[m, h, p] * Q[n, m]` (m source head, h target head).
-    - `alpha_k`, `alpha_v` [H_kv, H_kv, P]: keys and values mix only among the KV heads ("group-preserving" GQA),
-      so query head h attends the pseudo-streams of its own KV group, exactly like `repeat_kv`.
-    - `collapse`: [H, P] (`per_head`: head h reads its own P pseudo-outputs) or [H, H, P] (`global`: target head,
-      source head, pseudo index).
-    """
+    """The learned parameters of one IHA layer, in a submodule of their own (PEFT's `modules_to_save=["head_mixing"]`)
+    and in fp32 whatever the model's dtype (`mixing_dtype`, `_keep_in_fp32_modules_strict`): `alpha_q` [H, H, P]
+    (`Q~[n, h, p] = sum_m alpha_q[m, h, p] * Q[n, m]`), `alpha_k`, `alpha_v` [H_kv, H_kv, P] (keys and values mix
+    within the KV heads, group-preserving GQA) and `collapse`, [H, P] (per head) or [H, H, P] (global)."""
 
     def __init__(
         self,
         num_heads: int,
         num_key_value_heads: int,
         num_pseudo_heads: int,
-        collapse_mode: str = "per_head",
-        collapse_init: str = "last",
+        collapse_mode: str = FIELD_DEFAULTS["iha_collapse_mode"],
+        collapse_init: str = FIELD_DEFAULTS["iha_collapse_init"],
     ):
         super().__init__()
         self.num_heads = num_heads
@@ -231,9 +248,8 @@ class IHAHeadMixing(nn.Module):
                 collapsed.addcmul_(pseudo[:, :, pseudo_index], collapse[:, pseudo_index, None])
             return collapsed
         # out[n, h] = sum_{p, m} R[h, m, p] * o[n, p, m]: one [H, P * H] @ [P * H, d] product per token.
-        collapse_matrix = collapse.permute(0, 2, 1).reshape(num_heads, self.num_pseudo_heads * num_heads)
         pseudo = attn_output.reshape(batch_size, num_tokens, self.num_pseudo_heads * num_heads, head_dim)
-        return torch.matmul(collapse_matrix, pseudo)
+        return torch.matmul(collapse_matrix(collapse), pseudo)
 
     def extra_repr(self):
         return (
@@ -245,12 +261,8 @@ class IHAHeadMixing(nn.Module):
 def update_pseudo_cache(
     cache: Cache, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, num_pseudo_heads: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Pseudo cache mode: cache the mixed, rotated keys and values of the new tokens; return all of them.
-
-    A token's P pseudo-keys sit side by side in the head dimension ([B, H_kv, N, P * d]), so the cache still counts
-    tokens (sliding windows, static caches and `generate` bookkeeping unchanged) and reading it back as the
-    [B, H_kv, N * P, d] virtual sequence is a view.
-    """
+    """Pseudo cache mode: cache the mixed, rotated keys and values of the new tokens side by side in the head
+    dimension ([B, H_kv, N, P * d], so the cache still counts tokens); return all of them as [B, H_kv, N * P, d]."""
     batch_size, num_kv_heads, virtual_len, head_dim = key_states.shape
     token_shape = (batch_size, num_kv_heads, virtual_len // num_pseudo_heads, num_pseudo_heads * head_dim)
     keys, values = cache.update(key_states.reshape(token_shape), value_states.reshape(token_shape), layer_idx)
@@ -265,20 +277,21 @@ class IHAAttention(nn.Module):
         super().__init__()
         self.config = config
         self.layer_idx = layer_idx
-        self.attention_type = config.attention_types[layer_idx]
-        self.is_iha = is_iha_layer(self.attention_type)
+        self.spec = config.layer_spec(layer_idx)  # what this layer is: type, P, window (`layer_iha.IHALayerSpec`)
+        self.attention_type = self.spec.attention_type
+        self.is_iha = self.spec.is_iha
         self.head_dim = config.head_dim
         self.num_heads = config.num_attention_heads
         self.num_key_value_heads = config.num_key_value_heads
         self.num_key_value_groups = config.num_attention_heads // config.num_key_value_heads
-        self.num_pseudo_heads = config.num_pseudo_heads if self.is_iha else 1
+        self.num_pseudo_heads = self.spec.num_pseudo_heads
         self.scaling = self.head_dim**-0.5
         self.attention_dropout = config.attention_dropout
         self.is_causal = True
-        self.sliding_window = config.sliding_window if is_sliding_layer(self.attention_type) else None
-        # What the kernel is told (FlashAttention reads it): the window in tokens, or in virtual tokens on IHA layers
-        # with the virtual window; None where only the mask can carry it (IHA layers with the token window).
-        self.kernel_sliding_window = kernel_sliding_window(config, self.attention_type)
+        self.sliding_window = self.spec.sliding_window
+        # What a kernel with its own window is told (FlashAttention reads it; the others take it from the mask): the
+        # window in tokens on standard layers, in virtual tokens (W * P) on IHA layers.
+        self.kernel_sliding_window = self.spec.virtual_window
         # SmolLM3's NoPE layers (0: no rotation of queries and keys at all).
         self.use_rope = bool(config.no_rope_layers[layer_idx])
 
@@ -291,9 +304,8 @@ class IHAAttention(nn.Module):
         if config.use_qk_norm:
             self.q_norm = LlamaRMSNorm(self.head_dim, eps=config.rms_norm_eps)
             self.k_norm = LlamaRMSNorm(self.head_dim, eps=config.rms_norm_eps)
-        # Where the cache stands, chosen once per layer: before the mixing ("token": `iha_cache_mode="token"` and
-        # standard layers, Llama's layout and memory; every step mixes the whole cache again), or after it ("mixed":
-        # "pseudo" mode, P times the memory, nothing mixed again). `update_cache` writes there.
+        # Where the cache stands: before the mixing ("token", Llama's memory, the cache re-mixed every step), or after
+        # it ("mixed": `iha_cache_mode="pseudo"`, P times the memory, nothing re-mixed). `update_cache` writes there.
         self.cache_stage = "mixed" if self.is_iha and config.iha_cache_mode == "pseudo" else "token"
         self.head_mixing = None
         if self.is_iha:
@@ -330,11 +342,13 @@ class IHAAttention(nn.Module):
             # At token level (n, or n * P in virtual mode): a rotation commutes with the mixing across heads.
             cos, sin = position_embeddings.token
             query_states, key_states = apply_rotary_pos_emb(query_states, key_states, cos, sin)
+        # Continuous batching's paged cache is the installed package's to write and attend (`iha.attention`).
+        continuous_batching = continuous_batching_path() if is_paged_cache(past_key_values) else None
         key_states, value_states = self.update_cache(past_key_values, key_states, value_states, "token", kwargs)
 
         attn_implementation = self.config._attn_implementation
-        if is_paged_cache(past_key_values):
-            attn_implementation = paged_attention_implementation(attn_implementation)
+        if continuous_batching is not None:
+            attn_implementation = continuous_batching.attention_implementation(attn_implementation)
         if self.is_iha:
             # The heads mixed into the interleaved N * P pseudo-tokens (rotated by p in virtual position mode).
             query_states, key_states, value_states = self.head_mixing.mix_and_rotate(
@@ -342,9 +356,9 @@ class IHAAttention(nn.Module):
             )
             key_states, value_states = self.update_cache(past_key_values, key_states, value_states, "mixed", kwargs)
             if attn_implementation.startswith("flash"):
-                kwargs = virtual_flash_kwargs(kwargs, kwargs.get("position_ids"), self.num_pseudo_heads)
+                kwargs = virtual_flash_kwargs(kwargs, self.num_pseudo_heads)
 
-        attention_interface = self.attention_interface(attention_mask, attn_implementation, query_states.device)
+        attention_interface = self.attention_interface(attn_implementation, continuous_batching)
         attn_output, attn_weights = attention_interface(
             self,
             query_states,
@@ -370,25 +384,27 @@ class IHAAttention(nn.Module):
         if is_paged_cache(cache):
             if stage != "token":
                 return key_states, value_states
-            return paged_cache_update(cache, key_states, value_states, self.layer_idx, kwargs)
+            return continuous_batching_path().update_cache(cache, key_states, value_states, self.layer_idx, kwargs)
         if cache is None or stage != self.cache_stage:
             return key_states, value_states
         if stage == "mixed":
             return update_pseudo_cache(cache, key_states, value_states, self.layer_idx, self.num_pseudo_heads)
         return cache.update(key_states, value_states, self.layer_idx)
 
-    def attention_interface(self, attention_mask, attn_implementation: str, device: torch.device) -> Callable:
-        """The kernel of this call: one of IHA's own paths (`attention_iha.choose_attention_path`), or the backend's."""
-        attention_path = choose_attention_path(attention_mask, attn_implementation, self.is_iha, device)
-        if attention_path == "backend":
-            return ALL_ATTENTION_FUNCTIONS.get_interface(attn_implementation, eager_attention_forward)
-        return IHA_ATTENTION_PATHS[attention_path]
+    def attention_interface(self, attn_implementation: str, continuous_batching=None) -> Callable:
+        """The attention function of this call. IHA layers take the installed package's exact fast path where it
+        registered one (`iha|<implementation>`; under continuous batching its per-request attention); everything else
+        is transformers' own function."""
+        if self.is_iha and continuous_batching is not None:
+            return continuous_batching
+        if self.is_iha and INSTALLED_PATH_PREFIX + attn_implementation in ALL_ATTENTION_FUNCTIONS:
+            return ALL_ATTENTION_FUNCTIONS[INSTALLED_PATH_PREFIX + attn_implementation]
+        return ALL_ATTENTION_FUNCTIONS.get_interface(attn_implementation, eager_attention_forward)
 
 
 class LayerRotation(NamedTuple):
-    """The RoPE inputs of one layer: `token` (cos, sin) rotates queries and keys before the mixing, at position n
-    (or n * P on IHA layers in virtual position mode); `pseudo` (cos, sin), IHA layers in virtual mode only, adds the
-    rotation by p to pseudo-head p after the mixing (Rot(n * P + p) = Rot(p) . Rot(n * P))."""
+    """The RoPE inputs of one layer: `token` rotates queries and keys before the mixing (at n, or n * P on IHA layers
+    with virtual positions), `pseudo` (virtual positions only) pseudo-head p by p after it."""
 
     token: tuple[torch.Tensor, torch.Tensor]
     pseudo: tuple[torch.Tensor, torch.Tensor] | None = None
@@ -412,11 +428,8 @@ def rotary_inputs(
     config,
     **rotary_kwargs,
 ) -> RotaryInputs:
-    """RoPE for standard layers (at n), IHA layers (at n, or n * P in virtual mode) and the per-p rotation.
-
-    `rotary_emb` is the model's rotary embedding, called with `rotary_kwargs` (Gemma 3's takes the `layer_type` whose
-    RoPE base it computes); `attention_scaling` the factor it multiplies cos and sin by (yarn, longrope).
-    """
+    """RoPE for standard layers (at n), IHA layers (at n, or n * P) and the per-p rotation; `rotary_kwargs` go to
+    `rotary_emb` (Gemma 3's `layer_type`), `attention_scaling` is what it multiplies cos and sin by (yarn, longrope)."""
     token_rotation = LayerRotation(rotary_emb(hidden_states, position_ids=position_ids, **rotary_kwargs))
     if config.iha_position_mode == "shared":
         return RotaryInputs(standard=token_rotation, iha=token_rotation)
@@ -430,12 +443,10 @@ def rotary_inputs(
 
 
 class IHADecoderLayer(LlamaDecoderLayer):
-    """Llama's block (its forward) around IHA's attention; the model passes each layer its `LayerRotation` as
-    `position_embeddings`."""
+    """Llama's block around IHA's attention (`position_embeddings` is the layer's `LayerRotation`)."""
 
     def __init__(self, config: IHAConfig, layer_idx: int):
-        # Llama's modules with IHA's attention, built here: `LlamaDecoderLayer.__init__` would first build (and
-        # randomly initialise) a Llama attention to throw away.
+        # Not `LlamaDecoderLayer.__init__`, which would build (and initialise) a Llama attention to throw away.
         GradientCheckpointingLayer.__init__(self)
         self.hidden_size = config.hidden_size
         self.attention_type = config.attention_types[layer_idx]
@@ -449,48 +460,40 @@ class IHAPreTrainedModel(LlamaPreTrainedModel):
     config_class = IHAConfig
     config: IHAConfig
     _no_split_modules = ["IHADecoderLayer"]
-    # Under any 16-bit load dtype the mixing is loaded in fp32 (see `mixing_dtype`); the non-strict list acts for fp16
-    # only.
+    # Under any 16-bit load dtype the mixing loads in fp32 (`mixing_dtype`; the non-strict list acts for fp16 only).
     _keep_in_fp32_modules_strict = ["head_mixing"]
-    _skip_keys_device_placement = list(CACHE_ARGUMENT_NAMES)
-    _can_record_outputs = {
-        "hidden_states": IHADecoderLayer,
-        "attentions": IHAAttention,
-    }
+    _skip_keys_device_placement = ["past_key_values", "cache"]  # the cache's names in the supported releases
+    _can_record_outputs = {"hidden_states": IHADecoderLayer, "attentions": IHAAttention}
 
     def _init_weights(self, module):
         super()._init_weights(module)
-        # A new IHA layer starts at identity: every pseudo-head a copy of its head, the collapse picking one copy
-        # (or their mean), so a converted checkpoint computes what the original computed.
+        # A new IHA layer starts at identity: a converted checkpoint computes what the original computed.
         if isinstance(module, IHAHeadMixing):
             module.reset_to_identity()
 
     def _check_and_adjust_attn_implementation(self, attn_implementation, *args, **kwargs):
-        # Where transformers settles the attention implementation (at `__init__` and in `set_attn_implementation`):
-        # one IHA layers cannot be right under is refused there, before any forward.
+        # Where transformers settles the attention implementation: refuse a wrong one before any forward.
         attn_implementation = super()._check_and_adjust_attn_implementation(attn_implementation, *args, **kwargs)
         self._check_attention_implementation(attn_implementation)
         return attn_implementation
 
+    @property
+    def supports_context_parallel(self) -> bool:
+        # Context parallelism shards the token sequence and runs plain causal attention per shard, not what an IHA
+        # layer computes over its interleaved pseudo-tokens: accelerate refuses a model that says so.
+        return False
+
     def _check_attention_implementation(self, name: str | None = None):
         name = name or self.config._attn_implementation
-        if not any(is_iha_layer(t) for t in self.config.attention_types):
+        iha_layers = self.config.iha_layer_indices
+        if not iha_layers:
             return
         # An engine that builds the model under its own attention name (vLLM, SGLang) stops here, at load time.
-        check_attention_engine(name, paged=name in PAGED_ATTENTION_IMPLEMENTATIONS, kwargs={})
-        if not (name or "").startswith("flash"):
-            return
-        if self.config.iha_mask_mode != "flat_causal":
-            raise ValueError(
-                "FlashAttention only runs the flat causal pattern; `iha_mask_mode='token_causal'` needs a mask. "
-                "Use attn_implementation='sdpa' or 'flex_attention', or iha_mask_mode='flat_causal'."
-            )
-        if "iha_sliding_attention" in self.config.attention_types and self.config.iha_window_unit != "virtual":
-            raise ValueError(
-                "FlashAttention's window counts virtual tokens, while these sliding IHA layers keep a window of whole "
-                "tokens (iha_window_unit='token'). Use attn_implementation='sdpa' or 'flex_attention', or the "
-                "paper's window in virtual units (iha_window_unit='virtual', which changes what the layers compute)."
-            )
+        check_attention_implementation(name, kwargs={})
+        if (name or "").startswith("flash"):
+            refusal = self.config.layer_spec(iha_layers[0]).stock_kernel_refusal("FlashAttention")
+            if refusal is not None:
+                raise ValueError(refusal)
 
 
 class IHAModel(IHAPreTrainedModel):
@@ -509,8 +512,7 @@ class IHAModel(IHAPreTrainedModel):
         self.post_init()
 
     def layer_rotations(self, hidden_states: torch.Tensor, position_ids: torch.Tensor) -> dict[str, RotaryInputs]:
-        """The RoPE inputs (`rotary_inputs`) of each layer type: one RoPE for every layer here (Gemma 3 has one per
-        layer type)."""
+        """The RoPE inputs of each layer type: one for every layer here (Gemma 3 has one per layer type)."""
         rotations = rotary_inputs(
             self.rotary_emb, self.rotary_emb.attention_scaling, hidden_states, position_ids, self.config
         )
@@ -543,34 +545,23 @@ class IHAModel(IHAPreTrainedModel):
 
         if use_cache and past_key_values is None:
             past_key_values = DynamicCache(config=self.config)
-        if past_key_values is not None and not torch.compiler.is_compiling():
-            # On a transformers newer than the tested ones, the first cached forward proves the cache path first (the
-            # first eager one: a graph being traced skips it; `generate` runs its prefill eagerly).
-            check_untested_release(IHAConfig, IHAForCausalLM)
 
         if position_ids is None:
             past_seen_tokens = past_key_values.get_seq_length() if past_key_values is not None else 0
             position_ids = torch.arange(inputs_embeds.shape[1], device=inputs_embeds.device) + past_seen_tokens
             position_ids = position_ids.unsqueeze(0)
 
-        if any(is_iha_layer(attention_type) for attention_type in self.config.attention_types):
-            # Once per forward (per batch under continuous batching), not in every layer: an attention interface or
-            # an engine's kernels IHA layers cannot be right under stop the call here.
-            check_attention_engine(self.config._attn_implementation, is_paged_cache(past_key_values), kwargs)
+        if self.config.iha_layer_indices:
+            # Once per forward, not in every layer: an engine's kernels IHA layers cannot be right under stop it here.
+            check_attention_implementation(self.config._attn_implementation, kwargs, is_paged_cache(past_key_values))
         if is_paged_cache(past_key_values):
-            # Continuous batching: one packed row of requests; IHA layers attend request by request.
-            mask_mapping = create_paged_iha_masks(self.config, attention_mask, kwargs, past_key_values)
+            # Continuous batching: one packed row of requests (the installed package's; refused without it).
+            mask_mapping = continuous_batching_path().create_masks(self.config, attention_mask, kwargs, past_key_values)
         # Masks may come prepared (a dict per attention type, from `create_masks_for_generate`).
         elif isinstance(attention_mask, dict):
             mask_mapping = attention_mask
         else:
-            mask_mapping = create_iha_masks(
-                config=self.config,
-                inputs_embeds=inputs_embeds,
-                attention_mask=attention_mask,
-                past_key_values=past_key_values,
-                position_ids=position_ids,
-            )
+            mask_mapping = create_iha_masks(self.config, inputs_embeds, attention_mask, past_key_values, position_ids)
 
         hidden_states = inputs_embeds
         rotations_by_layer_type = self.layer_rotations(hidden_states, position_ids)
@@ -611,17 +602,14 @@ class IHAForCausalLM(IHAPreTrainedModel, LlamaForCausalLM):
         past_key_values = take_cache_argument(past_key_values, kwargs)
         return create_iha_masks(config, inputs_embeds, attention_mask, past_key_values, position_ids)
 
-    def init_continuous_batching(self, generation_config=None, continuous_batching_config=None, *args, **kwargs):
-        # Continuous batching (`generate_batch`, the server) may switch the model to FlashAttention by itself, which
-        # IHA refuses under it: run it with the model's own attention implementation.
-        continuous_batching_config = continuous_batching_config_for_iha(continuous_batching_config, generation_config)
-        manager = super().init_continuous_batching(generation_config, continuous_batching_config, *args, **kwargs)
-        keep_virtual_windows_in_paged_cache(manager, self.config)  # the virtual window's one more cached token
-        return manager
+    def init_continuous_batching(self, *args, **kwargs):
+        # Continuous batching is the installed package's: it starts the engine with what IHA layers need.
+        return continuous_batching_path().init_continuous_batching(
+            self, super().init_continuous_batching, *args, **kwargs
+        )
 
     def _get_static_cache_init_shape(self):
-        # `generate` may allocate a StaticCache ahead of the first forward: in pseudo cache mode an IHA layer stores
-        # [B, H_kv, N, P * d], so its head dim is P times the model's.
+        # A StaticCache allocated ahead of the first forward: in pseudo cache mode IHA layers store P * d per head.
         init_shape = super()._get_static_cache_init_shape()
         if init_shape is None or self.config.iha_cache_mode != "pseudo":
             return init_shape

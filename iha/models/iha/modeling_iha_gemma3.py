@@ -1,25 +1,8 @@
-# Copyright 2026 The iha authors.
-#
-# Licensed under the Apache License, Version 2.0 (the "License");
-# you may not use this file except in compliance with the License.
-# You may obtain a copy of the License at
-#
-#     http://www.apache.org/licenses/LICENSE-2.0
-#
-# Unless required by applicable law or agreed to in writing, software
-# distributed under the License is distributed on an "AS IS" BASIS,
-# WITHOUT WARRANTIES OR CONDITIONS OF ANY KIND, either express or implied.
-# See the License for the specific language governing permissions and
-# limitations under the License.
-"""Interleaved Head Attention (IHA) on Gemma 3's text decoder.
-
-IHA's attention (`modeling_iha.IHAAttention`: projections, head mixing, interleaving, the kernels, the collapse) inside
-Gemma 3's block: Gemma's (1 + w) RMSNorm on each head's query and key, the scale `query_pre_attn_scalar ** -0.5`, norms
-after attention and around the MLP, embeddings scaled by sqrt(hidden_size), and a RoPE base per layer type. The
-forward passes, the masks per attention type, the caches and generation are `IHAModel`'s and `IHAForCausalLM`'s.
-Gemma 3's sliding layers become sliding IHA layers with the same window.
-
-This file is copied next to the weights by `save_pretrained`, so it imports only torch, transformers and its siblings.
+# Copyright 2026 The iha authors. Licensed under the Apache License, Version 2.0: you may not use this file except in
+# compliance with it (http://www.apache.org/licenses/LICENSE-2.0). SPDX-License-Identifier: Apache-2.0
+"""Interleaved Head Attention (IHA) on Gemma 3's text decoder: `modeling_iha.IHAAttention` inside Gemma 3's block
+(per-head (1 + w) q/k norms, the `query_pre_attn_scalar` scale, its four norms, scaled embeddings, a RoPE base per
+layer type); forward, masks, caches and generation are `IHAModel`'s and `IHAForCausalLM`'s. Travels with the weights.
 """
 
 import torch
@@ -36,12 +19,11 @@ from transformers.models.gemma3.modeling_gemma3 import (
 
 # transformers 5.4 - 5.9 copy into their remote-code cache only the files the loaded module imports itself, not the
 # files those import: this module, which `auto_map` names, imports every sibling that `modeling_iha` needs, directly.
-from .attention_iha import choose_attention_path  # noqa: F401
-from .blocked_local_iha import BlockedLocalMask  # noqa: F401
-from .compat_iha import take_cache_argument  # noqa: F401
 from .configuration_iha import IHAConfig  # noqa: F401
 from .configuration_iha_gemma3 import IHAGemma3Config
+from .layer_iha import IHALayerSpec  # noqa: F401
 from .masking_iha import create_iha_masks  # noqa: F401
+from .mixing_iha import mixing_matrix  # noqa: F401
 from .modeling_iha import (
     IHAAttention,
     IHAForCausalLM,
@@ -50,8 +32,7 @@ from .modeling_iha import (
     RotaryInputs,
     rotary_inputs,
 )
-from .packed_documents_iha import PackedDocumentsMask  # noqa: F401
-from .serving_iha import check_attention_engine  # noqa: F401
+from .version_iha import SUPPORTED_TRANSFORMERS  # noqa: F401
 
 
 class IHAGemma3Attention(IHAAttention):

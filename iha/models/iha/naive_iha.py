@@ -48,12 +48,11 @@ def reference_mask(
     sliding_window: int | None,
     padding_mask: torch.Tensor | None,
     sequence_ids: torch.Tensor | None = None,
-    window_unit: str = "token",
 ) -> torch.Tensor:
     """Boolean [B or 1, N*P, N*P] mask: True where virtual query i may attend virtual key j.
 
-    The window of `sliding_window` tokens: in "token" units, the pseudo-tokens of the last W tokens; in "virtual"
-    units (the paper's), the last W * P virtual tokens, whatever the pseudo-index of the query.
+    The window of `sliding_window` tokens is the paper's: the last W * P virtual tokens, whatever the pseudo-index of
+    the query.
     """
     virtual = torch.arange(seq_len * num_pseudo)
     query, key = virtual[:, None], virtual[None, :]
@@ -62,10 +61,8 @@ def reference_mask(
         allowed = key <= query
     else:
         allowed = key_token <= query_token
-    if sliding_window is not None and window_unit == "virtual":
+    if sliding_window is not None:
         allowed = allowed & (key > query - sliding_window * num_pseudo)
-    elif sliding_window is not None:
-        allowed = allowed & (key_token > query_token - sliding_window)
     allowed = allowed[None]
     if padding_mask is not None:
         key_is_real = padding_mask.bool()[:, virtual // num_pseudo]
@@ -101,7 +98,7 @@ def causal_pass(query, key, value, scaling, strict=False, sliding_window=None, p
 
 
 def decomposed_attention(
-    query, key, value, num_pseudo, mask_mode, scaling, sliding_window=None, padding_mask=None, window_unit="token"
+    query, key, value, num_pseudo, mask_mode, scaling, sliding_window=None, padding_mask=None
 ) -> torch.Tensor:
     """IHA attention as P stock causal passes over token positions, one per key pseudo-index r, merged exactly.
 
@@ -114,9 +111,9 @@ def decomposed_attention(
     (m < n) instead. Softmax over the union of the passes is their outputs weighted by exp(lse_r - lse): exact, as
     FlashAttention merges the blocks of one sequence.
 
-    A window of W tokens is W tokens in every pass under `window_unit="token"`. Under "virtual" (the last W * P virtual
-    tokens), query (n, p) sees key (m, r) when m * P + r > (n - W) * P + p: m > n - W for r <= p (W tokens), m >= n - W
-    for r > p (W + 1 tokens), so the queries with p < r take a window one token wider.
+    The window (the last W * P virtual tokens): query (n, p) sees key (m, r) when m * P + r > (n - W) * P + p: m > n - W
+    for r <= p (W tokens), m >= n - W for r > p (W + 1 tokens), so the queries with p < r take a window one token
+    wider.
     """
     batch_size, num_heads, virtual_len, head_dim = query.shape
     num_tokens = virtual_len // num_pseudo
@@ -130,9 +127,7 @@ def decomposed_attention(
         output = torch.zeros_like(queries)
         log_sum_exp = torch.full(queries.shape[:-1], float("-inf"), dtype=queries.dtype)
         # (query pseudo-indices, strictly causal, window in tokens): p >= r, then p < r
-        later_window = sliding_window
-        if sliding_window is not None and window_unit == "virtual":
-            later_window = sliding_window + 1
+        later_window = None if sliding_window is None else sliding_window + 1
         query_groups = [
             (list(range(key_pseudo, num_pseudo)), False, sliding_window),
             (list(range(key_pseudo)), mask_mode == "flat_causal", later_window),
@@ -181,7 +176,6 @@ def reference_attention(
         q, k = attn.q_norm(q), attn.k_norm(k)
     q, k = q.transpose(1, 2), k.transpose(1, 2)
 
-    window_unit = getattr(config, "iha_window_unit", "token")  # configs written before the field: "token"
     if attn.head_mixing is None:
         num_pseudo, position_mode, mask_mode = 1, "shared", "flat_causal"
         q_virtual, k_virtual, v_virtual = q, k, v
@@ -215,13 +209,10 @@ def reference_attention(
             scale_dim**-0.5,
             attn.sliding_window,
             padding_mask,
-            window_unit,
         )
     else:
         scores = torch.einsum("bhid,bhjd->bhij", q_virtual, k_per_head) / scale_dim**0.5
-        allowed = reference_mask(
-            seq_len, num_pseudo, mask_mode, attn.sliding_window, padding_mask, sequence_ids, window_unit
-        )
+        allowed = reference_mask(seq_len, num_pseudo, mask_mode, attn.sliding_window, padding_mask, sequence_ids)
         scores = scores.masked_fill(~allowed[:, None], float("-inf"))
         weights = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # fully padded query rows
         out = torch.einsum("bhij,bhjd->bhid", weights, v_per_head)  # [B, H, N*P, d]

@@ -1,16 +1,5 @@
-# Copyright 2026 The iha authors.
-#
-# Licensed under the Apache License, Version 2.0 (the "License");
-# you may not use this file except in compliance with the License.
-# You may obtain a copy of the License at
-#
-#     http://www.apache.org/licenses/LICENSE-2.0
-#
-# Unless required by applicable law or agreed to in writing, software
-# distributed under the License is distributed on an "AS IS" BASIS,
-# WITHOUT WARRANTIES OR CONDITIONS OF ANY KIND, either express or implied.
-# See the License for the specific language governing permissions and
-# limitations under the License.
+# Copyright 2026 The iha authors. Licensed under the Apache License, Version 2.0: you may not use this file except in
+# compliance with it (http://www.apache.org/licenses/LICENSE-2.0). SPDX-License-Identifier: Apache-2.0
 """Interleaved Head Attention (IHA, arXiv 2602.21371) for MLX: the model file stock mlx-lm reads from an IHA folder.
 
 `iha export mlx FOLDER` copies this file next to the weights and names it in config.json (`model_file`); mlx-lm then
@@ -20,15 +9,21 @@ mlx and mlx-lm, never the `iha` package or a sibling file.
 
 An IHA layer projects q/k/v as Llama does (Qwen3's per-head q/k norm and SmolLM3's NoPE layers included), mixes the
 heads into P pseudo-heads per head, interleaves the pseudo-tokens token-major into N * P virtual tokens (virtual index
-n * P + p), attends over them with one boolean mask built from the definitions (flat or token causal, a window in
-tokens or virtual tokens, left padding), and folds the H * P pseudo-outputs back to H heads before `o_proj`. The
+n * P + p), attends over them with one boolean mask built from the definitions (flat or token causal, the paper's
+window of W * P virtual tokens, left padding), and folds the H * P pseudo-outputs back to H heads before `o_proj`. The
 mixing parameters stay float32 under `mlx_lm.convert` (`Model.cast_predicate`) and its quantization (they are not
 linear layers).
 
 The cache counts tokens like every mlx-lm cache (batching, left padding, prompt caches). Under the folder's
 `iha_cache_mode`: "pseudo" holds each token's P mixed, rotated pseudo-keys and values side by side ([B, H_kv, tokens,
 P * d]; reading them back as the N * P virtual sequence is a reshape); "token" holds the un-mixed keys and values (the
-base model's memory) and mixes the whole cache again at every step. Sliding layers keep every token in the cache and apply their window in the mask.
+base model's memory) and mixes the whole cache again at every step. Sliding layers keep every token in the cache and
+apply their window in the mask.
+
+What an IHA layer is (its fields, window and mixing matrix) is `iha/models/iha/layer_iha.py`'s and `mixing_iha.py`'s;
+this file restates what it needs, and `tests/models/mlx/test_mlx_layer.py` holds it equal. The IHA fields carry no
+default here: `iha export mlx` writes every one of them into config.json, with what the folder's config means for a
+field it lacks (`IHAConfig`'s value).
 """
 
 from dataclasses import dataclass
@@ -51,6 +46,12 @@ class ModelArgs(BaseModelArgs):
     num_attention_heads: int
     rms_norm_eps: float
     vocab_size: int
+    num_pseudo_heads: int
+    attention_types: list[str]
+    iha_mask_mode: str
+    iha_position_mode: str
+    iha_collapse_mode: str
+    iha_cache_mode: str
     head_dim: int | None = None
     max_position_embeddings: int | None = None
     num_key_value_heads: int | None = None
@@ -62,13 +63,6 @@ class ModelArgs(BaseModelArgs):
     rope_parameters: dict[str, Any] | None = None
     tie_word_embeddings: bool = True
     sliding_window: int | None = None
-    num_pseudo_heads: int = 2
-    attention_types: list[str] | None = None
-    iha_mask_mode: str = "flat_causal"
-    iha_position_mode: str = "virtual"
-    iha_collapse_mode: str = "per_head"
-    iha_cache_mode: str = "token"
-    iha_window_unit: str = "token"
     use_qk_norm: bool = False
     no_rope_layers: list[int] | None = None
 
@@ -82,8 +76,6 @@ class ModelArgs(BaseModelArgs):
             raise ValueError(f"IHA's MLX model runs SiLU MLPs (Llama's); this folder's is {self.hidden_act!r}.")
         if self.iha_cache_mode not in ("token", "pseudo"):
             raise ValueError(f"`iha_cache_mode` must be 'token' or 'pseudo', got {self.iha_cache_mode!r}.")
-        if self.iha_window_unit not in ("token", "virtual"):
-            raise ValueError(f"`iha_window_unit` must be 'token' or 'virtual', got {self.iha_window_unit!r}.")
         if self.num_key_value_heads is None:
             self.num_key_value_heads = self.num_attention_heads
         if self.head_dim is None:
@@ -92,9 +84,6 @@ class ModelArgs(BaseModelArgs):
             self.qkv_bias = self.attention_bias
         if self.o_proj_bias is None:
             self.o_proj_bias = self.attention_bias
-        if self.attention_types is None:
-            kind = "iha_sliding_attention" if self.sliding_window is not None else "iha_full_attention"
-            self.attention_types = [kind] * self.num_hidden_layers
         if self.no_rope_layers is None:
             self.no_rope_layers = [1] * self.num_hidden_layers
 
@@ -112,15 +101,14 @@ def virtual_mask(
     num_cached: int,
     num_pseudo: int,
     mask_mode: str,
-    window: int | None,
-    window_unit: str,
+    virtual_window: int | None,
     left_padding: mx.array | None,
 ) -> mx.array:
     """Boolean [B or 1, 1, num_new * P, num_cached * P]: True where a new virtual query may attend a virtual key.
 
     Keys are the `num_cached` tokens of the cache (the new ones last), each as its P pseudo-tokens; queries are the
     new tokens' pseudo-tokens. Flat causal: virtual key j <= virtual query i; token causal: key token <= query token.
-    A window in tokens keeps key tokens within the last `window` tokens; in virtual units, i - window * P < j.
+    The window (`virtual_window`, W * P) keeps i - virtual_window < j.
     `left_padding` (a batch's, per row) hides the padded key tokens.
     """
     query = mx.arange((num_cached - num_new) * num_pseudo, num_cached * num_pseudo)[:, None]
@@ -130,15 +118,30 @@ def virtual_mask(
         allowed = key <= query
     else:
         allowed = key_token <= query_token
-    if window is not None:
-        if window_unit == "virtual":
-            allowed = allowed & (key > query - window * num_pseudo)
-        else:
-            allowed = allowed & (key_token > query_token - window)
+    if virtual_window is not None:
+        allowed = allowed & (key > query - virtual_window)
     if left_padding is None:
         return allowed[None, None]
     key_is_real = key_token[None] >= left_padding[:, None, None]
     return (allowed[None] & key_is_real)[:, None]
+
+
+def mixing_matrix(alpha: mx.array) -> mx.array:
+    """alpha [M, H, P] -> [P * H, M]: row p * H + h holds alpha[:, h, p] (`mixing_iha.mixing_matrix`)."""
+    num_sources, num_targets, num_pseudo = alpha.shape
+    return alpha.transpose(2, 1, 0).reshape(num_pseudo * num_targets, num_sources)
+
+
+def collapse_matrix(collapse: mx.array) -> mx.array:
+    """A global collapse R [H, H, P] -> [H, P * H]: column p * H + m holds R[:, m, p] (`mixing_iha.collapse_matrix`)."""
+    num_heads, _, num_pseudo = collapse.shape
+    return collapse.transpose(0, 2, 1).reshape(num_heads, num_pseudo * num_heads)
+
+
+def virtual_window(attention_type: str, sliding_window: int | None, num_pseudo: int) -> int | None:
+    """The window of a layer in virtual tokens (`IHALayerSpec.virtual_window`): W * P on sliding layers (P = 1 on
+    standard ones), None on full layers."""
+    return sliding_window * num_pseudo if attention_type.endswith("sliding_attention") else None
 
 
 class HeadMixing(nn.Module):
@@ -160,8 +163,7 @@ class HeadMixing(nn.Module):
         [P * H, M] @ [M, d] product per token, in float32."""
         batch_size, num_tokens, num_sources, head_dim = states.shape
         _, num_targets, num_pseudo = alpha.shape
-        mixing_matrix = alpha.transpose(2, 1, 0).reshape(num_pseudo * num_targets, num_sources)
-        mixed = (mixing_matrix @ states.astype(mx.float32)).astype(states.dtype)  # [B, N, P * H, d]
+        mixed = (mixing_matrix(alpha) @ states.astype(mx.float32)).astype(states.dtype)  # [B, N, P * H, d]
         mixed = mixed.reshape(batch_size, num_tokens * num_pseudo, num_targets, head_dim)
         return mixed.transpose(0, 2, 1, 3)
 
@@ -175,8 +177,9 @@ class HeadMixing(nn.Module):
         if collapse.ndim == 2:  # out[n, h] = sum_p R[h, p] * o[n, p, h]
             collapsed = (pseudo * collapse.T[None, None, :, :, None]).sum(axis=2)
         else:  # out[n, h] = sum_(p, m) R[h, m, p] * o[n, p, m]
-            collapse_matrix = collapse.transpose(0, 2, 1).reshape(num_heads, self.num_pseudo * num_heads)
-            collapsed = collapse_matrix @ pseudo.reshape(batch_size, num_tokens, self.num_pseudo * num_heads, head_dim)
+            collapsed = collapse_matrix(collapse) @ pseudo.reshape(
+                batch_size, num_tokens, self.num_pseudo * num_heads, head_dim
+            )
         return collapsed.astype(output.dtype).reshape(batch_size, num_tokens, num_heads * head_dim)
 
 
@@ -191,9 +194,8 @@ class Attention(nn.Module):
         self.num_heads, self.num_kv_heads = args.num_attention_heads, args.num_key_value_heads
         self.head_dim = args.head_dim
         self.scale = self.head_dim**-0.5
-        self.window = args.sliding_window if attention_type.endswith("sliding_attention") else None
+        self.virtual_window = virtual_window(attention_type, args.sliding_window, self.num_pseudo)
         self.mask_mode = args.iha_mask_mode if self.is_iha else "flat_causal"
-        self.window_unit = args.iha_window_unit if self.is_iha else "token"
         self.virtual_positions = self.is_iha and args.iha_position_mode == "virtual"
         # What the cache of an IHA layer holds (the folder's `iha_cache_mode`): "token", the un-mixed keys and values
         # (the base model's memory; every step mixes the whole cache again), or "pseudo", the mixed, rotated
@@ -273,9 +275,7 @@ class Attention(nn.Module):
             virtual_shape = (batch_size, self.num_kv_heads, -1, self.head_dim)
             keys, values = keys.reshape(virtual_shape), values.reshape(virtual_shape)
         num_cached = keys.shape[2] // num_pseudo
-        mask = virtual_mask(
-            num_tokens, num_cached, num_pseudo, self.mask_mode, self.window, self.window_unit, left_padding
-        )
+        mask = virtual_mask(num_tokens, num_cached, num_pseudo, self.mask_mode, self.virtual_window, left_padding)
         output = mx.fast.scaled_dot_product_attention(queries, keys, values, scale=self.scale, mask=mask)
         if self.is_iha:
             output = self.head_mixing.collapse_heads(output)

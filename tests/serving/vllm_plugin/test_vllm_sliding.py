@@ -1,10 +1,11 @@
-"""Sliding IHA layers on vLLM (iha_window_unit "virtual": the paper's flat window, virtual query i sees virtual keys
-i - W * P < j <= i) run on the stock kernel's own window over the virtual sequence, with a sliding-window KV cache
-that frees the blocks leaving the window: greedy tokens equal `generate()` in float32 and log-probabilities within
-1e-4 of the float64 reference, for P = 2 and 3, GQA and MHA, shared and virtual positions, windows of 8 to 64 tokens
-with prompts of 3 to 400 tokens prefilled in chunks of 32 (which cross the window's edge), prefix caching on and off,
-requests joining and leaving, one request decoding hundreds of tokens past its window; in the paper's hybrid layout
-(IHA sliding layers with a standard global layer) and beside standard sliding and IHA global layers.
+"""Sliding IHA layers on vLLM (the paper's flat window: virtual query i sees virtual keys i - W * P < j <= i) run on
+the stock kernel's own window over the virtual sequence, with a sliding-window KV cache that frees the blocks leaving
+the window: greedy tokens equal `generate()` in float32 and log-probabilities within 1e-4 of the float64 reference,
+for P = 1, 2 and 3, GQA and MHA, shared and virtual positions, windows of 8 to 64 tokens with prompts of 3 to 400
+tokens prefilled in chunks of 32 (which cross the window's edge), prefix caching on and off, requests joining and
+leaving, one request decoding hundreds of tokens past its window; in the paper's hybrid layout (IHA sliding layers
+with a standard global layer) and beside standard sliding and IHA global layers. Each layer's `IHALayerSpec` is the
+object its backend and the backend's metadata builder read.
 
 On a CUDA GPU (the GPU check's vllm step) the same tests run FlashAttention's window, in bfloat16.
 """
@@ -28,7 +29,7 @@ from vllm_cases import (  # noqa: E402
     vllm_engine,
 )
 
-from iha.models.iha.configuration_iha import paper_hybrid_layout  # noqa: E402
+from iha.models.iha.layer_iha import paper_hybrid_layout  # noqa: E402
 
 
 BLOCK_SIZE = 32
@@ -50,6 +51,13 @@ CASES = {
         attention_types=["iha_sliding_attention", "sliding_attention", "iha_full_attention", "iha_sliding_attention"],
         sliding_window=16,
     ),
+    # One pseudo-head: the flat window is the source's window of W tokens, and so is the cache (no token more).
+    "gqa-shared-P1-W8": dict(
+        num_pseudo_heads=1,
+        iha_position_mode="shared",
+        attention_types=["iha_sliding_attention", "iha_full_attention"],
+        sliding_window=8,
+    ),
     # A window of two blocks, Qwen3's q/k norm (the explicit mixing), prompts up to 400 tokens.
     "gqa-virtual-P2-W64-qk-norm": dict(
         num_pseudo_heads=2,
@@ -62,7 +70,7 @@ CASES = {
 FOLDED_AND_EXPLICIT = [
     pytest.param(case, fold, id=f"{case}-{'folded' if fold else 'explicit'}")
     for case in CASES
-    for fold in ((False,) if "qk-norm" in case else (True, False))
+    for fold in ((False,) if "qk-norm" in case else (True,) if "P1" in case else (True, False))
 ]
 
 # Prompts of 3 to 400 tokens together, each with its own number of new tokens (they leave at different steps).
@@ -88,17 +96,11 @@ LONG_DECODE = ([9, 4, 2], 300)
 ENGINE = dict(max_model_len=512, block_size=BLOCK_SIZE)
 
 
-def virtual_window(overrides: dict) -> dict:
-    return {**overrides, "iha_window_unit": "virtual"}
-
-
 @pytest.fixture(scope="module")
 def folders(tmp_path_factory):
     prepared = {}
     for case, overrides in CASES.items():
-        folder = tiny_iha_folder(
-            tmp_path_factory.mktemp(case), max_position_embeddings=512, **virtual_window(overrides)
-        )
+        folder = tiny_iha_folder(tmp_path_factory.mktemp(case), max_position_embeddings=512, **overrides)
         model = reference_model(folder)
         runs = {
             "batch": (PROMPTS, LENGTHS),
@@ -113,15 +115,16 @@ def folders(tmp_path_factory):
     return prepared
 
 
-def test_the_window_and_its_unit_change_the_reference_tokens(folders, tmp_path):
-    """Equal tokens below mean the flat window was applied: the same weights with the IHA layers global, or with the
-    window counted in whole tokens, decode other tokens."""
+def test_the_window_and_its_width_change_the_reference_tokens(folders, tmp_path):
+    """Equal tokens below mean the flat window of W * P virtual tokens was applied: the same weights with the IHA
+    layers global, or with a window one token narrower (W - 1), decode other tokens."""
     case = "paper-hybrid-gqa-shared-P2-W8"
     _, _, expected = folders[case]
-    overrides = {**CASES[case], "attention_types": ["iha_full_attention"] * 4 + ["full_attention"]}
-    global_model = reference_model(tiny_iha_folder(tmp_path / "global", max_position_embeddings=512, **overrides))
-    token_model = reference_model(tiny_iha_folder(tmp_path / "token", max_position_embeddings=512, **CASES[case]))
-    for other in (global_model, token_model):
+    global_layers = {**CASES[case], "attention_types": ["iha_full_attention"] * 4 + ["full_attention"]}
+    narrower = {**CASES[case], "sliding_window": CASES[case]["sliding_window"] - 1}
+    global_model = reference_model(tiny_iha_folder(tmp_path / "global", max_position_embeddings=512, **global_layers))
+    narrower_model = reference_model(tiny_iha_folder(tmp_path / "narrower", max_position_embeddings=512, **narrower))
+    for other in (global_model, narrower_model):
         assert [reference_greedy(other, prompt, n) for prompt, n in zip(PROMPTS, LENGTHS)] != expected["batch"]
 
 
@@ -134,17 +137,69 @@ def sliding_groups(llm) -> list[tuple[str, int | None, list[str]]]:
     ]
 
 
+def spec_holders(worker) -> list[dict]:
+    """In the running engine's worker, for every layer of a KV-cache group on an IHA backend: the layer's
+    `IHALayerSpec` (`IHAAttention.spec`), and whether its backend implementation and its group's metadata builder
+    hold that very object."""
+    runner = worker.model_runner
+    model = runner.get_model()
+    held = []
+    for groups in runner.attn_groups:
+        for group in groups:
+            for builder in group.metadata_builders:
+                if not hasattr(builder, "iha_layer"):  # a standard layer's group
+                    continue
+                for name in group.layer_names:
+                    layer = model.get_submodule(name.removesuffix(".attn"))
+                    held.append(
+                        dict(
+                            layer=int(name.split(".")[2]),
+                            spec=layer.spec,
+                            first_of_group=name == group.layer_names[0],
+                            group_size=len(group.layer_names),
+                            implementation_holds_it=layer.attn.impl.iha_layer is layer.spec,
+                            builder_holds_it=builder.iha_layer is layer.spec,
+                            builder_holds_its_equal=builder.iha_layer == layer.spec,
+                        )
+                    )
+    return held
+
+
+@pytest.mark.parametrize("layout", ["sliding-standard-and-global-P3", "global-P2"])
+def test_each_layer_its_implementation_and_builder_share_the_layers_spec(layout, folders, tmp_path):
+    """The spec an IHA layer builds once is the object its backend implementation holds and the one its KV-cache
+    group's metadata builder reads back (a group of several layers: the first layer's, the others' equal to it). For
+    sliding IHA layers beside a standard sliding and an IHA global layer at P = 3 (a group per layer), and for a
+    model of two global IHA layers (one group of both)."""
+    if layout == "global-P2":
+        model = reference_model(tiny_iha_folder(tmp_path, num_pseudo_heads=2))
+        folder, iha_layers, cache_windows, group_sizes = tmp_path, [0, 1], {None}, [2]
+    else:
+        folder, model, _ = folders["mha-virtual-P3-W16-mixed"]
+        iha_layers, cache_windows, group_sizes = [0, 2, 3], {17, None}, [1, 1, 1]  # W + 1 = 17 tokens of cache
+    with vllm_engine(folder, **ENGINE) as llm:
+        (held,) = llm.collective_rpc(spec_holders)
+    assert sorted(entry["layer"] for entry in held) == model.config.iha_layer_indices == iha_layers
+    assert sorted(entry["group_size"] for entry in held if entry["first_of_group"]) == group_sizes
+    for entry in held:
+        assert entry["spec"] == model.config.layer_spec(entry["layer"])
+        assert entry["implementation_holds_it"] and entry["builder_holds_its_equal"], entry
+        assert entry["builder_holds_it"] or not entry["first_of_group"], entry
+    assert {entry["spec"].cache_window for entry in held} == cache_windows
+
+
 @pytest.mark.parametrize(("case", "fold"), FOLDED_AND_EXPLICIT)
 def test_greedy_tokens_and_logprobs_equal_the_reference(case, fold, folders):
     folder, model, expected = folders[case]
     dtype = engine_dtype()
     window = CASES[case]["sliding_window"]
     with vllm_engine(folder, hf_overrides={"iha_fold_mixing": fold}, **ENGINE) as llm:
-        # Sliding IHA layers keep W + 1 tokens, standard sliding layers W, in caches of their own.
+        # Sliding IHA layers keep W + 1 tokens at P > 1 (W at P = 1), standard sliding layers W, in caches of their own.
+        iha_cache_window = window + 1 if CASES[case]["num_pseudo_heads"] > 1 else window
         for spec, spec_window, layers in sliding_groups(llm):
             kinds = {model.config.attention_types[int(name.split(".")[2])] for name in layers}
             if kinds == {"iha_sliding_attention"}:
-                assert (spec, spec_window) == ("SlidingWindowSpec", window + 1)
+                assert (spec, spec_window) == ("SlidingWindowSpec", iha_cache_window)
             elif kinds == {"sliding_attention"}:
                 assert (spec, spec_window) == ("SlidingWindowSpec", window)
             else:

@@ -55,46 +55,30 @@ def test_folding_follows_the_norm_and_the_override():
     assert not folds_mixing(vllm_config(iha_fold_mixing=False))
 
 
-def test_token_causal_mask_is_refused():
-    message = refusal(vllm_config(iha_mask_mode="token_causal"))
-    assert "iha_mask_mode='token_causal'" in message and "iha serve" in message
+def test_token_causal_mask_is_refused_with_the_layers_own_sentence():
+    """The sentence is the layer's (`IHALayerSpec.stock_kernel_refusal`, written once in layer_iha.py)."""
+    config = vllm_config(iha_mask_mode="token_causal", attention_types=["full_attention", "iha_full_attention"])
+    message = refusal(config)
+    assert message == config.layer_spec(1).stock_kernel_refusal("vLLM's paged attention")
+    assert "iha_mask_mode='token_causal'" in message and "--mask_mode flat_causal" in message
 
 
 def test_token_causal_mask_without_iha_layers_is_plain_attention():
     check_servable(vllm_config(iha_mask_mode="token_causal", attention_types=["full_attention"] * 2))
 
 
-def test_sliding_iha_layers_with_the_flat_window_are_served():
-    check_servable(
-        vllm_config(
-            attention_types=["iha_sliding_attention", "iha_full_attention"], sliding_window=8, iha_window_unit="virtual"
-        )
-    )
-    hybrid = iha.IHAConfig.paper_hybrid(
-        256, **{**TINY, "hidden_size": 128, "head_dim": 32, "num_hidden_layers": 5}, iha_window_unit="virtual"
-    )
+def test_sliding_iha_layers_are_served():
+    """Sliding IHA layers have one window, the paper's flat window of sliding_window * P virtual tokens."""
+    check_servable(vllm_config(attention_types=["iha_sliding_attention", "iha_full_attention"], sliding_window=8))
+    hybrid = iha.IHAConfig.paper_hybrid(256, **{**TINY, "hidden_size": 128, "head_dim": 32, "num_hidden_layers": 5})
     check_servable(hybrid)
 
 
-def test_sliding_iha_layers_with_a_token_window_are_refused():
-    """Today's token window (the function of every folder written before `iha_window_unit` existed)."""
-    config = vllm_config(attention_types=["iha_sliding_attention", "iha_full_attention"], sliding_window=8)
-    message = refusal(config)
-    assert "Sliding IHA layers (layers 0) with iha_window_unit 'token'" in message
-    assert "iha-convert" in message and "iha serve" in message
-    hybrid = iha.IHAConfig.paper_hybrid(256, **{**TINY, "hidden_size": 128, "head_dim": 32, "num_hidden_layers": 5})
-    hybrid.iha_window_unit = "token"
-    assert "layers 0, 1, 2, 3" in refusal(hybrid)
-
-
-def test_gemma3_folders_are_served_with_the_flat_window():
-    gemma3 = dict(**{**TINY, "hidden_size": 128, "head_dim": 32}, sliding_window=8)
-    check_servable(iha.IHAGemma3Config(**gemma3, iha_window_unit="virtual"))
-    assert "with iha_window_unit 'token'" in refusal(iha.IHAGemma3Config(**gemma3, iha_window_unit="token"))
-    assert not folds_mixing(iha.IHAGemma3Config(**gemma3, iha_window_unit="virtual"))  # its q/k norm
-    assert "per-head q/k norm" in refusal(
-        iha.IHAGemma3Config(**gemma3, iha_window_unit="virtual"), tensor_parallel_size=2
-    )
+def test_gemma3_folders_are_served():
+    gemma3 = iha.IHAGemma3Config(**{**TINY, "hidden_size": 128, "head_dim": 32}, sliding_window=8)
+    check_servable(gemma3)
+    assert not folds_mixing(gemma3)  # its q/k norm
+    assert "per-head q/k norm" in refusal(gemma3, tensor_parallel_size=2)
 
 
 def test_head_sizes_the_cpu_kernel_lacks_are_refused_on_cpu_only():

@@ -81,9 +81,10 @@ def tiny_iha_folder(folder: Path, seed: int = 0, dtype: torch.dtype = torch.floa
 
 def tiny_gemma3_folder(folder, seed: int = 0, **overrides):
     """A tiny IHA Gemma 3 with random mixing and norms away from Gemma's zero init (so that each (1 + w) counts), a
-    `query_pre_attn_scalar` other than head_dim, and its window in virtual units."""
+    `query_pre_attn_scalar` other than head_dim, and a window of 8 tokens (the paper's flat window of 8 * P virtual
+    tokens on its sliding IHA layers)."""
     torch.manual_seed(seed)
-    settings = {**TINY_VLLM, "query_pre_attn_scalar": 24, "sliding_window": 8, "iha_window_unit": "virtual"}
+    settings = {**TINY_VLLM, "query_pre_attn_scalar": 24, "sliding_window": 8}
     config = iha.IHAGemma3Config(**{**settings, **overrides})
     config.architectures = ["IHAGemma3ForCausalLM"]
     model = iha.IHAGemma3ForCausalLM(config).eval()

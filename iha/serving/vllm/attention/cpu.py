@@ -24,11 +24,12 @@ from vllm.v1.attention.backends.cpu_attn import (
 )
 from vllm.v1.kv_cache_interface import AttentionSpec
 
+from ....models.iha.layer_iha import IHALayerSpec
 from . import IHA_CPU_BACKEND_NAME
 from .virtual import (
     VirtualBatch,
     kernel_window,
-    num_pseudo_heads_of,
+    layer_spec_of,
     refuse_unsupported_layer_settings,
     virtual_kv_spec,
 )
@@ -83,9 +84,10 @@ class IHACPUAttentionMetadataBuilder(CPUAttentionMetadataBuilder):
     pseudo-query a request of its own."""
 
     def __init__(self, kv_cache_spec: AttentionSpec, layer_names: list[str], vllm_config: VllmConfig, device):
-        num_pseudo = num_pseudo_heads_of(vllm_config)
-        super().__init__(virtual_kv_spec(kv_cache_spec, num_pseudo), layer_names, vllm_config, device)
-        self.virtual_batch = VirtualBatch(vllm_config, device)
+        spec = layer_spec_of(vllm_config, layer_names)
+        super().__init__(virtual_kv_spec(kv_cache_spec, spec), layer_names, vllm_config, device)
+        self.iha_layer = spec  # the layers' own `IHALayerSpec`
+        self.virtual_batch = VirtualBatch(vllm_config, spec, device)
 
     def build(
         self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata, fast_build: bool = False
@@ -126,11 +128,12 @@ class IHACPUAttentionImpl(CPUAttentionBackendImpl):
         logits_soft_cap: float | None = None,
         attn_type: str = AttentionType.DECODER,
         kv_sharing_target_layer_name: str | None = None,
-        num_pseudo_heads: int = 1,
-        virtual_sliding_window: int | None = None,
+        iha_layer: IHALayerSpec | None = None,
     ) -> None:
         refuse_unsupported_layer_settings(attn_type, alibi_slopes, logits_soft_cap, kv_sharing_target_layer_name)
-        window = kernel_window(sliding_window, virtual_sliding_window, num_pseudo_heads)
+        window = kernel_window(sliding_window, iha_layer)
+        num_pseudo_heads = iha_layer.num_pseudo_heads
+        self.iha_layer = iha_layer  # read back by the metadata builder (`virtual.layer_spec_of`)
         self.num_pseudo_heads = num_pseudo_heads
         super().__init__(num_heads, head_size // num_pseudo_heads, scale, num_kv_heads, None, window, kv_cache_dtype)
 

@@ -27,11 +27,12 @@ from vllm.v1.attention.backends.flash_attn import (
 )
 from vllm.v1.kv_cache_interface import AttentionSpec
 
+from ....models.iha.layer_iha import IHALayerSpec
 from . import IHA_FLASH_BACKEND_NAME
 from .virtual import (
     VirtualBatch,
     kernel_window,
-    num_pseudo_heads_of,
+    layer_spec_of,
     refuse_unsupported_layer_settings,
     virtual_flash_cache,
     virtual_kv_spec,
@@ -48,13 +49,14 @@ class IHAFlashAttentionMetadataBuilder(FlashAttentionMetadataBuilder):
     supports_update_block_table: bool = False
 
     def __init__(self, kv_cache_spec: AttentionSpec, layer_names: list[str], vllm_config, device):
-        num_pseudo = num_pseudo_heads_of(vllm_config)
-        super().__init__(virtual_kv_spec(kv_cache_spec, num_pseudo), layer_names, vllm_config, device)
-        self.virtual_batch = VirtualBatch(vllm_config, device)
+        spec = layer_spec_of(vllm_config, layer_names)
+        super().__init__(virtual_kv_spec(kv_cache_spec, spec), layer_names, vllm_config, device)
+        self.iha_layer = spec  # the layers' own `IHALayerSpec`
+        self.virtual_batch = VirtualBatch(vllm_config, spec, device)
         # `build` bounds the kernel's splits (so that a full CUDA graph keeps the buffers it captured) for batches of
         # at most this many tokens, the largest batch a graph is captured for; it counts the virtual tokens here.
         if self.max_cudagraph_size is not None:
-            self.max_cudagraph_size *= num_pseudo
+            self.max_cudagraph_size *= spec.num_pseudo_heads
 
     def build(
         self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata, fast_build: bool = False
@@ -81,11 +83,12 @@ class IHAFlashAttentionImpl(FlashAttentionImpl):
         logits_soft_cap: float | None = None,
         attn_type: str = AttentionType.DECODER,
         kv_sharing_target_layer_name: str | None = None,
-        num_pseudo_heads: int = 1,
-        virtual_sliding_window: int | None = None,
+        iha_layer: IHALayerSpec | None = None,
     ) -> None:
         refuse_unsupported_layer_settings(attn_type, alibi_slopes, logits_soft_cap, kv_sharing_target_layer_name)
-        window = kernel_window(sliding_window, virtual_sliding_window, num_pseudo_heads)
+        window = kernel_window(sliding_window, iha_layer)
+        num_pseudo_heads = iha_layer.num_pseudo_heads
+        self.iha_layer = iha_layer  # read back by the metadata builder (`virtual.layer_spec_of`)
         # vLLM checks the GPU against a backend only where it chooses the backend itself; the IHA layers name theirs.
         capability = current_platform.get_device_capability()
         if capability is None or not FlashAttentionBackend.supports_compute_capability(capability):

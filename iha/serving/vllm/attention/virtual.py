@@ -8,11 +8,11 @@ query starts and sequence lengths times P (`VirtualBatch`) and `causal=True`, th
 exactly (the kernels align causal masks to the bottom right, so a chunk's virtual queries see the request's whole
 virtual past): chunked prefill and decoding alike.
 
-A kernel window over the same sequence counts virtual tokens: sliding IHA layers (iha_window_unit "virtual") hand the
-kernel a flat window of sliding_window * P virtual tokens (`kernel_window`), over a sliding-window cache spec that
-keeps one token more than a standard layer's (`self_attention.cache_window_in_tokens`), so that vLLM frees the blocks
-that leave the window. Folders whose sliding IHA layers count whole tokens are refused before the engine starts
-(`support.check_servable`).
+A kernel window over the same sequence counts virtual tokens: sliding IHA layers hand the kernel the paper's flat
+window of sliding_window * P virtual tokens (`kernel_window`), over a sliding-window cache spec of the tokens that
+window reaches, one more than a standard layer's when P > 1 (`IHALayerSpec.cache_window`), so that vLLM frees the
+blocks that leave the window. Every number comes from the layer's `IHALayerSpec`, which the layer hands its
+implementation and the metadata builder reads back (`layer_spec_of`).
 
 The virtual metadata is built once per step by the backends' metadata builders, never inside the layer's forward: the
 forward only reshapes its inputs, which keeps it capturable in CUDA graphs on the GPU backend.
@@ -25,23 +25,35 @@ from vllm.config import VllmConfig
 from vllm.v1.attention.backend import AttentionType, CommonAttentionMetadata
 from vllm.v1.kv_cache_interface import AttentionSpec
 
-
-def num_pseudo_heads_of(vllm_config: VllmConfig) -> int:
-    return vllm_config.model_config.hf_config.num_pseudo_heads
+from ....models.iha.layer_iha import IHALayerSpec
 
 
-def virtual_kv_spec(kv_cache_spec: AttentionSpec, num_pseudo_heads: int) -> AttentionSpec:
-    """The layer's spec (heads of size P * d, block_size slots; a sliding layer's window of W + 1 tokens) as the kernel
-    reads it: heads of size d, P * block_size slots per block, a window of W * P virtual tokens."""
+def layer_spec_of(vllm_config: VllmConfig, layer_names: list[str]) -> IHALayerSpec:
+    """The `IHALayerSpec` the first layer of a KV-cache group handed its implementation, that object itself; the group's
+    other layers must hold equal ones (a group holds layers of one cache spec, and the spec's numbers are theirs)."""
+    layers = vllm_config.compilation_config.static_forward_context
+    spec = layers[layer_names[0]].impl.iha_layer
+    others = {layers[name].impl.iha_layer for name in layer_names} - {spec}
+    if others:
+        raise ValueError(
+            f"The IHA layers {layer_names} of one KV-cache group disagree on what they are: {spec}, {others}."
+        )
+    return spec
+
+
+def virtual_kv_spec(kv_cache_spec: AttentionSpec, spec: IHALayerSpec) -> AttentionSpec:
+    """The layer's cache spec (heads of size P * d, block_size slots; a sliding layer's window of the tokens it
+    reaches) as the kernel reads it: heads of size d, P * block_size slots per block, a window of W * P virtual
+    tokens."""
+    num_pseudo_heads = spec.num_pseudo_heads
     virtual = dataclasses.replace(
         kv_cache_spec,
         head_size=kv_cache_spec.head_size // num_pseudo_heads,
         head_size_v=kv_cache_spec.head_size_v // num_pseudo_heads,
         block_size=kv_cache_spec.block_size * num_pseudo_heads,
     )
-    cache_window = getattr(kv_cache_spec, "sliding_window", None)
-    if cache_window is not None:
-        virtual = dataclasses.replace(virtual, sliding_window=(cache_window - 1) * num_pseudo_heads)
+    if getattr(kv_cache_spec, "sliding_window", None) is not None:
+        virtual = dataclasses.replace(virtual, sliding_window=spec.virtual_window)
     return virtual
 
 
@@ -54,8 +66,8 @@ class VirtualBatch:
     the addresses it recorded.
     """
 
-    def __init__(self, vllm_config: VllmConfig, device: torch.device):
-        self.num_pseudo_heads = num_pseudo_heads_of(vllm_config)
+    def __init__(self, vllm_config: VllmConfig, spec: IHALayerSpec, device: torch.device):
+        self.num_pseudo_heads = spec.num_pseudo_heads
         scheduler = vllm_config.scheduler_config
         max_tokens = max(
             scheduler.max_num_batched_tokens, vllm_config.compilation_config.max_cudagraph_capture_size or 0
@@ -106,18 +118,15 @@ def virtual_flash_cache(kv_cache: torch.Tensor, num_pseudo_heads: int) -> torch.
     return physical.view(num_blocks, num_kv_heads, block_size * num_pseudo_heads, 2 * head_dim)
 
 
-def kernel_window(sliding_window: int | None, virtual_sliding_window: int | None, num_pseudo_heads: int) -> int | None:
-    """The window the kernel runs over the virtual sequence: `virtual_sliding_window` (W * P virtual tokens), given by
-    a sliding IHA layer with its cache spec's window `sliding_window` (W + 1 tokens); None for a global layer."""
-    if virtual_sliding_window is None and sliding_window is None:
-        return None
-    if virtual_sliding_window is None or sliding_window != virtual_sliding_window // num_pseudo_heads + 1:
+def kernel_window(sliding_window: int | None, spec: IHALayerSpec) -> int | None:
+    """The window the kernel runs over the virtual sequence: the layer's `virtual_window` (W * P virtual tokens), given
+    with its cache spec's window `sliding_window` (`IHALayerSpec.cache_window`); None for a global layer."""
+    if sliding_window != spec.cache_window:
         raise ValueError(
-            f"A sliding IHA layer keeps W + 1 tokens of cache for a window of W * P virtual tokens; got a cache window "
-            f"of {sliding_window} tokens and a kernel window of {virtual_sliding_window} virtual tokens (P = "
-            f"{num_pseudo_heads})."
+            f"A sliding IHA layer keeps a cache window of {spec.cache_window} tokens for its window of "
+            f"{spec.virtual_window} virtual tokens (P = {spec.num_pseudo_heads}); vLLM built it with {sliding_window}."
         )
-    return virtual_sliding_window
+    return spec.virtual_window
 
 
 def refuse_unsupported_layer_settings(

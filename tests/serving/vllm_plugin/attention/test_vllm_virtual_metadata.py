@@ -15,6 +15,7 @@ pytest.importorskip("vllm")
 import torch  # noqa: E402
 from vllm.v1.attention.backend import CommonAttentionMetadata  # noqa: E402
 
+from iha.models.iha.layer_iha import IHA_FULL, IHA_SLIDING, IHALayerSpec  # noqa: E402
 from iha.serving.vllm.attention.cpu import one_request_per_decoding_pseudo_query  # noqa: E402
 from iha.serving.vllm.attention.virtual import (  # noqa: E402
     VirtualBatch,
@@ -33,11 +34,11 @@ BLOCK_SIZE = 32
 
 def virtual_batch(num_pseudo_heads: int) -> VirtualBatch:
     config = SimpleNamespace(
-        model_config=SimpleNamespace(hf_config=SimpleNamespace(num_pseudo_heads=num_pseudo_heads)),
         scheduler_config=SimpleNamespace(max_num_batched_tokens=64, max_num_seqs=4),
         compilation_config=SimpleNamespace(max_cudagraph_capture_size=8),
     )
-    return VirtualBatch(config, torch.device("cpu"))
+    spec = IHALayerSpec(attention_type=IHA_FULL, num_pseudo_heads=num_pseudo_heads, sliding_window=None)
+    return VirtualBatch(config, spec, torch.device("cpu"))
 
 
 def batch(query_lens: list[int], seq_lens: list[int], block_table: list[list[int]], padding: int = 0, **fields):
@@ -252,15 +253,24 @@ def test_pages_split_inside_a_block_are_refused():
 
 
 def test_a_sliding_layers_spec_and_kernel_window_in_virtual_units():
-    """A sliding IHA layer of window W = 8 at P = 3 keeps W + 1 = 9 tokens of cache; the kernel sees heads of d, 3 x
-    the block's slots and a window of W x P = 24 virtual tokens."""
+    """A sliding IHA layer of window W = 8 at P = 3 keeps W + 1 = 9 tokens of cache (its first pseudo-query reaches
+    into token n - W); the kernel sees heads of d, 3 x the block's slots and a window of W x P = 24 virtual tokens. At
+    P = 1 the layer is a standard sliding layer: a cache of W tokens, a kernel window of W."""
     from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
 
+    sliding_layer = IHALayerSpec(attention_type=IHA_SLIDING, num_pseudo_heads=3, sliding_window=8)
+    global_layer = IHALayerSpec(attention_type=IHA_FULL, num_pseudo_heads=3, sliding_window=None)
     shape = dict(block_size=32, num_kv_heads=2, head_size=3 * 64, dtype=torch.float32)
-    sliding = virtual_kv_spec(SlidingWindowSpec(**shape, sliding_window=9), num_pseudo_heads=3)
+    sliding = virtual_kv_spec(SlidingWindowSpec(**shape, sliding_window=9), sliding_layer)
     assert (sliding.head_size, sliding.block_size, sliding.sliding_window) == (64, 96, 24)
-    full = virtual_kv_spec(FullAttentionSpec(**shape), num_pseudo_heads=3)
+    full = virtual_kv_spec(FullAttentionSpec(**shape), global_layer)
     assert (full.head_size, full.block_size) == (64, 96)
-    assert kernel_window(9, 24, num_pseudo_heads=3) == 24 and kernel_window(None, None, num_pseudo_heads=3) is None
-    with pytest.raises(ValueError, match="W \\+ 1 tokens of cache for a window of W \\* P virtual tokens"):
-        kernel_window(8, 24, num_pseudo_heads=3)  # a cache one token short of the window
+    assert kernel_window(9, sliding_layer) == 24 and kernel_window(None, global_layer) is None
+    with pytest.raises(ValueError, match="cache window of 9 tokens for its window of 24 virtual tokens"):
+        kernel_window(8, sliding_layer)  # a cache one token short of the window's reach
+    with pytest.raises(ValueError, match="vLLM built it with 9"):
+        kernel_window(9, global_layer)  # a global layer handed a window
+    one_pseudo_head = IHALayerSpec(attention_type=IHA_SLIDING, num_pseudo_heads=1, sliding_window=8)
+    assert kernel_window(8, one_pseudo_head) == 8
+    unchanged = virtual_kv_spec(SlidingWindowSpec(**{**shape, "head_size": 64}, sliding_window=8), one_pseudo_head)
+    assert (unchanged.head_size, unchanged.block_size, unchanged.sliding_window) == (64, 32, 8)
