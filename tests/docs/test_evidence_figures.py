@@ -593,3 +593,45 @@ def test_decoding_and_packed_figures():
         f"trains forward + backward at {statistics.median(by_round):.2f}x the base model's CPU time, range "
         f"{min(by_round):.2f}-{max(by_round):.2f} over {len(by_round)} rounds"
     ) in page
+
+
+def test_without_package_figures():
+    """docs/model.md's cost of a folder loaded without the package: each ratio the median over rounds of CPU time
+    without / with, recomputed from the seconds, with its rounds' range and the run's regime."""
+    data = json.loads((RESULTS / "without_package.json").read_text(encoding="utf-8"))
+    rows, regime = {row["case"]: row for row in data["rows"]}, data["regime"]
+    page = _page("docs/model.md")
+
+    def ratios(case: str) -> list[float]:
+        row = rows[case]
+        return [without / with_ for without, with_ in zip(row["without_cpu_s"], row["with_cpu_s"], strict=True)]
+
+    def quoted(case: str) -> str:
+        values = ratios(case)
+        assert statistics.median(values) == pytest.approx(rows[case]["ratio_median"])
+        return f"{statistics.median(values):.2f}x", f"{min(values):.2f}-{max(values):.2f}"
+
+    forward, backward = quoted("hybrid forward"), quoted("hybrid forward + backward")
+    packed, decoding = (
+        quoted("packed rows forward + backward (every layer IHA)"),
+        quoted("decoding (every layer IHA, GQA)"),
+    )
+    assert f"the hybrid's forward over {regime['seq_len']:,} tokens {forward[0]} (rounds {forward[1]})" in page
+    assert f"its forward and backward {backward[0]} (rounds {backward[1]})" in page
+    assert (
+        f"{regime['documents']} documents of {regime['seq_len'] // regime['documents']} tokens) {packed[0]} ({packed[1]})"
+        in page
+    )
+    assert (
+        f"decoding {regime['decode']} tokens after a {regime['prompt']}-token prompt (every layer IHA, GQA) "
+        f"{decoding[0]} ({decoding[1]})" in page
+    )
+    assert (
+        f"{data['date']}: 2 shared cores, load average {regime['load_before']} before and {regime['load_after']} after, "
+        f"{regime['torch_threads']} torch thread, float32, {regime['layers']} layers of the {regime['shape']} shape, "
+        f"P = {regime['pseudo_heads']}, median of {regime['repeats']} alternating rounds" in page
+    )
+    assert regime["machine"].endswith("2 cores")
+    # The README's one line: the headline ratios, as the page quotes them.
+    readme = _page("README.md")
+    assert f"{forward[0]} to {packed[0]} the CPU time" in readme and f"decoding {decoding[0]}" in readme
