@@ -241,7 +241,7 @@ def markdown_report(meta: dict, rows: list[dict]) -> str:
         "`speed / inverse FLOPs` = tok/s ratio x FLOP ratio: 1.0 means IHA decodes exactly as much slower as its FLOPs "
         f"say; the target is >= {TARGET}. Kernels differ: the base model's layers run the engine's attention, one "
         "dense masked product over all requests' keys (block-diagonal mask, every pair across requests computed and "
-        "thrown away), while IHA layers attend request by request (`per_request_attention` in iha/models/iha/serving_iha.py). "
+        "thrown away), while IHA layers attend request by request (`per_request_attention` in iha/attention/continuous_batching.py). "
         "Part of IHA's ratio is therefore the engine's waste on the base model's side, not IHA's own cost; the "
         "paged cache, projections, MLP and LM head are the same code for both.",
         "",

@@ -635,3 +635,35 @@ def test_without_package_figures():
     # The README's one line: the headline ratios, as the page quotes them.
     readme = _page("README.md")
     assert f"{forward[0]} to {packed[0]} the CPU time" in readme and f"decoding {decoding[0]}" in readme
+
+
+def test_serving_hybrid_as_built_now():
+    """The continuous-batching ratio of the paper's hybrid with the flat window (serving_hybrid.json): the decode
+    tok/s ratio from the medians of the CPU times, as the report computes it, and its per-round range."""
+    data = json.loads((RESULTS / "serving_hybrid.json").read_text(encoding="utf-8"))
+    (row,) = data["rows"]
+    assert row["layout"] == "hybrid" and row["sliding_window"] == 68
+    cpu = {name: times["cpu"] for name, times in row["times"].items()}
+
+    def decode_seconds(model: str) -> float:
+        return statistics.median(cpu[f"{model}_full"]) - statistics.median(cpu[f"{model}_prefill"])
+
+    ratio = decode_seconds("base") / decode_seconds("iha")
+    assert ratio == pytest.approx(
+        row["decode_tokens_per_second"]["iha"]["cpu"] / row["decode_tokens_per_second"]["base"]["cpu"]
+    )
+    rounds = [
+        (base_full - base_prefill) / (iha_full - iha_prefill)
+        for base_full, base_prefill, iha_full, iha_prefill in zip(
+            cpu["base_full"], cpu["base_prefill"], cpu["iha_full"], cpu["iha_prefill"], strict=True
+        )
+    ]
+    flops = row["decode_step_flops"]["iha"] / row["decode_step_flops"]["base"]
+    assert row["cache_bytes"]["iha"] == row["cache_bytes"]["base"]
+    text = f"{ratio:.2f}x the base model's tokens/s (per round {min(rounds):.2f}-{max(rounds):.2f})"
+    for page in ("docs/results.md", "docs/serving.md"):
+        assert text in _page(page), page
+    assert f"decode FLOP ratio {flops:.2f}" in _page("docs/results.md")
+    assert "load average (1 min) 13.0 at the start and 9.1 at the end" in data["meta"]["machine_note"].lower()
+    for page in ("docs/results.md", "docs/serving.md"):
+        assert "load average 13.0 at the start and 9.1 at the end" in _page(page), page
