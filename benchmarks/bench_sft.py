@@ -145,15 +145,13 @@ LAYOUT_NOTES = {
 
 
 def window_note(windows: dict, num_pseudo_heads: int) -> str:
-    """What each layout's sliding IHA layers attend to, as the conversion wrote it (empty without sliding layers)."""
+    """What each layout's sliding IHA layers attend to, as the conversion wrote it (empty without sliding layers): the
+    paper's flat window of W * P virtual tokens, the only window IHA has."""
     notes = []
-    for layout, (window, unit) in windows.items():
+    for layout, window in windows.items():
         if window is None:
             continue
-        if unit == "virtual":
-            reach = f"the flat window of the last {window * num_pseudo_heads} virtual tokens (W * P, the paper's)"
-        else:
-            reach = f"the pseudo-tokens of the last {window} tokens"
+        reach = f"the flat window of the last {window * num_pseudo_heads} virtual tokens (W * P, the paper's)"
         notes.append(f"{layout}: sliding window W = {window} tokens, its IHA layers attending to {reach}")
     return ("Windows: " + "; ".join(notes) + ".") if notes else ""
 
@@ -292,7 +290,7 @@ def main(argv=None):
             dataloader_num_workers=0,
         )
 
-    windows = {}  # layout -> (sliding window in tokens, its unit on IHA layers), as the conversion wrote them
+    windows = {}  # layout -> sliding window in tokens, as the conversion wrote it
 
     def load(kind):
         model = AutoModelForCausalLM.from_pretrained(
@@ -308,7 +306,7 @@ def main(argv=None):
             training_length=options.max_length,
             share_weights=True,
         )
-        windows[kind] = (converted.config.sliding_window, getattr(converted.config, "iha_window_unit", None))
+        windows[kind] = converted.config.sliding_window
         return f"iha (P={options.num_pseudo_heads}, {kind})", converted
 
     # Rounds rotate the order (base, global, hybrid), (global, hybrid, base), ... so that a shared machine's changing
