@@ -321,6 +321,7 @@ def main(argv=None):
         "shape_note": ", ".join(f"{k} {v}" for k, v in shape.items() if k != "rope_parameters"),
         "position_mode": args.position_mode,
         "global_layers_note": ", ".join(str(i) for i in hybrid_globals) + " global",
+        "window_unit": "virtual",  # the hybrid's sliding IHA layers (hybrid_options)
         "repeats": args.repeats,
         "machine_note": (
             f"Load average (1 min) {load_at_start:.1f} at the start and {os.getloadavg()[0]:.1f} at the end of the run "

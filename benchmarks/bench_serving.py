@@ -227,7 +227,7 @@ def markdown_report(meta: dict, rows: list[dict]) -> str:
         f"Model: {meta['shape_note']}, **{meta['layers']} layers**, random weights; the IHA model is converted from the "
         "base model's weights (identity head mixing, shared positions, flat causal mask, per-head collapse; token cache "
         "mode). Hybrid layout = the paper's 4 sliding IHA : 1 global MHA, W = N / (2 P^2) tokens with N the longest "
-        "prompt.  ",
+        "prompt, its IHA layers attending to the paper's flat window of the last W * P virtual tokens.  ",
         f"Workload: {len(meta['prompt_lengths'])} requests arriving together, prompts of {meta['prompt_lengths']} "
         f"tokens, {meta['decode_tokens']} greedy tokens each, `generate_batch` with a paged cache of "
         f"{meta['cache_blocks']} blocks of 256 tokens and at most {meta['max_batch_tokens']} new tokens per forward.  ",
@@ -241,7 +241,7 @@ def markdown_report(meta: dict, rows: list[dict]) -> str:
         "`speed / inverse FLOPs` = tok/s ratio x FLOP ratio: 1.0 means IHA decodes exactly as much slower as its FLOPs "
         f"say; the target is >= {TARGET}. Kernels differ: the base model's layers run the engine's attention, one "
         "dense masked product over all requests' keys (block-diagonal mask, every pair across requests computed and "
-        "thrown away), while IHA layers attend request by request (`per_request_attention` in iha/models/iha/serving_iha.py). "
+        "thrown away), while IHA layers attend request by request (`per_request_attention` in iha/attention/continuous_batching.py). "
         "Part of IHA's ratio is therefore the engine's waste on the base model's side, not IHA's own cost; the "
         "paged cache, projections, MLP and LM head are the same code for both.",
         "",

@@ -18,6 +18,7 @@ FlashAttention (the hybrid layout's sliding IHA layers need SDPA or flex).
 
 import argparse
 import json
+import os
 import platform
 import statistics
 import tempfile
@@ -143,13 +144,27 @@ LAYOUT_NOTES = {
 }
 
 
+def window_note(windows: dict, num_pseudo_heads: int) -> str:
+    """What each layout's sliding IHA layers attend to, as the conversion wrote it (empty without sliding layers): the
+    paper's flat window of W * P virtual tokens, the only window IHA has."""
+    notes = []
+    for layout, window in windows.items():
+        if window is None:
+            continue
+        reach = f"the flat window of the last {window * num_pseudo_heads} virtual tokens (W * P, the paper's)"
+        notes.append(f"{layout}: sliding window W = {window} tokens, its IHA layers attending to {reach}")
+    return ("Windows: " + "; ".join(notes) + ".") if notes else ""
+
+
 def markdown_report(report: dict) -> str:
     settings = report["settings"]
     lines = [
         "# SFT throughput: IHA vs the same base model (TRL SFTTrainer)",
         "",
         f"Measured by `benchmarks/bench_sft.py` on {report['device']} (torch threads: {report['threads']}), torch "
-        f"{report['torch']}, transformers {report['transformers']}, trl {report['trl']}.",
+        f"{report['torch']}, transformers {report['transformers']}, trl {report['trl']}"
+        + (f"; {report['date']}" if "date" in report else "")
+        + ".",
         "",
         f"Base: `{settings['model']}`; IHA: the same checkpoint converted with `llama_to_iha` "
         f"(P = {settings['num_pseudo_heads']}; layouts: "
@@ -159,8 +174,9 @@ def markdown_report(report: dict) -> str:
         f"{'bf16' if settings['bf16'] else 'fp32'}, attention `{settings['attn_implementation']}`, AdamW; "
         f"{settings['rounds']} rounds that rotate which model runs first, each run {settings['steps']} optimizer "
         f"steps with the first {settings['warmup']} not measured (warm-up). Data: GSM8K train rows in OpenThoughts "
-        "format.",
+        "format." + (f" {report['windows']}" if report.get("windows") else ""),
         "",
+        *([report["load"], ""] if "load" in report else []),
         "| model | parameters | tokens / s (wall) | tokens / CPU-s | tokens / CPU-s by round | median step (s) "
         "| loss first -> last |",
         "|---|---:|---:|---:|---|---:|---|",
@@ -196,7 +212,7 @@ def markdown_report(report: dict) -> str:
     return "\n".join(lines)
 
 
-def main(argv=None):
+def make_parser() -> ArgumentParser:
     parser = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument(
         "--model", help="Llama-style checkpoint (default: SmolLM2-135M-Instruct via iha.conversion.builtin)"
@@ -235,6 +251,11 @@ def main(argv=None):
         "barriers while the machine's other jobs hold the cores)",
     )
     parser.add_argument("--output", default=str(RESULTS_DIR / "sft"), help="writes OUTPUT.md and OUTPUT.json")
+    return parser
+
+
+def main(argv=None):
+    parser = make_parser()
     options = parser.parse_args(argv)
     if options.threads is not None or not torch.cuda.is_available():
         torch.set_num_threads(options.threads or 1)
@@ -269,6 +290,8 @@ def main(argv=None):
             dataloader_num_workers=0,
         )
 
+    windows = {}  # layout -> sliding window in tokens, as the conversion wrote it
+
     def load(kind):
         model = AutoModelForCausalLM.from_pretrained(
             options.model, dtype=torch.float32, attn_implementation=options.attn_implementation
@@ -276,18 +299,21 @@ def main(argv=None):
         if kind == "base":
             return f"{model.config.model_type} (base)", model
         layers = "hybrid" if kind == "hybrid" else "all"
-        return f"iha (P={options.num_pseudo_heads}, {kind})", llama_to_iha(
+        converted = llama_to_iha(
             model,
             num_pseudo_heads=options.num_pseudo_heads,
             layers=layers,
             training_length=options.max_length,
             share_weights=True,
         )
+        windows[kind] = converted.config.sliding_window
+        return f"iha (P={options.num_pseudo_heads}, {kind})", converted
 
     # Rounds rotate the order (base, global, hybrid), (global, hybrid, base), ... so that a shared machine's changing
     # load falls on every model alike; every run starts from freshly loaded weights.
     kinds = ["base", *options.layouts]
     runs = {kind: [] for kind in kinds}
+    load_at_start = os.getloadavg()[0]
     with tempfile.TemporaryDirectory() as scratch:
         for round_index in range(options.rounds):
             shift = round_index % len(kinds)
@@ -300,6 +326,12 @@ def main(argv=None):
     device = torch.cuda.get_device_name(0) if torch.cuda.is_available() else f"CPU ({platform.processor() or 'x86-64'})"
     report = {
         "device": device,
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "load": (
+            f"Load average (1 min) {load_at_start:.1f} at the start and {os.getloadavg()[0]:.1f} at the end of the "
+            f"run on {os.cpu_count()} cores."
+        ),
+        "windows": window_note(windows, options.num_pseudo_heads),
         "threads": torch.get_num_threads(),
         "torch": torch.__version__,
         "transformers": transformers.__version__,

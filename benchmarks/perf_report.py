@@ -171,7 +171,12 @@ def markdown_report(meta: dict, grid: list[dict], decoding: list[dict], targets:
         "IHA model is converted from the base model's weights. IHA options: "
         f"`iha_position_mode={meta['position_mode']!r}`, flat causal mask, per-head collapse. "
         f"Hybrid layout = the paper's 4 sliding IHA : 1 global MHA (layers {meta['global_layers_note']}), window "
-        "W = N / (2 P^2) tokens.  ",
+        "W = N / (2 P^2) tokens"
+        + (
+            ", its IHA layers attending to the paper's flat window of the last W * P virtual tokens.  "
+            if meta.get("window_unit") == "virtual"
+            else ".  "
+        ),
         f"Times: medians of {meta['repeats']} runs, base and IHA alternating, in **{clock_text[clock]}** "
         f"({clock_text[other_clock]} ratios in parentheses; all raw times in the JSON). {meta['machine_note']}",
         "",

@@ -10,6 +10,8 @@ import copy
 import http.client
 import json
 import os
+import re
+import shlex
 import signal
 import socket
 import subprocess
@@ -708,3 +710,97 @@ def write_lm_eval_task(task_dir: Path, name: str, questions: list[dict], doc_to_
     data_file = write_jsonl_atomic(questions, task_dir / "questions.jsonl")
     task = LM_EVAL_MULTIPLE_CHOICE_TASK.format(name=name, data_file=data_file, doc_to_text=doc_to_text)
     (task_dir / f"{name}.yaml").write_text(task)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The shell commands of the README and the docs pages (tests/docs/ runs them as written; the vLLM ones run in
+# `make vllm-test`, tests/serving/vllm_plugin/test_vllm_docs_commands.py)
+# ---------------------------------------------------------------------------------------------------------------------
+
+# The pages whose shell blocks a user copies, and the fences that mark a shell block.
+DOC_PAGES = ["README.md", *sorted(f"docs/{page.name}" for page in (REPO_ROOT / "docs").glob("*.md"))]
+SHELL_FENCES = ("```bash", "```shell", "```sh", "```console")
+# "# needs the Hub" / "# needs GPUs" in a command's comment: what cannot run on an offline CPU-only machine.
+NEEDS_MARKER = re.compile(r"#.*needs (the Hub|GPUs)")
+ENVIRONMENT_ASSIGNMENT = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*=")
+SERVER_PROGRAMS = {"vllm": "serve", "iha": "serve", "mlx_lm.server": None}
+
+
+@dataclass
+class PageCommand:
+    """One command of a page's shell blocks, as one line (continuation lines joined), with what it needs."""
+
+    text: str
+    marker: str  # "the Hub", "GPUs" or ""
+    engine: str  # "vllm" for what runs in .venv-vllm (vLLM itself, or a client of a vLLM server), else ""
+
+    @property
+    def environment(self) -> dict:
+        return split_command(self.text)[0]
+
+    @property
+    def argv(self) -> list[str]:
+        return split_command(self.text)[1]
+
+
+def split_command(text: str) -> tuple[dict, list[str]]:
+    """A command's leading `NAME=value` assignments, and its words (`nice` and its flags dropped: what runs)."""
+    words = shlex.split(text, comments=True)
+    environment = {}
+    while words and ENVIRONMENT_ASSIGNMENT.match(words[0]):
+        name, _, value = words.pop(0).partition("=")
+        environment[name] = value
+    if words[:1] == ["nice"]:
+        words = words[3:] if words[1:2] == ["-n"] else words[1:]
+    return environment, words
+
+
+def program_name(argv: list[str]) -> str:
+    """The program a command runs, without its folder (`.venv-vllm/bin/vllm` is `vllm`)."""
+    return Path(argv[0]).name
+
+
+def starts_server(argv: list[str]) -> bool:
+    name = program_name(argv)
+    return name in SERVER_PROGRAMS and (SERVER_PROGRAMS[name] is None or argv[1:2] == [SERVER_PROGRAMS[name]])
+
+
+def runs_vllm(argv: list[str]) -> bool:
+    """vLLM itself (`vllm ...`), lm-eval's vLLM backend, or Python importing vLLM."""
+    name = program_name(argv)
+    if name == "vllm":
+        return True
+    if name == "lm_eval" and "--model" in argv[:-1]:
+        return argv[argv.index("--model") + 1] == "vllm"
+    return name.startswith("python") and any("from vllm" in word or "import vllm" in word for word in argv)
+
+
+def page_commands(page: str) -> list[PageCommand]:
+    """Every command of the page's shell blocks, in order. A `curl` belongs to the engine of the server started last
+    on the page before it."""
+    commands, in_block, pending, server_engine = [], False, "", ""
+    for line in (REPO_ROOT / page).read_text(encoding="utf-8").splitlines():
+        if line.startswith("```"):
+            in_block = line.strip() in SHELL_FENCES if not in_block else False
+            continue
+        if not in_block or (not pending and (not line.strip() or line.lstrip().startswith("#"))):
+            continue
+        if line.rstrip().endswith("\\"):
+            pending += line.rstrip()[:-1] + " "
+            continue
+        text = pending + line.strip()
+        pending = ""
+        marker = NEEDS_MARKER.search(text)
+        argv = split_command(text)[1]
+        engine = "vllm" if runs_vllm(argv) else ""
+        if starts_server(argv):
+            server_engine = engine
+        elif program_name(argv) == "curl":
+            engine = server_engine
+        commands.append(PageCommand(text, marker.group(1) if marker else "", engine))
+    return commands
+
+
+def page_snippets(page: str) -> list[str]:
+    """The page's ```python blocks."""
+    return re.findall(r"^```python\n(.*?)^```", (REPO_ROOT / page).read_text(encoding="utf-8"), re.S | re.M)

@@ -195,6 +195,8 @@ def run_demo(
             "exact": report.exact,
             "max_abs_logit_diff": report.verification.max_abs_diff,
             "top1_agreement": report.verification.top1_agreement,
+            # The source against itself with another attention kernel: the float32 rounding the difference is read against.
+            "reference_noise": report.verification.reference_noise,
             "message": report.verification.message,
         }
         log(f"    {report.verification.message} ({timings['convert_s']:.1f} s)")
@@ -275,6 +277,18 @@ def _percent(metrics: dict, key: str) -> str:
     return "n/a" if value is None else f"{100 * value:.2f}%"
 
 
+def _solved(summary: dict) -> str:
+    """' (0 -> 1 solved)': how many problems the percentages are, where each problem had one greedy answer."""
+    counts = []
+    for key in ("before", "after"):
+        value = summary[key].get("pass@1")
+        solved = None if value is None else value * summary["num_eval_problems"]
+        if solved is None or abs(solved - round(solved)) > 1e-6:
+            return ""
+        counts.append(round(solved))
+    return f" ({counts[0]} -> {counts[1]} solved)"
+
+
 def demo_card_section(summary: dict) -> str:
     training = summary["training"]
     return (
@@ -289,6 +303,7 @@ def demo_card_section(summary: dict) -> str:
 def format_summary(summary: dict) -> str:
     conversion, training, timings = summary["conversion"], summary["training"], summary["timings_s"]
     difference, agreement = conversion.get("max_abs_logit_diff"), conversion.get("top1_agreement")
+    noise = conversion.get("reference_noise")
     step_times = [
         ("convert", "convert_s"),
         ("evaluate", "eval_before_s"),
@@ -305,10 +320,11 @@ def format_summary(summary: dict) -> str:
         "conversion            max |logit diff| "
         + ("n/a" if difference is None else f"{difference:.2e}")
         + ", top-1 agreement "
-        + ("n/a" if agreement is None else f"{100 * agreement:.2f}%"),
+        + ("n/a" if agreement is None else f"{100 * agreement:.2f}%")
+        + ("" if noise is None else f" (the source against itself, sdpa vs eager: {noise:.2e})"),
         f"fine-tuning           {training['steps']} steps, loss {training['first_loss']:.3f} -> {training['last_loss']:.3f}",
         f"pass@1 before/after   {_percent(summary['before'], 'pass@1')} -> {_percent(summary['after'], 'pass@1')}"
-        f" on {summary['num_eval_problems']} held-out problems",
+        f" on {summary['num_eval_problems']} held-out problems" + _solved(summary),
         f"Hub-ready model       {summary['model_dir']}",
         f"loss curve            {summary['loss_curve']}",
         f"time                  {timings['total_s']:.0f} s ({steps})",

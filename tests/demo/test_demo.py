@@ -133,7 +133,11 @@ def test_the_summary_prints_figures_as_the_rest_of_the_package_does():
     summary = {
         "source": "smollm2",
         "num_pseudo_heads": 2,
-        "conversion": {"max_abs_logit_diff": 9.632110595703125e-05, "top1_agreement": 1.0},
+        "conversion": {
+            "max_abs_logit_diff": 9.632110595703125e-05,
+            "top1_agreement": 1.0,
+            "reference_noise": 8.440017700195312e-05,
+        },
         "training": {"steps": 12, "first_loss": 1.0612, "last_loss": 0.1401},
         "before": {"pass@1": 0.0},
         "after": {"pass@1": 1 / 12},
@@ -149,7 +153,11 @@ def test_the_summary_prints_figures_as_the_rest_of_the_package_does():
         },
     }
     text = format_summary(summary)
-    assert "max |logit diff| 9.63e-05, top-1 agreement 100.00%" in text
-    assert "0.00% -> 8.33% on 12 held-out problems" in text
+    assert (
+        "max |logit diff| 9.63e-05, top-1 agreement 100.00% (the source against itself, sdpa vs eager: 8.44e-05)"
+        in text
+    )
+    # One problem of 12: the counts beside the percentages.
+    assert "0.00% -> 8.33% on 12 held-out problems (0 -> 1 solved)" in text
     assert "476 s (convert 10 s, evaluate 120 s, train 240 s, evaluate 100 s)" in text
     assert "9.632110595703125e-05" not in text and "agreement 1.0" not in text

@@ -1,7 +1,7 @@
 """The figures the evidence pages quote, recomputed from the committed result files and found in the text.
 
-Each test reads `benchmarks/synthetic/` (results.json, seeds.json, report.json), recomputes a figure the way the
-page describes it (with the report code's own statistics where there is one), formats it as the page writes it, and
+Each test reads the committed result files (`benchmarks/synthetic/`: results.json, seeds.json, report.json;
+`benchmarks/results/`: the benchmarks' JSON and reports), recomputes a figure the way the page describes it (with the report code's own statistics where there is one), formats it as the page writes it, and
 asserts that the page holds that text: a figure changed in the files or mistyped on the page fails here. The pages
 are compared with their line breaks folded into spaces (`_page`).
 """
@@ -93,7 +93,7 @@ def test_paper_ternary_seed_0_orders_iha_p8_above_two_simplicial(paper_ternary):
     p8, simplicial = _exact_match(paper_ternary, "IHA P=8")[0], _exact_match(paper_ternary, "2-simplicial")[0]
     assert p8 > simplicial
     text = f"{p8:.2f} against {simplicial:.2f}"
-    assert text in _page("docs/results.md") and text in _page("README.md")
+    assert text in _page("docs/results.md")
 
 
 def test_two_simplicial_leads_at_every_equal_epoch_but_not_at_every_stopping_point(paper_ternary):
@@ -128,7 +128,7 @@ def test_iha_p8_against_mha_at_equal_epochs(paper_ternary):
         paper_ternary[seed]["IHA P=8"]["epochs_run"] - paper_ternary[seed]["MHA"]["epochs_run"] for seed in SEEDS
     )
     assert f"{extra[0]}-{extra[-1]} epochs more" in page
-    assert f"{extra[0]}-{extra[-1]} more epochs than MHA" in _page("README.md")
+    assert f"{extra[0]}-{extra[-1]} more epochs than MHA" in _page("docs/results.md")
 
 
 def test_paper_ternary_run_hours_and_parameters(paper_ternary):
@@ -145,7 +145,7 @@ def test_paper_ternary_run_hours_and_parameters(paper_ternary):
     over_mha = 100 * (parameters["2-simplicial"] / parameters["MHA"] - 1)
     over_p8 = 100 * (parameters["2-simplicial"] / parameters["IHA P=8"] - 1)
     assert f"{over_mha:.1f}% more than MHA, {over_p8:.1f}% more than IHA P = 8" in page
-    assert f"{int(over_p8)}-{int(over_mha)}% more parameters" in _page("README.md")
+    assert f"{int(over_p8)}-{int(over_mha)}% more parameters" in _page("docs/results.md")
 
 
 def test_recorded_epoch_times_against_the_idle_ones(paper_ternary):
@@ -180,8 +180,8 @@ def test_cpu_preset_holm_value():
     holm = f"{paired['t_p_value_holm']:.3f}"
     assert holm == "0.571"
     assert f"{holm} after Holm" in _page("docs/results.md")
-    readme = _page("README.md")
-    assert f"{interval}, paired t p = {paired['t_p_value']:.2g}, {holm} after Holm" in readme
+    in_short = _page("docs/results.md")  # its summary, "In short"
+    assert f"{interval}, paired t p = {paired['t_p_value']:.2g}, {holm} after Holm" in in_short
 
 
 def test_paper_ternary_mcnemar_counts():
@@ -293,7 +293,7 @@ def test_k9_softmax_sixteen_seeds():
     below_every_mha = sum(error < errors["MHA H=9"][0] for error in errors["IHA H=3 P=3"])
     above_1e3 = sum(error > 1e-3 for error in errors["IHA H=3 P=3"])
     assert f"below every MHA seed on {below_every_mha} seeds and above 1e-3 on {above_1e3}" in _page("docs/results.md")
-    assert f"{paired['mean']:+.2f} [{low:+.2f}, {high:+.2f}], p = {paired['t_p_value']:.2f}" in _page("README.md")
+    assert f"{paired['mean']:+.2f} [{low:+.2f}, {high:+.2f}], p = {paired['t_p_value']:.2f}" in _page("docs/results.md")
 
 
 def test_mha_at_the_p8_budget():
@@ -327,11 +327,12 @@ def test_mha_at_the_p8_budget():
         f"the other way, p = {one['p_value']:.2e} ({one['p_value_holm']:.2e} after Holm)"
     ) in page
     assert f"on seed 2, {two['only_a_right']} against {two['only_b_right']}, p = {two['p_value']:.3f}" in page
-    readme = _page("README.md")
+    summary = _page("docs/results.md")  # its summary, "In short"
     assert (
-        f"P = 8 - MHA is {paired['mean']:.2f} points, [{low:.2f}, {high:+.2f}], p = {paired['t_p_value']:.3f}" in readme
+        f"P = 8 - MHA is {paired['mean']:.2f} points, [{low:.2f}, {high:+.2f}], p = {paired['t_p_value']:.3f}"
+        in summary
     )
-    assert f"reaches {statistics.mean(seed['mha_test_exact_match'] for seed in seeds):.2f}% exact match" in readme
+    assert f"reaches {statistics.mean(seed['mha_test_exact_match'] for seed in seeds):.2f}% exact match" in summary
 
 
 def test_mha_at_the_p8_budget_recomputed_from_the_runs():
@@ -357,3 +358,312 @@ def test_mha_at_the_p8_budget_recomputed_from_the_runs():
     assert "model so far had " + ", ".join(f"{x:.2f}" for x in at_old_stop[:2]) + f" and {at_old_stop[2]:.2f}" in page
     rises = [100 * new["test_exact_match"] - x for new, x in zip(remade, at_old_stop)]
     assert "rose " + ", ".join(f"{x:.2f}" for x in rises[:2]) + f" and {rises[2]:.2f} points after it" in page
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Figures of docs/results.md and docs/serving.md that come from benchmarks/results/ (issue 53's audit)
+# ---------------------------------------------------------------------------------------------------------------------
+
+RESULTS = REPO_ROOT / "benchmarks" / "results"
+
+
+def _benchmark_module(name: str):
+    """A module of benchmarks/ (importable without the engines it measures: they are imported where they run)."""
+    import importlib
+    import sys
+
+    sys.path.insert(0, str(REPO_ROOT / "benchmarks"))
+    try:
+        return importlib.import_module(name)
+    finally:
+        sys.path.remove(str(REPO_ROOT / "benchmarks"))
+
+
+def test_two_simplicial_against_mha_at_the_equal_budget():
+    simplicial = _exact_match({seed: _runs(PAPER_TERNARY, seed) for seed in SEEDS}, "2-simplicial")
+    mha = [100 * _runs(SYNTHETIC / "paper-ternary-mha", seed)["MHA"]["test_exact_match"] for seed in SEEDS]
+    paired = paired_differences(mha, simplicial)  # B - A: 2-simplicial - MHA trained 100 epochs
+    low, high = paired["ci"]
+    text = f"{paired['mean']:+.2f} points of exact match, 95% interval [{low:+.2f}, {high:+.2f}], paired t p = "
+    text += f"{paired['t_p_value']:.2f}, {paired['positive']} of 3 seeds"
+    assert text == "+1.06 points of exact match, 95% interval [-1.64, +3.76], paired t p = 0.23, 3 of 3 seeds"
+    page = _page("docs/results.md")
+    assert text in page
+    assert f"{paired['mean']:+.2f} points, [{low:+.2f}, {high:+.2f}], p = {paired['t_p_value']:.2f}" in page
+    stops = [_runs(PAPER_TERNARY, seed)["2-simplicial"]["epochs_run"] for seed in SEEDS]
+    assert f"({stops[0]}, {stops[1]} and {stops[2]} epochs)" in page
+
+
+def test_gemma3_270m_figures_are_the_flat_window_reports():
+    report = (RESULTS / "gemma3_270m" / "report.md").read_text(encoding="utf-8")
+    section = re.sub(r"\s+", " ", report[report.index("## Re-measured") : report.index("## Conversion")])
+    numbers = re.findall(r"\d\.\d\de-05", section)
+    # The prompts and their noise, then the text's two parts and the source's own on each.
+    assert numbers == ["3.05e-05", "6.13e-05", "8.39e-05", "6.87e-05", "5.53e-05", "5.34e-05"]
+    prompts, prompt_noise, first, second, first_noise, second_noise = (n.replace("e-05", "e-5") for n in numbers)
+    page = _page("docs/results.md")
+    assert (
+        f"verification prompts (41 positions): {prompts}; one 1100-token text: {first} on tokens 1-512, {second}"
+        in page
+    )
+    assert f"{prompt_noise} on the prompts, {first_noise} and {second_noise} on the two parts of the text" in page
+    assert "load average 30.6 at the start" in section and "load average 30.6 at the start" in page
+    assert "5.1e-5" not in page  # the token window's figures, which the code no longer builds
+
+
+def test_long_context_figures():
+    bench = _benchmark_module("bench_vllm_long_context")
+    data = json.loads((RESULTS / "vllm_long_context.json").read_text(encoding="utf-8"))
+    workloads, loads = data["workloads"], data["meta"]["load_averages"]
+    page = _page("docs/serving.md")
+    assert f"load average of 18.3 at the start and {min(loads):.1f} to {max(loads):.1f} after" in page
+    assert "18.3 at the start" in data["meta"]["machine_note"]
+
+    def speed(requests, multiple, model="hybrid"):
+        return bench.ratio_row(workloads[f"{requests}x{multiple}"], model, "base", "cpu")["speed"]
+
+    assert (
+        f"At 16x the window the hybrid decodes at {speed(8, 16):.2f}x (8 requests) and {speed(32, 16):.2f}x (32)"
+        in page
+    )
+    assert f"({speed(8, 16, 'global_local'):.2f}x and {speed(32, 16, 'global_local'):.2f}x" in page
+    assert (
+        f"At 4x the window the hybrid decodes at {speed(8, 4):.2f}x the base model's tokens/s with 8 requests" in page
+    )
+    assert f"and {speed(32, 4):.2f}x with 32" in page
+    assert f"at 1x, {speed(8, 1):.2f}x and {speed(32, 1):.2f}x" in page
+    # "faster than the all-global base on both workloads only at 16x the window"
+    faster_on_both = [multiple for multiple in (1, 4, 16) if speed(8, multiple) > 1 and speed(32, multiple) > 1]
+    assert faster_on_both == [16] and "on both workloads only at 16x the window" in page
+    assert data["meta"]["window"] == 256 and bench.global_local_window(_LongContextArgs()) == 1024
+
+
+class _LongContextArgs:
+    """The benchmark's settings of the committed run (its meta), as `global_local_window` reads them."""
+
+    window, pseudo_heads = 256, 2
+
+
+def test_mlx_quantization_figures():
+    data = json.loads((RESULTS / "mlx.json").read_text(encoding="utf-8"))
+    page = _page("docs/serving.md")
+    texts = []
+    for bits in ("8-bit", "4-bit"):
+        source = data["quantization"][f"source Llama (stock mlx-lm), {bits}"]
+        iha = data["quantization"][f"IHA (MLX model file), {bits}"]
+        pair = data["quantization_paired"][bits]
+        discordant = pair["only_source_agrees"] + pair["only_iha_agrees"]
+        flips = (pair["only_source_agrees"] - pair["only_iha_agrees"]) / discordant**0.5
+        texts.append(
+            (
+                f"{100 * iha['top1_agreement']:.2f}%",
+                f"{100 * source['top1_agreement']:.2f}%",
+                f"{100 * (source['top1_agreement'] - iha['top1_agreement']):.2f} points",
+                f"{flips:.1f} standard deviations",
+                f"+{pair['gap_difference_mean']:.4f} ± {pair['gap_difference_standard_error']:.4f}",
+                f"{pair['gap_difference_mean'] / pair['gap_difference_standard_error']:.1f} standard errors",
+                discordant,
+            )
+        )
+    (iha8, source8, gap8, sd8, diff8, se8, discordant8), (iha4, source4, gap4, sd4, diff4, _, _) = texts
+    assert (
+        f"8-bit keeps {iha8[:-1]}% of the IHA folder's top-1 predictions against {source8[:-1]}% for the source" in page
+    )
+    assert f"a gap of {gap8} that is not resolved ({sd8} of an even split of the {discordant8} tokens" in page
+    assert f"({diff8}, {se8})" in page
+    assert f"4-bit keeps {iha4} against {source4} ({gap4}, {sd4})" in page
+    assert f"({diff4})" in page
+    assert float(sd8.split()[0]) < 2 < float(sd4.split()[0])  # 8 bits: not resolved (2 standard deviations); 4: yes
+    mixing_noise = f"-{-data['quantization']['IHA (MLX model file), 8-bit']['float32_mean_logprob']:.3f} against the "
+    assert mixing_noise in page
+
+
+def test_vllm_speed_figures():
+    text = (RESULTS / "vllm.md").read_text(encoding="utf-8")
+    assert "Load average (1 min) 0.3 at the start and 0.9 at the end" in text
+    rows = {
+        (int(cells[0].strip("| ")), cells[1]): cells
+        for cells in (line.split(" | ") for line in text.splitlines())
+        if cells[0].strip("| ") in ("8", "32")
+    }
+    explicit8, explicit32 = rows[(8, "explicit")], rows[(32, "explicit")]
+    page = _page("docs/serving.md")
+    tok = [explicit8[3].split()[0], explicit32[3].split()[0]]
+    inverse = [explicit8[5].split()[0], explicit32[5].split()[0]]
+    assert f"decodes at {tok[0]}x and {tok[1]}x the base model's tokens/s, {inverse[0]}x and {inverse[1]}x" in page
+    assert f"(decode FLOPs {explicit8[4]}x)" in page
+    assert "a load average of 0.3 to 0.9" in page
+
+
+def _perf(name: str = "perf.json") -> dict:
+    return json.loads((RESULTS / name).read_text(encoding="utf-8"))
+
+
+def _grid_row(data: dict, layout: str, pseudo_heads: int, length: int) -> dict:
+    return next(row for row in data["grid"] if (row["layout"], row["P"], row["N"]) == (layout, pseudo_heads, length))
+
+
+def test_speed_table_is_the_reports():
+    report = (RESULTS / "perf.md").read_text(encoding="utf-8").splitlines()
+    header = next(index for index, line in enumerate(report) if line.startswith("| layout | P | N | forward ms"))
+    end = next(index for index in range(header, len(report)) if not report[index].startswith("|"))
+    rows = report[header:end]
+    page = (REPO_ROOT / "docs" / "results.md").read_text(encoding="utf-8")
+    assert len(rows) == 10 and all(row in page for row in rows)
+
+
+def test_speed_figures_of_the_hybrid_as_built_now():
+    data = _perf()
+    assert data["meta"]["window_unit"] == "virtual" and data["meta"]["date"].startswith("2026-12-06")
+    load = re.search(r"Load average \(1 min\) (\S+) at the start and (\S+) at the end", data["meta"]["machine_note"])
+    page = _page("docs/results.md")
+    assert f"load average of {load[1]} at the start and {load[2]} at the end" in page
+    every, hybrid = _grid_row(data, "global", 2, 2048), _grid_row(data, "hybrid", 2, 2048)
+    assert hybrid["sliding_window"] == 256
+    cpu, flops = every["summary"]["cpu"], every["summary"]
+    forward_over_flops = cpu["forward_time_ratio"] / flops["forward_flop_ratio"]
+    assert (
+        f"the forward pass takes {cpu['forward_time_ratio']:.2f}x the base model's CPU time, for "
+        f"{flops['forward_flop_ratio']:.2f}x its FLOPs ({forward_over_flops:.2f}x the FLOP ratio); forward + backward "
+        f"{cpu['train_time_ratio']:.2f}x; decoding runs at {cpu['decode_speed_ratio']:.2f}x the base model's tokens/s "
+        f"(a decode step has {flops['decode_flop_ratio']:.2f}x its FLOPs"
+    ) in page
+    cpu, flops = hybrid["summary"]["cpu"], hybrid["summary"]
+    kv = {side: flops["kv_cache_bytes"][side] / 2**20 for side in ("iha", "base")}
+    assert (
+        f"the forward pass {cpu['forward_time_ratio']:.2f}x the base model's CPU time (FLOPs "
+        f"{flops['forward_flop_ratio']:.2f}x), forward + backward {cpu['train_time_ratio']:.2f}x, decoding "
+        f"{cpu['decode_speed_ratio']:.2f}x the base model's tokens/s (FLOPs {flops['decode_flop_ratio']:.2f}x), with "
+        f"{kv['iha']:.0f} MiB of KV cache against {kv['base']:.0f}"
+    ) in page
+    old = _grid_row(_perf("perf_2026-11-29.json"), "hybrid", 2, 2048)["summary"]["cpu"]
+    assert (
+        f"({old['forward_time_ratio']:.2f}x, {old['train_time_ratio']:.2f}x and {old['decode_speed_ratio']:.2f}x)"
+        in page
+    )
+
+
+def test_speed_ratios_move_between_runs_by_the_stated_amount():
+    new, old = _perf(), _perf("perf_2026-11-29.json")
+    moves = {}
+    for row in new["grid"]:
+        if row["layout"] != "global":
+            continue
+        earlier = _grid_row(old, "global", row["P"], row["N"])["summary"]["cpu"]
+        for measure in ("forward_time_ratio", "train_time_ratio", "decode_speed_ratio"):
+            moves[(row["P"], row["N"], measure)] = abs(row["summary"]["cpu"][measure] / earlier[measure] - 1)
+    largest = max(moves, key=moves.get)
+    rest = sorted(value for key, value in moves.items() if key != largest)
+    assert largest == (4, 512, "train_time_ratio")
+    old_ratio = _grid_row(old, "global", 4, 512)["summary"]["cpu"]["train_time_ratio"]
+    new_ratio = _grid_row(new, "global", 4, 512)["summary"]["cpu"]["train_time_ratio"]
+    page = _page("docs/results.md")
+    assert (
+        f"moved by {100 * rest[0]:.1f}% to {100 * rest[-1]:.0f}% between the run of 2026-11-29 (`perf_2026-11-29.json`, "
+        f"load 6.2 to 6.3) and this one, and by {100 * moves[largest]:.0f}% in one case (P = 4, N = 512, forward + "
+        f"backward: {old_ratio:.2f} then {new_ratio:.2f})"
+    ) in page
+    assert "Load average (1 min) 6.2 at the start and 6.3 at the end" in old["meta"]["machine_note"]
+
+
+def test_decoding_and_packed_figures():
+    data = _perf()
+    page = _page("docs/results.md")
+
+    def decoding(layout, mode):
+        row = next(r for r in data["decoding"] if (r["layout"], r["P"], r["cache_mode"]) == (layout, 2, mode))
+        return row
+
+    token, pseudo = decoding("global", "token"), decoding("global", "pseudo")
+    hybrid_token, hybrid_pseudo = decoding("hybrid", "token"), decoding("hybrid", "pseudo")
+    speed = lambda row: row["summary"]["cpu"]["decode_speed_ratio"]  # noqa: E731
+    assert (
+        f"decodes at {speed(token):.2f}x the base model's tokens/s, against an inverse decode-step FLOP ratio of "
+        f"{1 / token['summary']['decode_flop_ratio']:.2f} ({speed(token) * token['summary']['decode_flop_ratio']:.2f}x it);"
+        f" the pseudo cache (P x the memory on IHA layers, no re-mixing) at {speed(pseudo):.2f}x"
+    ) in page
+    kv = lambda row: row["summary"]["kv_cache_bytes"]["iha"] / row["summary"]["kv_cache_bytes"]["base"]  # noqa: E731
+    assert (
+        f"The hybrid decodes at {speed(hybrid_token):.2f}x (token cache) and {speed(hybrid_pseudo):.2f}x (pseudo), with "
+        f"{kv(hybrid_token):.2f}x and {kv(hybrid_pseudo):.2f}x the KV bytes"
+    ) in page
+    packed = next(r for r in data["packed"] if (r["layout"], r["P"]) == ("global", 2))
+    by_round = packed["summary"]["cpu"]["ratio_by_round"]
+    assert (
+        f"trains forward + backward at {statistics.median(by_round):.2f}x the base model's CPU time, range "
+        f"{min(by_round):.2f}-{max(by_round):.2f} over {len(by_round)} rounds"
+    ) in page
+
+
+def test_without_package_figures():
+    """docs/model.md's cost of a folder loaded without the package: each ratio the median over rounds of CPU time
+    without / with, recomputed from the seconds, with its rounds' range and the run's regime."""
+    data = json.loads((RESULTS / "without_package.json").read_text(encoding="utf-8"))
+    rows, regime = {row["case"]: row for row in data["rows"]}, data["regime"]
+    page = _page("docs/model.md")
+
+    def ratios(case: str) -> list[float]:
+        row = rows[case]
+        return [without / with_ for without, with_ in zip(row["without_cpu_s"], row["with_cpu_s"], strict=True)]
+
+    def quoted(case: str) -> str:
+        values = ratios(case)
+        assert statistics.median(values) == pytest.approx(rows[case]["ratio_median"])
+        return f"{statistics.median(values):.2f}x", f"{min(values):.2f}-{max(values):.2f}"
+
+    forward, backward = quoted("hybrid forward"), quoted("hybrid forward + backward")
+    packed, decoding = (
+        quoted("packed rows forward + backward (every layer IHA)"),
+        quoted("decoding (every layer IHA, GQA)"),
+    )
+    assert f"the hybrid's forward over {regime['seq_len']:,} tokens {forward[0]} (rounds {forward[1]})" in page
+    assert f"its forward and backward {backward[0]} (rounds {backward[1]})" in page
+    assert (
+        f"{regime['documents']} documents of {regime['seq_len'] // regime['documents']} tokens) {packed[0]} ({packed[1]})"
+        in page
+    )
+    assert (
+        f"decoding {regime['decode']} tokens after a {regime['prompt']}-token prompt (every layer IHA, GQA) "
+        f"{decoding[0]} ({decoding[1]})" in page
+    )
+    assert (
+        f"{data['date']}: 2 shared cores, load average {regime['load_before']} before and {regime['load_after']} after, "
+        f"{regime['torch_threads']} torch thread, float32, {regime['layers']} layers of the {regime['shape']} shape, "
+        f"P = {regime['pseudo_heads']}, median of {regime['repeats']} alternating rounds" in page
+    )
+    assert regime["machine"].endswith("2 cores")
+    # The README's one line: the headline ratios, as the page quotes them.
+    readme = _page("README.md")
+    assert f"{forward[0]} to {packed[0]} the CPU time" in readme and f"decoding {decoding[0]}" in readme
+
+
+def test_serving_hybrid_as_built_now():
+    """The continuous-batching ratio of the paper's hybrid with the flat window (serving_hybrid.json): the decode
+    tok/s ratio from the medians of the CPU times, as the report computes it, and its per-round range."""
+    data = json.loads((RESULTS / "serving_hybrid.json").read_text(encoding="utf-8"))
+    (row,) = data["rows"]
+    assert row["layout"] == "hybrid" and row["sliding_window"] == 68
+    cpu = {name: times["cpu"] for name, times in row["times"].items()}
+
+    def decode_seconds(model: str) -> float:
+        return statistics.median(cpu[f"{model}_full"]) - statistics.median(cpu[f"{model}_prefill"])
+
+    ratio = decode_seconds("base") / decode_seconds("iha")
+    assert ratio == pytest.approx(
+        row["decode_tokens_per_second"]["iha"]["cpu"] / row["decode_tokens_per_second"]["base"]["cpu"]
+    )
+    rounds = [
+        (base_full - base_prefill) / (iha_full - iha_prefill)
+        for base_full, base_prefill, iha_full, iha_prefill in zip(
+            cpu["base_full"], cpu["base_prefill"], cpu["iha_full"], cpu["iha_prefill"], strict=True
+        )
+    ]
+    flops = row["decode_step_flops"]["iha"] / row["decode_step_flops"]["base"]
+    assert row["cache_bytes"]["iha"] == row["cache_bytes"]["base"]
+    text = f"{ratio:.2f}x the base model's tokens/s (per round {min(rounds):.2f}-{max(rounds):.2f})"
+    for page in ("docs/results.md", "docs/serving.md"):
+        assert text in _page(page), page
+    assert f"decode FLOP ratio {flops:.2f}" in _page("docs/results.md")
+    assert "load average (1 min) 13.0 at the start and 9.1 at the end" in data["meta"]["machine_note"].lower()
+    for page in ("docs/results.md", "docs/serving.md"):
+        assert "load average 13.0 at the start and 9.1 at the end" in _page(page), page
