@@ -70,7 +70,17 @@ from iha.utils.atomic_files import write_json_atomic  # noqa: E402
 
 RESULTS_DIR = REPO_ROOT / "benchmarks" / "results" / "layout_study"
 WORK_DIR = REPO_ROOT / "runs" / "layout_study"
-GSM8K_DIR = Path("/work/shared/data/gsm8k")
+# GSM8K: the offline copy of this project's machines (../shared/data/gsm8k beside the repository, the Hub's openai/gsm8k
+# main splits) where it is, else the Hub; `--gsm8k` gives a folder of train.jsonl and test.jsonl, or a Hub id.
+LOCAL_GSM8K = REPO_ROOT.parent / "shared" / "data" / "gsm8k"
+GSM8K = str(LOCAL_GSM8K) if LOCAL_GSM8K.is_dir() else "openai/gsm8k"
+
+
+def gsm8k_source(split: str) -> str:
+    """The GSM8K `split` ("train" or "test"): a file of the folder `GSM8K`, or the Hub id (its split chosen by the
+    reader)."""
+    folder = Path(GSM8K)
+    return str(folder / f"{split}.jsonl") if folder.is_dir() else GSM8K
 
 
 @dataclass
@@ -216,7 +226,9 @@ def logit_check(name: str, folder: Path, lengths: tuple[int, ...]) -> dict:
     import iha  # noqa: F401  (registers the IHA classes)
 
     tokenizer = AutoTokenizer.from_pretrained(base_dir())
-    rows = [json.loads(line) for line in (GSM8K_DIR / "test.jsonl").read_text(encoding="utf-8").splitlines()[:40]]
+    from iha.data.gsm8k import read_gsm8k_rows
+
+    rows = read_gsm8k_rows(gsm8k_source("test"), split="test", limit=40)
     text = "\n\n".join(row["question"] + "\n" + row["answer"] for row in rows)
     ids = tokenizer(text, return_tensors="pt")["input_ids"][:, : max(lengths)]
     with torch.no_grad():
@@ -264,15 +276,21 @@ def run_build(settings: StudySettings, work_dir: Path, results_dir: Path) -> dic
 # --------------------------------------------------------------------------------------------------------------------
 
 
-def ruler_command(settings: StudySettings, folder: str, task: str) -> str:
+def ruler_limit(settings: StudySettings, cap: int | None) -> int:
+    """The samples a RULER unit asks for: the study's, or fewer under `--ruler-sample-cap` (a partial unit, which a
+    later call without the cap extends from lm-eval's cache)."""
+    return settings.ruler_samples if cap is None else min(cap, settings.ruler_samples)
+
+
+def ruler_command(settings: StudySettings, folder: str, task: str, cap: int | None = None) -> str:
     return (
         f"lm_eval --model hf --model_args pretrained={folder},dtype=float32,trust_remote_code=True --tasks {task} "
-        f"--metadata '{{\"max_seq_lengths\":[{settings.ruler_length}]}}' --limit {settings.ruler_samples} "
+        f"--metadata '{{\"max_seq_lengths\":[{settings.ruler_length}]}}' --limit {ruler_limit(settings, cap)} "
         "--batch_size 1 --device cpu --log_samples --output_path OUT"
     )
 
 
-def run_ruler(settings: StudySettings, work_dir: Path, model: str, task: str) -> dict:
+def run_ruler(settings: StudySettings, work_dir: Path, model: str, task: str, cap: int | None = None) -> dict:
     """One RULER task on one model: lm-eval's own scoring of each sample, with its answer."""
     import lm_eval
 
@@ -281,7 +299,8 @@ def run_ruler(settings: StudySettings, work_dir: Path, model: str, task: str) ->
     folder = model_dir(model, work_dir)
     cache = work_dir / "cache" / "ruler" / model / task
     cache.parent.mkdir(parents=True, exist_ok=True)
-    record = {"model": model, "task": task, "command": ruler_command(settings, "MODEL", task)}
+    record = {"model": model, "task": task, "command": ruler_command(settings, "MODEL", task, cap)}
+    record["samples_planned"] = settings.ruler_samples
     with measured(record):
         output = lm_eval.simple_evaluate(
             model="hf",
@@ -289,7 +308,7 @@ def run_ruler(settings: StudySettings, work_dir: Path, model: str, task: str) ->
             tasks=[task],
             batch_size=1,
             device="cpu",
-            limit=settings.ruler_samples,
+            limit=ruler_limit(settings, cap),
             use_cache=str(cache),
             log_samples=True,
             metadata={"max_seq_lengths": [settings.ruler_length]},
@@ -339,10 +358,10 @@ def run_gsm8k(settings: StudySettings, work_dir: Path, model: str) -> dict:
     cache = json.loads(cache_path.read_text(encoding="utf-8")) if cache_path.is_file() else {}
     cache.setdefault("reference", [])
     cache.setdefault("completions", [])
-    record = {"model": model, "test_data": "GSM8K test split (/work/shared/data/gsm8k/test.jsonl)"}
+    record = {"model": model, "test_data": f"GSM8K test split ({Path(gsm8k_source('test')).name})"}
     with measured(record):
         loaded, tokenizer = load_model_and_tokenizer(str(model_dir(model, work_dir)), dtype="float32", device="cpu")
-        rows = gsm8k_file_to_openthoughts(GSM8K_DIR / "test.jsonl", limit=settings.reference_problems, split="test")
+        rows = gsm8k_file_to_openthoughts(gsm8k_source("test"), limit=settings.reference_problems, split="test")
         rows = [without_system_prompt(row) for row in rows]
         settings_cpu = {"device": "cpu", "bf16": False, "eval_dtype": "float32"}
         for start in range(len(cache["reference"]) * REFERENCE_BATCH, len(rows), REFERENCE_BATCH):
@@ -352,7 +371,7 @@ def run_gsm8k(settings: StudySettings, work_dir: Path, model: str) -> dict:
             cache["reference"].append({"nll": losses["nll"], "tokens": losses["tokens"]})
             write_json_atomic(cache, cache_path)
             log(f"gsm8k {model}: reference solutions {min(start + REFERENCE_BATCH, len(rows))}/{len(rows)}")
-        problems = load_problems(str(GSM8K_DIR / "test.jsonl"), benchmark="gsm8k", limit=settings.pass_problems)
+        problems = load_problems(gsm8k_source("test"), benchmark="gsm8k", limit=settings.pass_problems)
         prompts = [build_prompt(tokenizer, BOXED_INSTRUCTION + problem.question, "", None) for problem in problems]
         greedy = SamplingConfig(temperature=0.0, top_p=1.0, num_samples=1, max_new_tokens=settings.max_new_tokens)
         for start in range(len(cache["completions"]) * GENERATION_BATCH, len(prompts), GENERATION_BATCH):
@@ -409,7 +428,7 @@ def write_training_rows(settings: StudySettings, work_dir: Path) -> Path:
 
     path = training_rows_path(settings, work_dir)
     if not path.is_file():
-        rows = gsm8k_file_to_openthoughts(GSM8K_DIR / "train.jsonl", limit=settings.train_rows, split="train")
+        rows = gsm8k_file_to_openthoughts(gsm8k_source("train"), limit=settings.train_rows, split="train")
         write_jsonl_atomic((without_system_prompt(row) for row in rows), path)
     return path
 
@@ -566,11 +585,22 @@ def take_lock(path: Path) -> bool:
     return True
 
 
-def run_unit(unit: Unit, settings: StudySettings, work_dir: Path, results_dir: Path) -> dict:
+def unit_done(unit: Unit, settings: StudySettings, results_dir: Path, cap: int | None = None) -> bool:
+    """Whether the unit's result file is there, and for RULER with the samples asked for now (a unit cut short by
+    `--ruler-sample-cap` is done for a call with that cap, not for one asking for more)."""
+    result = unit.result_path(results_dir)
+    if not result.is_file():
+        return False
+    if unit.kind != "ruler":
+        return True
+    return len(json.loads(result.read_text(encoding="utf-8"))["samples"]) >= ruler_limit(settings, cap)
+
+
+def run_unit(unit: Unit, settings: StudySettings, work_dir: Path, results_dir: Path, cap: int | None = None) -> dict:
     if unit.kind == "build":
         return run_build(settings, work_dir, results_dir)
     if unit.kind == "ruler":
-        return run_ruler(settings, work_dir, unit.model, unit.task)
+        return run_ruler(settings, work_dir, unit.model, unit.task, cap)
     if unit.kind == "gsm8k":
         return run_gsm8k(settings, work_dir, unit.model)
     return run_sft(settings, work_dir, unit.model, unit.seed)
@@ -612,7 +642,7 @@ def work(settings: StudySettings, args) -> int:
         waiting = 0
         for unit in units:
             result = unit.result_path(args.results_dir)
-            if result.is_file():
+            if unit_done(unit, settings, args.results_dir, args.ruler_sample_cap):
                 continue
             if not unit.ready(args.results_dir):
                 waiting += 1
@@ -625,11 +655,11 @@ def work(settings: StudySettings, args) -> int:
                 waiting += 1
                 continue
             try:
-                if result.is_file():
+                if unit_done(unit, settings, args.results_dir, args.ruler_sample_cap):
                     continue
-                done = sum(u.result_path(args.results_dir).is_file() for u in units)
+                done = sum(unit_done(u, settings, args.results_dir, args.ruler_sample_cap) for u in units)
                 log(f"unit {unit.name} ({done}/{len(units)} done)")
-                record = run_unit(unit, settings, args.work_dir, args.results_dir)
+                record = run_unit(unit, settings, args.work_dir, args.results_dir, args.ruler_sample_cap)
                 record["finished"] = datetime.now(timezone.utc).isoformat(timespec="seconds")
                 record["machine"] = machine_record()
                 write_json_atomic(record, result)
@@ -670,7 +700,19 @@ def parse_args(argv=None):
     parser.add_argument("--wait", action="store_true", help="wait for units another worker is running")
     parser.add_argument("--report", action="store_true", help="write the report from the result files and stop")
     parser.add_argument("--quick", action="store_true", help="a smoke run: 1 sample per task, 2 SFT steps")
+    parser.add_argument(
+        "--gsm8k",
+        default=GSM8K,
+        help="GSM8K: a folder of train.jsonl and test.jsonl, or a Hub id (default: this project's offline copy where "
+        "it is, else openai/gsm8k)",
+    )
     parser.add_argument("--threads", type=int, default=1, help="torch threads (1: cores shared with other work)")
+    parser.add_argument(
+        "--ruler-sample-cap",
+        type=int,
+        help="ask each RULER unit of this call for at most this many samples (a partial unit, labelled so in the "
+        "report; a later call without the cap extends it from lm-eval's cache)",
+    )
     for setting in dataclasses.fields(StudySettings):
         default = getattr(defaults, setting.name)
         flag = "--" + setting.name.replace("_", "-")
@@ -691,7 +733,9 @@ def parse_args(argv=None):
 
 
 def main(argv=None) -> int:
+    global GSM8K
     args, settings = parse_args(argv)
+    GSM8K = args.gsm8k
     if args.report:
         write_report(args.results_dir)
         log(f"report: {args.results_dir / 'report.md'}")

@@ -69,9 +69,14 @@ def ruler_scores(results: dict, model: str) -> list[float] | None:
     """The model's per-sample scores over the three tasks in order (task by task, sample by sample), or None while
     a task is missing."""
     tasks = results["ruler"].get(model, {})
-    if any(task not in tasks for task in RULER_TASKS):
+    if any(task not in tasks or not ruler_unit_complete(results, tasks[task]) for task in RULER_TASKS):
         return None
     return [sample["score"] for task in RULER_TASKS for sample in tasks[task]["samples"]]
+
+
+def ruler_unit_complete(results: dict, record: dict) -> bool:
+    """Whether a RULER unit holds the study's samples (not a unit cut short by `--ruler-sample-cap`)."""
+    return len(record["samples"]) >= (results["settings"] or {}).get("ruler_samples", 0)
 
 
 def ruler_task_scores(results: dict, model: str) -> dict:
@@ -81,13 +86,63 @@ def ruler_task_scores(results: dict, model: str) -> dict:
     }
 
 
+def wilson_interval(successes: float, trials: int, z: float = 1.959963984540054) -> list[float]:
+    """The 95% Wilson score interval of a binomial proportion: unlike the normal one it stays inside [0, 1] and does
+    not shrink to a point at 0 or `trials` successes, which ten samples often give."""
+    share = successes / trials
+    centre = (share + z * z / (2 * trials)) / (1 + z * z / trials)
+    half = z / (1 + z * z / trials) * (share * (1 - share) / trials + z * z / (4 * trials * trials)) ** 0.5
+    return [max(0.0, centre - half), min(1.0, centre + half)]
+
+
+def ruler_task_details(results: dict, model: str) -> dict:
+    """Per task measured: the samples, the sum of their scores (the samples answered right where every score is 0 or
+    1, as in the single-needle tasks here) and its 95% Wilson interval."""
+    details = {}
+    for task, record in results["ruler"].get(model, {}).items():
+        scores = [sample["score"] for sample in record["samples"]]
+        details[task] = {
+            "samples": len(scores),
+            "samples_planned": (results["settings"] or {}).get("ruler_samples"),
+            "score_sum": sum(scores),
+            "binary": all(score in (0, 1) for score in scores),
+            "wilson95": wilson_interval(sum(scores), len(scores)),
+        }
+    return details
+
+
+def ruler_task_versus_base(results: dict, model: str) -> dict:
+    """Per task measured for both: the samples only the base or only the model answered right (scores of 0 or 1),
+    with the exact McNemar p."""
+    base, mine = results["ruler"].get("base", {}), results["ruler"].get(model, {})
+    versus = {}
+    for task in RULER_TASKS:
+        if task not in base or task not in mine:
+            continue
+        pairs = list(zip(base[task]["samples"], mine[task]["samples"]))
+        if any(a["doc_hash"] != b["doc_hash"] for a, b in pairs):
+            raise ValueError(f"{task}: {model} was not asked the base's samples")
+        if not all(a["score"] in (0, 1) and b["score"] in (0, 1) for a, b in pairs):
+            continue
+        b, c = discordant_counts([a["score"] == 1 for a, _ in pairs], [b["score"] == 1 for _, b in pairs])
+        versus[task] = {"samples": len(pairs), "only_base": b, "only_model": c, "mcnemar_p": mcnemar_exact(b, c)}
+    return versus
+
+
 def same_samples(results: dict) -> bool | None:
-    """Whether every model was asked the very same RULER samples (lm-eval's hash of each document)."""
+    """Whether every model was asked the very same RULER samples (lm-eval's hash of each document; a unit with
+    fewer samples than the others must hold the first of theirs)."""
     hashes = {}
     for tasks in results["ruler"].values():
         for task, record in tasks.items():
-            hashes.setdefault(task, set()).add(tuple(sample["doc_hash"] for sample in record["samples"]))
-    return all(len(value) == 1 for value in hashes.values()) if hashes else None
+            hashes.setdefault(task, []).append(tuple(sample["doc_hash"] for sample in record["samples"]))
+    if not hashes:
+        return None
+    for runs in hashes.values():
+        longest = max(runs, key=len)
+        if any(run != longest[: len(run)] for run in runs):
+            return False
+    return True
 
 
 def identity_check(results: dict) -> dict | None:
@@ -131,10 +186,13 @@ def before_healing(results: dict) -> dict:
         scores = ruler_scores(results, model)
         entry = {
             "ruler_tasks": ruler_task_scores(results, model),
+            "ruler_task_details": ruler_task_details(results, model),
             "ruler": sum(scores) / len(scores) if scores else None,
             "reference_loss": reference_loss(results, model),
             "pass_at_1": pass_at_1(results, model),
         }
+        if model != "base":
+            entry["ruler_tasks_vs_base"] = ruler_task_versus_base(results, model)
         if scores and base_ruler and model != "base":
             paired = mean_bootstrap(base_ruler, scores, num_resamples=NUM_BOOTSTRAP)
             entry["ruler_vs_base"] = paired["difference"]
@@ -241,7 +299,12 @@ def expected_units(settings: dict) -> list[str]:
 
 def done_units(results: dict) -> set[str]:
     done = {"models"} if results["models"] else set()
-    done |= {f"ruler/{model}/{task}" for model, tasks in results["ruler"].items() for task in tasks}
+    done |= {
+        f"ruler/{model}/{task}"
+        for model, tasks in results["ruler"].items()
+        for task, record in tasks.items()
+        if ruler_unit_complete(results, record)
+    }
     done |= {f"gsm8k/{model}" for model in results["gsm8k"]}
     done |= {f"sft/{name}" for name in results["sft"]}
     return done
@@ -441,10 +504,46 @@ def render_before(report: dict) -> list[str]:
     lines += [
         "",
         "RULER and pass@1 in percent; GSM8K loss in nats per reference-solution token; intervals are paired "
-        "bootstrap intervals over the samples (RULER, all three tasks pooled) or problems (GSM8K).",
+        "bootstrap intervals over the samples (RULER, all three tasks pooled) or problems (GSM8K). A RULER mean "
+        "needs all three tasks: '-' while one is missing.",
         "",
     ]
+    lines += render_ruler_tasks(report)
     return lines
+
+
+def render_ruler_tasks(report: dict) -> list[str]:
+    """Each RULER task measured, per model: the score with its 95% Wilson interval over the samples, and the samples
+    only the base or only the model answered right."""
+    rows = []
+    for task in RULER_TASKS:
+        for model in BEFORE_MODELS:
+            entry = report["before"][model]
+            detail = entry.get("ruler_task_details", {}).get(task)
+            if detail is None:
+                continue
+            low, high = detail["wilson95"]
+            share = detail["score_sum"] / detail["samples"]
+            interval = f" [{100 * low:.0f}, {100 * high:.0f}]" if detail["binary"] else ""
+            versus = entry.get("ruler_tasks_vs_base", {}).get(task)
+            versus_text = (
+                f"{versus['only_base']} / {versus['only_model']} ({versus['mcnemar_p']:.2g})" if versus else "-"
+            )
+            samples = f"{detail['samples']}" + (
+                f" of {detail['samples_planned']} (partial)" if detail["samples"] < detail["samples_planned"] else ""
+            )
+            rows.append(f"| {task} | {LABELS[model]} | {samples} | {100 * share:.0f}{interval} | {versus_text} |")
+    if not rows:
+        return []
+    return [
+        "Per RULER task measured: the score in percent, with its 95% Wilson interval over the samples where every "
+        "sample scores 0 or 1; the samples only the base or only the model answered right, with the exact McNemar p:",
+        "",
+        "| task | model | samples | score [95% Wilson] | only base / only model right (McNemar p) |",
+        "|---|---|---|---|---|",
+        *rows,
+        "",
+    ]
 
 
 def render_after(report: dict) -> list[str]:

@@ -139,7 +139,9 @@ def gsm8k_record(nll, correct):
 
 
 def study_folder(tmp_path, seeds=(0, 1, 2)):
-    settings = json.loads(json.dumps(layout_study.dataclasses.asdict(layout_study.StudySettings(seeds=list(seeds)))))
+    settings = json.loads(
+        json.dumps(layout_study.dataclasses.asdict(layout_study.StudySettings(seeds=list(seeds), ruler_samples=3)))
+    )
     write(tmp_path / "settings.json", settings)
     spans = {"1-256": {"max_abs_logit_diff": 0.0, "top1_agreement": 1.0}}
     models = {name: {"command": f"build {name}", "against_base": spans} for name in BEFORE_MODELS[1:]}
@@ -218,6 +220,50 @@ def test_the_report_says_when_the_identity_arm_or_the_data_differ(tmp_path):
     page = render_markdown(report)
     assert "8 of 9 RULER answers identical, 9 of 9 scores equal" in page and "NOT equal" in page
     assert "seed 0: NO" in page
+
+
+def test_a_partial_study_reports_each_task_measured_with_its_interval(tmp_path):
+    settings = layout_study.dataclasses.asdict(layout_study.StudySettings())
+    write(tmp_path / "settings.json", settings)
+    base, hybrid = [1] * 10, [1, 1, 1, 1, 1, 0, 0, 0, 0, 1]
+    write(tmp_path / "ruler" / "base" / f"{RULER_TASKS[0]}.json", ruler_record(base))
+    write(tmp_path / "ruler" / "hybrid" / f"{RULER_TASKS[0]}.json", ruler_record(hybrid))
+    report = summarize(load_results(tmp_path))
+    before = report["before"]
+    assert before["hybrid"]["ruler"] is None  # no mean while two tasks are missing
+    detail = before["hybrid"]["ruler_task_details"][RULER_TASKS[0]]
+    assert detail["samples"] == 10 and detail["score_sum"] == 6 and detail["binary"]
+    # The Wilson interval by hand: 6 of 10 gives 0.3127 to 0.8318; 10 of 10 gives 0.7225 to 1.
+    assert detail["wilson95"] == pytest.approx([0.3127, 0.8318], abs=1e-4)
+    assert before["base"]["ruler_task_details"][RULER_TASKS[0]]["wilson95"] == pytest.approx([0.7225, 1.0], abs=1e-4)
+    versus = before["hybrid"]["ruler_tasks_vs_base"][RULER_TASKS[0]]
+    assert (versus["only_base"], versus["only_model"]) == (4, 0)
+    assert versus["mcnemar_p"] == pytest.approx(2 * 0.5**4)
+    page = render_markdown(report)
+    assert f"| {RULER_TASKS[0]} | IHA hybrid (paper's layout) | 10 | 60 [31, 83] | 4 / 0 (0.12) |" in page
+    write(tmp_path / "ruler" / "identity" / f"{RULER_TASKS[0]}.json", ruler_record(base, hashes=["other"] * 10))
+    with pytest.raises(ValueError, match="was not asked the base's samples"):
+        summarize(load_results(tmp_path))
+
+
+def test_a_ruler_unit_cut_short_by_the_cap_is_done_only_for_that_cap(tmp_path):
+    settings = layout_study.StudySettings()
+    unit = layout_study.Unit("ruler", "identity", RULER_TASKS[0])
+    assert not layout_study.unit_done(unit, settings, tmp_path, cap=2)
+    write(unit.result_path(tmp_path), ruler_record([1, 1]))
+    assert layout_study.unit_done(unit, settings, tmp_path, cap=2)
+    assert not layout_study.unit_done(unit, settings, tmp_path)  # the study's 10 samples: extend it
+    assert layout_study.ruler_limit(settings, 50) == settings.ruler_samples
+    assert "--limit 2 " in layout_study.ruler_command(settings, "MODEL", RULER_TASKS[0], 2)
+    # The report counts it as missing, says how many samples it holds, and takes no three-task mean from it.
+    write(tmp_path / "settings.json", layout_study.dataclasses.asdict(settings))
+    write(tmp_path / "ruler" / "base" / f"{RULER_TASKS[0]}.json", ruler_record([1] * 10))
+    report = summarize(load_results(tmp_path))
+    assert f"ruler/identity/{RULER_TASKS[0]}" in report["missing"]
+    assert f"ruler/base/{RULER_TASKS[0]}" not in report["missing"]
+    assert report["same_samples"] is True  # the first two of the base's ten
+    assert report["identity_check"]["samples"] == 2
+    assert "| 2 of 10 (partial) | 100 [34, 100] |" in render_markdown(report)
 
 
 def test_the_committed_report_is_what_its_files_say():
