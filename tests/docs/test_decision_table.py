@@ -41,3 +41,23 @@ def test_the_prose_beside_the_tables_quotes_only_their_figures():
     }  # the section number; "4 sliding ... : 1 global", P = 2
     quoted = set(NUMBER.findall(prose))
     assert quoted <= allowed, f"figures in the prose that the tables do not hold: {sorted(quoted - allowed)}"
+
+
+def test_a_ruler_cell_names_the_tasks_measured_and_the_ones_not_yet():
+    from layout_decision import PENDING, ruler_tasks_cell
+
+    before = {
+        "ruler_task_details": {
+            "niah_single_1": {"samples": 10, "samples_planned": 10, "score_sum": 6, "binary": True,
+                              "wilson95": [0.3127, 0.8318]},
+            "niah_multikey_2": {"samples": 3, "samples_planned": 10, "score_sum": 3, "binary": True,
+                                "wilson95": [0.4385, 1.0]},
+        },
+        "ruler_tasks_vs_base": {"niah_single_1": {"only_base": 4, "only_model": 0}},
+    }  # fmt: skip
+    assert ruler_tasks_cell(before) == (
+        "niah_single_1 60 [31, 83] (10 samples; right only in the base / only here: 4 / 0); "
+        "niah_multikey_2 100 [44, 100] (partial: 3 of 10 samples); "
+        f"niah_multikey_3: {PENDING}"
+    )
+    assert ruler_tasks_cell({}) == PENDING
