@@ -528,6 +528,7 @@ def markdown_report(run: dict) -> str:
         "# vLLM on the real model: the paper's IHA hybrid vs its all-global base and Global+Local",
         "",
         f"Command: `{meta['command']}`  ",
+        *(f"Resumed with: `{command}` ({date})  " for command, date in meta.get("resumed_with", [])),
         f"Date: {meta['date']}; machine: {meta['machine']}; vLLM {meta['vllm']} (CPU build), torch {meta['torch']}; "
         f"{meta['dtype']}; enforce_eager; the engines inside the benchmark's process, one torch thread.  ",
         f"Models: {meta['model_note']}; "
@@ -592,10 +593,12 @@ def main(argv=None):
     }
     settings["P"] = args.pseudo_heads
     run = None
+    saved_run = False
     if path.exists():
         saved = json.loads(path.read_text())
         if all(saved["meta"].get(key) == value for key, value in settings.items()):
             run = saved
+            saved_run = True
             print(f"resuming {path}")
     generator = torch.Generator().manual_seed(0)
     with tempfile.TemporaryDirectory() as root:
@@ -619,6 +622,10 @@ def main(argv=None):
                 ),
             }
         }
+        if saved_run:
+            command = " ".join(["python benchmarks/bench_vllm_layouts.py", *(sys.argv[1:] if argv is None else argv)])
+            date = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+            run["meta"].setdefault("resumed_with", []).append([command, date])
         run["meta"].update(
             # Every cell the JSON holds, this call's and a resumed run's earlier ones.
             requests=sorted(set(args.requests) | set(run["meta"].get("requests", []))),
