@@ -46,7 +46,7 @@ def _ratio(value: float | None) -> str:
     return PENDING if value is None else f"{value:.2f}x"
 
 
-def quality_cells(study: dict, layout: str) -> list[str]:
+def quality_cells(study: dict, layout: str, by_task: bool = False) -> list[str]:
     """RULER before, kept; RULER after (mean ± sd over seeds), kept against the healed base; GSM8K loss difference
     to the base before and after."""
     before = study["before"].get(layout, {})
@@ -55,7 +55,7 @@ def quality_cells(study: dict, layout: str) -> list[str]:
     base_after = (study["after"]["arms"].get("base", {}).get("ruler") or {}).get("spread")
     cells = []
     ruler = before.get("ruler")
-    if ruler is None:
+    if ruler is None or by_task:
         cells.append(ruler_tasks_cell(before))
     elif layout == "base":
         cells.append(_points(ruler))
@@ -136,8 +136,10 @@ def quality_table(study: dict) -> list[str]:
         "before / after healing |",
         "|---|---|---|---|",
     ]
+    # While a layout lacks a task, every row gives its tasks one by one, so that the rows compare.
+    by_task = any(study["before"].get(layout, {}).get("ruler") is None for layout in LAYOUTS)
     for layout, label in LAYOUTS.items():
-        lines.append(f"| {label} | " + " | ".join(quality_cells(study, layout)) + " |")
+        lines.append(f"| {label} | " + " | ".join(quality_cells(study, layout, by_task)) + " |")
     regime = study["regime"]
     load = regime["load_average"]
     status = "complete" if study["complete"] else f"partial: {study['units_done']} of {study['units_expected']} units"
