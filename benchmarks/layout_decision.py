@@ -83,11 +83,28 @@ def quality_cells(study: dict, layout: str, by_task: bool = False) -> list[str]:
         )
     else:
         before_text = PENDING if loss is None or base_loss is None else f"{loss - base_loss:+.3f}"
+        interval = (before.get("reference_loss_vs_base") or {}).get("ci")
+        if interval and loss is not None and base_loss is not None:
+            before_text += f" [{interval[0]:+.3f}, {interval[1]:+.3f}]"
         after_text = (
             PENDING if after_loss is None or base_after_loss is None else f"{after_loss - base_after_loss:+.3f}"
         )
         cells.append(f"{before_text} / {after_text}")
+    cells.append(pass_cell(study, layout))
     return cells
+
+
+def pass_cell(study: dict, layout: str) -> str:
+    """GSM8K greedy pass@1 before healing, with its problems and, against the base, the problems only one solved."""
+    before = study["before"].get(layout, {})
+    if before.get("pass_at_1") is None:
+        return PENDING
+    problems = study["settings"]["pass_problems"]
+    text = f"{_points(before['pass_at_1'], 0)} ({problems} problems"
+    versus = before.get("pass_vs_base")
+    if versus:
+        text += f"; solved only by the base / only here: {versus['only_base']} / {versus['only_model']}"
+    return text + ")"
 
 
 def ruler_tasks_cell(before: dict) -> str:
@@ -133,8 +150,8 @@ def quality_table(study: dict) -> list[str]:
     settings = study["settings"]
     lines = [
         "| layout | RULER before healing | RULER after healing | GSM8K loss (base) or its difference to the base, "
-        "before / after healing |",
-        "|---|---|---|---|",
+        "before / after healing | GSM8K pass@1 before healing |",
+        "|---|---|---|---|---|",
     ]
     # While a layout lacks a task, every row gives its tasks one by one, so that the rows compare.
     by_task = any(study["before"].get(layout, {}).get("ruler") is None for layout in LAYOUTS)
@@ -151,7 +168,9 @@ def quality_table(study: dict) -> list[str]:
         f"{settings['ruler_samples']} samples of each, the same for every model, `lm_eval --model hf` float32 greedy "
         "(while a task is missing: the score of each task measured, with its 95% Wilson interval); "
         f"{identity_line(study)}; GSM8K loss = nats per token of "
-        f"the first {settings['reference_problems']} test reference solutions; healing = the same `iha sft` run per "
+        f"the first {settings['reference_problems']} test reference solutions (a difference with its paired 95% "
+        "bootstrap interval); pass@1 = greedy, up to "
+        f"{settings['max_new_tokens']} new tokens, percent; healing = the same `iha sft` run per "
         f"seed for each layout and the base ({settings['sft_steps']} steps of {settings['training_length']:,} tokens "
         f"of GSM8K train rows, learning rate {settings['learning_rate']:g}), mean ± standard deviation over seeds; "
         f"CPU, shared 2 cores" + (f", load {load[0]:.0f}-{load[1]:.0f}" if load else "") + f"; study {status} "
