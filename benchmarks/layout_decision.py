@@ -1,0 +1,283 @@
+"""The decision table of docs/serving.md ("Choosing a layout"), computed from the committed results only:
+`benchmarks/results/layout_study/` (quality, `benchmarks/layout_study.py`) and `benchmarks/results/vllm_layouts.json`
+(serving, `benchmarks/bench_vllm_layouts.py`). A cell whose measurement is not in those files reads "not measured
+yet"; a RULER cell names the tasks measured and their samples until all three are.
+
+    python benchmarks/layout_decision.py                   # prints the tables docs/serving.md holds
+    python benchmarks/layout_decision.py --update-docs     # writes them into docs/serving.md between its markers
+
+`tests/docs/test_decision_table.py` checks that docs/serving.md holds exactly these tables, and that the prose beside
+them quotes no other figure.
+"""
+
+import json
+import sys
+from pathlib import Path
+
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_vllm_layouts import rounds_text  # noqa: E402
+from bench_vllm_long_context import ratio_row  # noqa: E402
+from layout_study_report import RULER_TASKS, load_results, summarize  # noqa: E402
+
+
+RESULTS = Path(__file__).resolve().parent / "results"
+STUDY_DIR = RESULTS / "layout_study"
+SERVED_PATH = RESULTS / "vllm_layouts.json"
+LAYOUTS = {
+    "base": "base: every layer global",
+    "hybrid": "the paper's IHA hybrid (`iha-convert --layers hybrid`)",
+    "global_local": "Global+Local (standard sliding layers)",
+}
+PENDING = "not measured yet"
+
+
+def load_inputs(study_dir: Path = STUDY_DIR, served_path: Path = SERVED_PATH) -> tuple[dict, dict | None]:
+    study = summarize(load_results(study_dir))
+    served = json.loads(served_path.read_text()) if served_path.is_file() else None
+    return study, served
+
+
+def _points(value: float | None, digits: int = 1) -> str:
+    return PENDING if value is None else f"{100 * value:.{digits}f}"
+
+
+def _ratio(value: float | None) -> str:
+    return PENDING if value is None else f"{value:.2f}x"
+
+
+def quality_cells(study: dict, layout: str, by_task: bool = False) -> list[str]:
+    """RULER before, kept; RULER after (mean ± sd over seeds), kept against the healed base; GSM8K loss difference
+    to the base before and after."""
+    before = study["before"].get(layout, {})
+    arm = study["after"]["arms"].get(layout, {})
+    ruler_after = (arm.get("ruler") or {}).get("spread")
+    base_after = (study["after"]["arms"].get("base", {}).get("ruler") or {}).get("spread")
+    cells = []
+    ruler = before.get("ruler")
+    if ruler is None or by_task:
+        cells.append(ruler_tasks_cell(before))
+    elif layout == "base":
+        cells.append(_points(ruler))
+    else:
+        cells.append(f"{_points(ruler)} ({_ratio(before.get('ruler_kept'))} of the base)")
+    if ruler_after is None:
+        cells.append(PENDING)
+    else:
+        seeds = len(ruler_after["values"])
+        text = f"{_points(ruler_after['mean'])} ± {_points(ruler_after['std'])} ({seeds} seed{'s' * (seeds > 1)})"
+        if layout != "base" and base_after and base_after["mean"]:
+            text += f", {_ratio(ruler_after['mean'] / base_after['mean'])} of the healed base"
+        cells.append(text)
+    loss = before.get("reference_loss")
+    base_loss = study["before"].get("base", {}).get("reference_loss")
+    after_loss = ((arm.get("reference_loss") or {}).get("spread") or {}).get("mean")
+    base_after_loss = ((study["after"]["arms"].get("base", {}).get("reference_loss") or {}).get("spread") or {}).get(
+        "mean"
+    )
+    if layout == "base":
+        cells.append(
+            f"{loss:.3f} / {after_loss:.3f} healed"
+            if loss is not None and after_loss is not None
+            else (f"{loss:.3f} / {PENDING}" if loss is not None else PENDING)
+        )
+    else:
+        before_text = PENDING if loss is None or base_loss is None else f"{loss - base_loss:+.3f}"
+        interval = (before.get("reference_loss_vs_base") or {}).get("ci")
+        if interval and loss is not None and base_loss is not None:
+            before_text += f" [{interval[0]:+.3f}, {interval[1]:+.3f}]"
+        after_text = (
+            PENDING if after_loss is None or base_after_loss is None else f"{after_loss - base_after_loss:+.3f}"
+        )
+        cells.append(f"{before_text} / {after_text}")
+    cells.append(pass_cell(study, layout))
+    return cells
+
+
+def pass_cell(study: dict, layout: str) -> str:
+    """GSM8K greedy pass@1 before healing, with its problems and, against the base, the problems only one solved."""
+    before = study["before"].get(layout, {})
+    if before.get("pass_at_1") is None:
+        return PENDING
+    problems = study["settings"]["pass_problems"]
+    text = f"{_points(before['pass_at_1'], 0)} ({problems} problems"
+    versus = before.get("pass_vs_base")
+    if versus:
+        text += f"; solved only by the base / only here: {versus['only_base']} / {versus['only_model']}"
+    return text + ")"
+
+
+def ruler_tasks_cell(before: dict) -> str:
+    """While a RULER task is missing: each task measured, its score with the 95% Wilson interval and its samples,
+    and the samples only the base or only this model answered right; then the tasks not measured."""
+    details = before.get("ruler_task_details", {})
+    versus = before.get("ruler_tasks_vs_base", {})
+    parts = []
+    for task in RULER_TASKS:
+        detail = details.get(task)
+        if detail is None:
+            continue
+        low, high = detail["wilson95"]
+        text = f"{task} {_points(detail['score_sum'] / detail['samples'], 0)}"
+        if detail["binary"]:
+            text += f" [{_points(low, 0)}, {_points(high, 0)}]"
+        planned = detail["samples_planned"]
+        text += (
+            f" ({detail['samples']} samples"
+            if detail["samples"] >= planned
+            else f" (partial: {detail['samples']} of {planned} samples"
+        )
+        if task in versus:
+            text += f"; right only in the base / only here: {versus[task]['only_base']} / {versus[task]['only_model']}"
+        parts.append(text + ")")
+    missing = [task for task in RULER_TASKS if task not in details]
+    if missing:
+        parts.append(f"{', '.join(missing)}: {PENDING}")
+    return "; ".join(parts) if details else PENDING
+
+
+def identity_line(study: dict) -> str:
+    check = study.get("identity_check")
+    if not check:
+        return f"the identity arm (IHA every layer at identity, the harness's sanity check): {PENDING}"
+    return (
+        f"the identity arm (IHA every layer at identity, the harness's sanity check) answered {check['equal_answers']} "
+        f"of {check['samples']} RULER samples exactly as the base ({', '.join(check['tasks'])})"
+    )
+
+
+def quality_table(study: dict) -> list[str]:
+    settings = study["settings"]
+    lines = [
+        "| layout | RULER before healing | RULER after healing | GSM8K loss (base) or its difference to the base, "
+        "before / after healing | GSM8K pass@1 before healing |",
+        "|---|---|---|---|---|",
+    ]
+    # While a layout lacks a task, every row gives its tasks one by one, so that the rows compare.
+    by_task = any(study["before"].get(layout, {}).get("ruler") is None for layout in LAYOUTS)
+    for layout, label in LAYOUTS.items():
+        lines.append(f"| {label} | " + " | ".join(quality_cells(study, layout, by_task)) + " |")
+    regime = study["regime"]
+    load = regime["load_average"]
+    status = "complete" if study["complete"] else f"partial: {study['units_done']} of {study['units_expected']} units"
+    lines += [
+        "",
+        f"Regime: SmolLM2-135M-Instruct (30 layers), W = {settings['training_length'] // (2 * settings['num_pseudo_heads'] ** 2)} tokens for a training "
+        f"length of {settings['training_length']:,}; RULER = the mean lm-eval score (percent) over niah_single_1, "
+        f"niah_multikey_2 and niah_multikey_3 at {settings['ruler_length']:,} tokens, the first "
+        f"{settings['ruler_samples']} samples of each, the same for every model, `lm_eval --model hf` float32 greedy "
+        "(while a task is missing: the score of each task measured, with its 95% Wilson interval); "
+        f"{identity_line(study)}; GSM8K loss = nats per token of "
+        f"the first {settings['reference_problems']} test reference solutions (a difference with its paired 95% "
+        "bootstrap interval); pass@1 = greedy, up to "
+        f"{settings['max_new_tokens']} new tokens, percent; healing = the same `iha sft` run per "
+        f"seed for each layout and the base ({settings['sft_steps']} steps of {settings['training_length']:,} tokens "
+        f"of GSM8K train rows, learning rate {settings['learning_rate']:g}), mean ± standard deviation over seeds; "
+        f"CPU, shared 2 cores" + (f", load {load[0]:.0f}-{load[1]:.0f}" if load else "") + f"; study {status} "
+        "(`benchmarks/results/layout_study/report.md` has the intervals and paired tests).",
+    ]
+    return lines
+
+
+def _served_ratio(workload: dict, name: str, key: str) -> float | None:
+    if workload is None or any(not model["rounds"] for model in workload["models"].values()):
+        return None
+    if name == "base":
+        return 1.0
+    return ratio_row(workload, name, "base", "cpu")[key]
+
+
+def serving_table(served: dict | None) -> list[str]:
+    lines = [
+        "| layout | requests | decode tok/s vs base at 1x / 4x / 16x W | TTFT vs base at 1x / 4x / 16x W | KV bytes "
+        "per token vs base at 1x / 4x / 16x W | requests decoding at once in one KV budget vs base at 1x / 4x / 16x "
+        "W |",
+        "|---|---|---|---|---|---|",
+    ]
+    multiples = served["meta"]["multiples"] if served else [1, 4, 16]
+    requests = served["meta"]["requests"] if served else [8, 32]
+    workloads = (served or {}).get("workloads", {})
+    concurrency = ((served or {}).get("concurrency") or {}).get("results", {})
+    for name, label in LAYOUTS.items():
+        for index, count in enumerate(requests):
+
+            def cells(key, count=count, name=name):
+                values = [_served_ratio(workloads.get(f"{count}x{m}"), name, key) for m in multiples]
+                return " / ".join(PENDING if value is None else f"{value:.2f}" for value in values)
+
+            fits = []
+            for multiple in multiples:
+                mine = concurrency.get(name, {}).get(str(multiple))
+                base = concurrency.get("base", {}).get(str(multiple))
+                fits.append(
+                    PENDING if mine is None or base is None else f"{mine['most_decoding'] / base['most_decoding']:.2f}"
+                )
+            fit_cell = " / ".join(fits) if index == 0 else "(as above)"
+            lines.append(
+                f"| {label if index == 0 else ''} | {count} | {cells('speed')} | {cells('ttft')} | {cells('kv')} | "
+                f"{fit_cell} |"
+            )
+    if served:
+        meta = served["meta"]
+        loads = [
+            r["load_average"]
+            for w in workloads.values()
+            for m in w["models"].values()
+            for r in m["rounds"]
+            if "load_average" in r
+        ]
+        budget = ((served.get("concurrency") or {}).get("budget_bytes") or 0) / 1024**2
+        base_fits = [concurrency.get("base", {}).get(str(m), {}).get("most_decoding") for m in multiples]
+        budget_text = (
+            f"; KV budget {budget:,.0f} MiB per engine, where the base fits "
+            + " / ".join(PENDING if value is None else str(value) for value in base_fits)
+            + " requests"
+            if concurrency
+            else f"; concurrency in one KV budget: {PENDING}"
+        )
+        lines += [
+            "",
+            f"Regime: vLLM {meta['vllm']} on CPU, {meta['dtype']}, eager, SmolLM2-135M-Instruct's weights (30 layers), "
+            f"W = {meta['window']} tokens, prompts of random tokens, {meta['decode_tokens']} greedy new tokens; CPU-time "
+            f"ratios, medians over {rounds_text(workloads)} round(s) per cell with the engines in turn"
+            + (f", load {min(loads):.0f}-{max(loads):.0f} on 2 shared cores" if loads else "")
+            + budget_text
+            + " (`benchmarks/results/vllm_layouts.md` has the absolute figures and the targets).",
+        ]
+    else:
+        lines += ["", "Regime: `benchmarks/bench_vllm_layouts.py` has not been run on the real model yet."]
+    return lines
+
+
+def decision_tables(study: dict, served: dict | None) -> str:
+    return "\n".join(quality_table(study) + [""] + serving_table(served)) + "\n"
+
+
+DOCS_PATH = Path(__file__).resolve().parent.parent / "docs" / "serving.md"
+START_MARKER = "<!-- decision-tables: written by benchmarks/layout_decision.py --update-docs -->"
+END_MARKER = "<!-- end of decision-tables -->"
+
+
+def docs_tables(text: str) -> str:
+    """The text between the markers of docs/serving.md."""
+    if START_MARKER not in text or END_MARKER not in text:
+        raise ValueError(f"docs/serving.md has no decision tables between {START_MARKER!r} and {END_MARKER!r}")
+    return text.split(START_MARKER, 1)[1].split(END_MARKER, 1)[0].strip("\n") + "\n"
+
+
+def main(argv=None) -> None:
+    update = "--update-docs" in (sys.argv[1:] if argv is None else argv)
+    study, served = load_inputs()
+    tables = decision_tables(study, served)
+    if not update:
+        print(tables, end="")
+        return
+    text = DOCS_PATH.read_text(encoding="utf-8")
+    before, rest = text.split(START_MARKER, 1)
+    after = rest.split(END_MARKER, 1)[1]
+    DOCS_PATH.write_text(f"{before}{START_MARKER}\n\n{tables}\n{END_MARKER}{after}", encoding="utf-8")
+    print(f"wrote the decision tables into {DOCS_PATH}")
+
+
+if __name__ == "__main__":
+    main()

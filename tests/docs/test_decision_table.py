@@ -1,0 +1,63 @@
+"""docs/serving.md's "Choosing a layout": its tables are what `benchmarks/layout_decision.py` computes from the
+committed results (the layout study's result files and the vLLM layouts benchmark's JSON), and its prose quotes no
+figure those tables do not hold."""
+
+import re
+import sys
+
+from testing_utils import REPO_ROOT
+
+
+sys.path.insert(0, str(REPO_ROOT / "benchmarks"))
+from layout_decision import DOCS_PATH, END_MARKER, START_MARKER, decision_tables, docs_tables, load_inputs  # noqa: E402
+
+
+SECTION_TITLE = "## 6. Choosing a layout"
+NUMBER = re.compile(r"(?<![\w.])\d+(?:,\d{3})*(?:\.\d+)?")
+
+
+def section_text() -> str:
+    text = DOCS_PATH.read_text(encoding="utf-8")
+    section = text.split(SECTION_TITLE, 1)[1]
+    return section.split("\n## ", 1)[0]
+
+
+def test_the_docs_hold_the_tables_the_committed_results_give():
+    study, served = load_inputs()
+    assert docs_tables(DOCS_PATH.read_text(encoding="utf-8")) == decision_tables(study, served)
+
+
+def test_the_prose_beside_the_tables_quotes_only_their_figures():
+    section = section_text()
+    tables = section.split(START_MARKER, 1)[1].split(END_MARKER, 1)[0]
+    prose = section.replace(tables, "")
+    prose = re.sub(r"```.*?```", "", prose, flags=re.DOTALL)  # the commands: settings, not measurements
+    prose = re.sub(r"`[^`]*`", "", prose)  # file names and flags
+    allowed = set(NUMBER.findall(tables)) | {
+        "6",
+        "4",
+        "1",
+        "2",
+    }  # the section number; "4 sliding ... : 1 global", P = 2
+    quoted = set(NUMBER.findall(prose))
+    assert quoted <= allowed, f"figures in the prose that the tables do not hold: {sorted(quoted - allowed)}"
+
+
+def test_a_ruler_cell_names_the_tasks_measured_and_the_ones_not_yet():
+    from layout_decision import PENDING, ruler_tasks_cell
+
+    before = {
+        "ruler_task_details": {
+            "niah_single_1": {"samples": 10, "samples_planned": 10, "score_sum": 6, "binary": True,
+                              "wilson95": [0.3127, 0.8318]},
+            "niah_multikey_2": {"samples": 3, "samples_planned": 10, "score_sum": 3, "binary": True,
+                                "wilson95": [0.4385, 1.0]},
+        },
+        "ruler_tasks_vs_base": {"niah_single_1": {"only_base": 4, "only_model": 0}},
+    }  # fmt: skip
+    assert ruler_tasks_cell(before) == (
+        "niah_single_1 60 [31, 83] (10 samples; right only in the base / only here: 4 / 0); "
+        "niah_multikey_2 100 [44, 100] (partial: 3 of 10 samples); "
+        f"niah_multikey_3: {PENDING}"
+    )
+    assert ruler_tasks_cell({}) == PENDING
