@@ -352,7 +352,7 @@ def run_gsm8k(settings: StudySettings, work_dir: Path, model: str) -> dict:
         score_completions,
     )
     from iha.evaluation.settings import SamplingConfig
-    from iha.experiments.ab.measures import completion_finished, validation_losses
+    from research.ab.measures import completion_finished, validation_losses
 
     cache_path = work_dir / "cache" / "gsm8k" / f"{model}.json"
     cache = json.loads(cache_path.read_text(encoding="utf-8")) if cache_path.is_file() else {}
@@ -469,8 +469,8 @@ def run_sft(settings: StudySettings, work_dir: Path, arm: str, seed: int) -> dic
     from transformers.trainer_utils import get_last_checkpoint
 
     from iha.cli.sft import parse_args
-    from iha.experiments.ab.measures import StepTrace, find_step_trace
     from iha.training.train import train_sft
+    from research.ab.measures import StepTrace, find_step_trace
 
     write_training_rows(settings, work_dir)
     argv = sft_argv(settings, work_dir, arm, seed)

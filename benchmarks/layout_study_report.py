@@ -11,7 +11,8 @@ from pathlib import Path
 
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from iha.experiments.statistics import (  # noqa: E402
+from iha.utils.atomic_files import write_json_atomic, write_text_atomic  # noqa: E402
+from research.statistics import (  # noqa: E402
     describe_paired,
     discordant_counts,
     mcnemar_exact,
@@ -20,7 +21,6 @@ from iha.experiments.statistics import (  # noqa: E402
     seed_spread,
     token_loss_bootstrap,
 )
-from iha.utils.atomic_files import write_json_atomic, write_text_atomic  # noqa: E402
 
 
 BEFORE_MODELS = ("base", "identity", "hybrid", "global_local")

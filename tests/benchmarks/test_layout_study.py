@@ -10,7 +10,7 @@ import sys
 import pytest
 from testing_utils import REPO_ROOT
 
-from iha.experiments.statistics import mean_bootstrap, paired_over_seeds, token_loss_bootstrap
+from research.statistics import mean_bootstrap, paired_over_seeds, token_loss_bootstrap
 
 
 sys.path.insert(0, str(REPO_ROOT / "benchmarks"))
