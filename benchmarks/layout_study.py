@@ -681,7 +681,9 @@ def work(settings: StudySettings, args) -> int:
 
 
 def parse_args(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0], formatter_class=argparse.RawTextHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n")[0], formatter_class=argparse.RawTextHelpFormatter, allow_abbrev=False
+    )
     defaults = StudySettings()
     parser.add_argument("--results-dir", type=Path, default=RESULTS_DIR, help="the result files and the report")
     parser.add_argument("--work-dir", type=Path, default=WORK_DIR, help="models, SFT runs and caches (large)")

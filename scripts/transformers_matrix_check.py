@@ -449,11 +449,15 @@ def refuse(converted: str) -> dict:
 
 
 def parse_args(argv: list[str]):
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False
+    )
     commands = parser.add_subparsers(dest="command", required=True)
-    refused = commands.add_parser("refuse", help="loading must be refused (a release below the range)")
+    refused = commands.add_parser(
+        "refuse", help="loading must be refused (a release below the range)", allow_abbrev=False
+    )
     refused.add_argument("converted")
-    check = commands.add_parser("check", help="the checks of a supported release")
+    check = commands.add_parser("check", help="the checks of a supported release", allow_abbrev=False)
     check.add_argument("--with-iha", action="store_true", help="import iha first (it must be importable)")
     check.add_argument("--pairs", nargs="*", default=[], metavar="FOLDER", help="SOURCE CONVERTED pairs")
     check.add_argument("--batch", nargs="*", default=[], metavar="FOLDER", help="folders for continuous batching")

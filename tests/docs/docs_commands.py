@@ -128,6 +128,8 @@ NOT_RUN = {
 }
 # Commands whose run is made elsewhere, at the size it needs: a distinctive part -> where. They are parsed here.
 RUN_ELSEWHERE = {
+    "--tasks niah_single_1,niah_multikey_2,niah_multikey_3": "benchmarks/layout_study.py runs it at its size (hours)",
+    "--output_dir runs/healed-hybrid": "benchmarks/layout_study.py runs it at its size (hours)",
     "deepspeed_zero3.yaml --num_processes 2": "tests/training/test_sft_deepspeed.py runs it (make deepspeed-test)",
 }
 # The research tasks (research/, python -m research.<task>) with presets: a preset other than `tiny` (the default
