@@ -53,8 +53,8 @@ from bench_vllm_long_context import (  # noqa: E402
     kv_bytes_held,
     layer_types,
     measure_once,
-    ratio_row,
-    summarize,
+    speed_table,
+    target_lines,
     workload_flops,
     workload_key,
 )
@@ -419,59 +419,6 @@ def loads_of(run: dict) -> list[float]:
     return loads
 
 
-def speed_table(meta: dict, workloads: dict) -> list[str]:
-    lines = [
-        "| requests | prompt (x W) | model | decode tok/s | tok/s vs base | decode FLOPs vs base | speed / inverse "
-        "FLOPs (rounds) | TTFT s | TTFT vs base | KV bytes / token | KV vs base |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
-    ]
-    for workload in workloads.values():
-        if any(not model["rounds"] for model in workload["models"].values()):
-            continue
-        for name in MODELS:
-            summary = summarize(workload["models"][name], "cpu")
-            row = f"| {workload['requests']} | {workload['prompt_length']} ({workload['multiple']}) | {name} | "
-            row += f"{summary['decode_tokens_per_second']:.1f} | "
-            if name == "base":
-                row += f"1 | 1 | - | {summary['ttft']:.2f} | 1 | {summary['kv_bytes_per_token']:,.0f} | 1 |"
-            else:
-                cpu, wall = ratio_row(workload, name, "base", "cpu"), ratio_row(workload, name, "base", "wall")
-                wall_speed = f"{wall['speed']:.2f}" if wall["resolved"] else "unresolved"
-                row += (
-                    f"{cpu['speed']:.2f} ({wall_speed}) | {cpu['decode_flops']:.2f} | "
-                    f"{cpu['speed_over_inverse_flops']:.2f} ({min(cpu['by_round']):.2f} to "
-                    f"{max(cpu['by_round']):.2f}) | {summary['ttft']:.2f} | {cpu['ttft']:.2f} ({wall['ttft']:.2f}) | "
-                    f"{summary['kv_bytes_per_token']:,.0f} | {cpu['kv']:.2f} |"
-                )
-            lines.append(row)
-    return lines
-
-
-def targets(meta: dict, workloads: dict) -> list[str]:
-    lines = []
-    for workload in workloads.values():
-        if any(not model["rounds"] for model in workload["models"].values()):
-            lines.append(f"- {workload['requests']} requests, {workload['multiple']} x W: **not measured yet**")
-            continue
-        for name in ("hybrid", "global_local"):
-            cpu = ratio_row(workload, name, "base", "cpu")
-            met = cpu["speed_over_inverse_flops"] >= TARGET
-            lines.append(
-                f"- {workload['requests']} requests, {workload['multiple']} x W, {name}: decode at "
-                f"{cpu['speed_over_inverse_flops']:.2f} of the inverse FLOP ratio ({1 / cpu['decode_flops']:.2f}) -> "
-                f"**{'met' if met else 'not met'}**"
-            )
-        if workload["multiple"] == max(meta["multiples"]):
-            cpu = ratio_row(workload, "hybrid", "base", "cpu")
-            lines.append(
-                f"- {workload['requests']} requests, {workload['multiple']} x W: the hybrid decodes at "
-                f"{cpu['speed']:.2f} x the base's speed (target >= 1: **{'met' if cpu['speed'] >= 1 else 'not met'}**) "
-                f"and holds {cpu['kv']:.2f} x its KV bytes (target <= 0.5: "
-                f"**{'met' if cpu['kv'] <= 0.5 else 'not met'}**)"
-            )
-    return lines
-
-
 def concurrency_table(part: dict) -> list[str]:
     results = part.get("results", {})
     if not results:
@@ -549,11 +496,11 @@ def markdown_report(run: dict) -> str:
         "these models' matmul work (benchmarks/flops.py); `speed / inverse FLOPs` = tok/s ratio x decode FLOP "
         f"ratio (target >= {TARGET}).",
         "",
-        *speed_table(meta, run.get("workloads", {})),
+        *speed_table(run.get("workloads", {})),
         "",
         "### Targets (CPU-time ratios)",
         "",
-        *targets(meta, run.get("workloads", {})),
+        *target_lines(meta, run.get("workloads", {}), missing="not measured yet"),
         "",
         "## Concurrency under one KV budget",
         "",

@@ -283,6 +283,66 @@ def workload_key(num_requests: int, multiple: int) -> str:
     return f"{num_requests}x{multiple}"
 
 
+def fully_measured(workload: dict) -> bool:
+    """Every model of the comparison ran at least one round of this workload."""
+    return set(workload["models"]) == set(MODELS) and all(model["rounds"] for model in workload["models"].values())
+
+
+def speed_table(workloads: dict) -> list[str]:
+    """The speed table's lines: each fully measured workload's models against the base (CPU time, wall in
+    parentheses)."""
+    lines = [
+        "| requests | prompt (x W) | model | decode tok/s | tok/s vs base | decode FLOPs vs base | speed / inverse "
+        "FLOPs (rounds) | TTFT s | TTFT vs base | KV bytes / token | KV vs base |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for workload in workloads.values():
+        if not fully_measured(workload):
+            continue
+        for name in MODELS:
+            summary = summarize(workload["models"][name], "cpu")
+            row = f"| {workload['requests']} | {workload['prompt_length']} ({workload['multiple']}) | {name} | "
+            row += f"{summary['decode_tokens_per_second']:.1f} | "
+            if name == "base":
+                row += f"1 | 1 | - | {summary['ttft']:.2f} | 1 | {summary['kv_bytes_per_token']:,.0f} | 1 |"
+            else:
+                cpu, wall = ratio_row(workload, name, "base", "cpu"), ratio_row(workload, name, "base", "wall")
+                wall_speed = f"{wall['speed']:.2f}" if wall["resolved"] else "unresolved"
+                row += (
+                    f"{cpu['speed']:.2f} ({wall_speed}) | {cpu['decode_flops']:.2f} | "
+                    f"{cpu['speed_over_inverse_flops']:.2f} ({min(cpu['by_round']):.2f} to {max(cpu['by_round']):.2f}) | "
+                    f"{summary['ttft']:.2f} | {cpu['ttft']:.2f} ({wall['ttft']:.2f}) | "
+                    f"{summary['kv_bytes_per_token']:,.0f} | {cpu['kv']:.2f} |"
+                )
+            lines.append(row)
+    return lines
+
+
+def target_lines(meta: dict, workloads: dict, missing: str) -> list[str]:
+    """Each workload against the targets (CPU-time ratios); `missing`: what a workload not fully measured reads."""
+    lines = []
+    for workload in workloads.values():
+        if not fully_measured(workload):
+            lines.append(f"- {workload['requests']} requests, {workload['multiple']} x W: **{missing}**")
+            continue
+        for name in ("hybrid", "global_local"):
+            cpu = ratio_row(workload, name, "base", "cpu")
+            met = cpu["speed_over_inverse_flops"] >= TARGET
+            lines.append(
+                f"- {workload['requests']} requests, {workload['multiple']} x W, {name}: decode at "
+                f"{cpu['speed_over_inverse_flops']:.2f} of the inverse FLOP ratio ({1 / cpu['decode_flops']:.2f}) -> "
+                f"**{'met' if met else 'not met'}**"
+            )
+        if workload["multiple"] == max(meta["multiples"]):
+            cpu = ratio_row(workload, "hybrid", "base", "cpu")
+            lines.append(
+                f"- {workload['requests']} requests, {workload['multiple']} x W: the hybrid decodes at "
+                f"{cpu['speed']:.2f} x the base's speed (target >= 1: **{'met' if cpu['speed'] >= 1 else 'not met'}**) "
+                f"and holds {cpu['kv']:.2f} x its KV bytes (target <= 0.5: **{'met' if cpu['kv'] <= 0.5 else 'not met'}**)"
+            )
+    return lines
+
+
 def markdown_report(meta: dict, workloads: dict) -> str:
     window = meta["window"]
     lines = [
@@ -310,49 +370,12 @@ def markdown_report(meta: dict, workloads: dict) -> str:
         "request in the middle of its decoded tokens). `speed / inverse FLOPs` = tok/s ratio x decode FLOP ratio "
         f"(target >= {TARGET} at every context).",
         "",
-        "| requests | prompt (x W) | model | decode tok/s | tok/s vs base | decode FLOPs vs base | speed / inverse "
-        "FLOPs (rounds) | TTFT s | TTFT vs base | KV bytes / token | KV vs base |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        *speed_table(workloads),
+        "",
+        "## Targets (CPU-time ratios)",
+        "",
+        *target_lines(meta, workloads, missing="not measured"),
     ]
-    for workload in workloads.values():
-        if set(workload["models"]) != set(MODELS) or any(not m["rounds"] for m in workload["models"].values()):
-            continue
-        for name in MODELS:
-            summary = summarize(workload["models"][name], "cpu")
-            row = f"| {workload['requests']} | {workload['prompt_length']} ({workload['multiple']}) | {name} | "
-            row += f"{summary['decode_tokens_per_second']:.1f} | "
-            if name == "base":
-                row += f"1 | 1 | - | {summary['ttft']:.2f} | 1 | {summary['kv_bytes_per_token']:,.0f} | 1 |"
-            else:
-                cpu, wall = ratio_row(workload, name, "base", "cpu"), ratio_row(workload, name, "base", "wall")
-                wall_speed = f"{wall['speed']:.2f}" if wall["resolved"] else "unresolved"
-                row += (
-                    f"{cpu['speed']:.2f} ({wall_speed}) | {cpu['decode_flops']:.2f} | "
-                    f"{cpu['speed_over_inverse_flops']:.2f} ({min(cpu['by_round']):.2f} to {max(cpu['by_round']):.2f}) | "
-                    f"{summary['ttft']:.2f} | {cpu['ttft']:.2f} ({wall['ttft']:.2f}) | "
-                    f"{summary['kv_bytes_per_token']:,.0f} | {cpu['kv']:.2f} |"
-                )
-            lines.append(row)
-    lines += ["", "## Targets (CPU-time ratios)", ""]
-    for workload in workloads.values():
-        if set(workload["models"]) != set(MODELS) or any(not m["rounds"] for m in workload["models"].values()):
-            lines.append(f"- {workload['requests']} requests, {workload['multiple']} x W: **not measured**")
-            continue
-        for name in ("hybrid", "global_local"):
-            cpu = ratio_row(workload, name, "base", "cpu")
-            met = cpu["speed_over_inverse_flops"] >= TARGET
-            lines.append(
-                f"- {workload['requests']} requests, {workload['multiple']} x W, {name}: decode at "
-                f"{cpu['speed_over_inverse_flops']:.2f} of the inverse FLOP ratio ({1 / cpu['decode_flops']:.2f}) -> "
-                f"**{'met' if met else 'not met'}**"
-            )
-        if workload["multiple"] == max(meta["multiples"]):
-            cpu = ratio_row(workload, "hybrid", "base", "cpu")
-            lines.append(
-                f"- {workload['requests']} requests, {workload['multiple']} x W: the hybrid decodes at "
-                f"{cpu['speed']:.2f} x the base's speed (target >= 1: **{'met' if cpu['speed'] >= 1 else 'not met'}**) "
-                f"and holds {cpu['kv']:.2f} x its KV bytes (target <= 0.5: **{'met' if cpu['kv'] <= 0.5 else 'not met'}**)"
-            )
     cached = [
         summarize(model, "cpu")["cached_fraction"]
         for workload in workloads.values()
