@@ -182,6 +182,21 @@ def psutil_environment(cache_dir: Path, python: Path) -> Path:
     return package_environment(cache_dir, python, "psutil", "psutil")
 
 
+# The tiny sources' sizes (2 layers; the hybrid's Llama takes 5).
+TINY_SIZES = dict(
+    vocab_size=128,
+    hidden_size=48,
+    intermediate_size=96,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=128,
+    pad_token_id=0,
+    bos_token_id=1,
+    eos_token_id=None,
+)
+
+
 def tiny_sources(work_dir: Path) -> list[Path]:
     """Tiny random models of every supported architecture, saved: a Llama (GQA, untied head), a Mistral (window of
     4 tokens), a Qwen3 (per-head q/k norm, head_dim 16 apart from hidden / heads, its last layer sliding), a SmolLM3
@@ -202,18 +217,7 @@ def tiny_sources(work_dir: Path) -> list[Path]:
         SmolLM3ForCausalLM,
     )
 
-    sizes = dict(
-        vocab_size=128,
-        hidden_size=48,
-        intermediate_size=96,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=128,
-        pad_token_id=0,
-        bos_token_id=1,
-        eos_token_id=None,
-    )
+    sizes = TINY_SIZES
     window = dict(use_sliding_window=True, sliding_window=4)
     gemma3_sizes = {**sizes, "num_hidden_layers": 3, "num_key_value_heads": 1}
     sources = []
@@ -251,19 +255,7 @@ def hybrid_folder(work_dir: Path) -> Path:
     from iha.conversion import convert_checkpoint
 
     torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=128,
-        hidden_size=48,
-        intermediate_size=96,
-        num_hidden_layers=5,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=128,
-        pad_token_id=0,
-        bos_token_id=1,
-        eos_token_id=None,
-        tie_word_embeddings=False,
-    )
+    config = LlamaConfig(**{**TINY_SIZES, "num_hidden_layers": 5}, tie_word_embeddings=False)
     source = work_dir / "tiny-llama-5-layers"
     LlamaForCausalLM(config).save_pretrained(source)
     converted = work_dir / "tiny-llama-hybrid-iha"
