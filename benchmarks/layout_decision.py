@@ -46,13 +46,48 @@ def _ratio(value: float | None) -> str:
     return PENDING if value is None else f"{value:.2f}x"
 
 
-def quality_cells(study: dict, layout: str, by_task: bool = False) -> list[str]:
-    """RULER before, kept; RULER after (mean ± sd over seeds), kept against the healed base; GSM8K loss difference
-    to the base before and after."""
+def _spread(study: dict, layout: str, metric: str) -> dict | None:
+    """A healed arm's mean, standard deviation and values over seeds of `metric`, or None before any seed has it."""
+    return ((study["after"]["arms"].get(layout, {}).get(metric)) or {}).get("spread")
+
+
+def _seeds_text(spread: dict, scale: float = 100.0, digits: int = 1) -> str:
+    seeds = len(spread["values"])
+    return f"{scale * spread['mean']:.{digits}f} ± {scale * spread['std']:.{digits}f} ({seeds} seed{'s' * (seeds > 1)})"
+
+
+def ruler_after_cell(study: dict, layout: str, by_task: bool) -> str:
+    """RULER after the healing SFT: the three-task mean over seeds, against the base as it is; while a task is
+    missing, each task measured after healing, mean ± sd over seeds, beside the same task before healing."""
     before = study["before"].get(layout, {})
-    arm = study["after"]["arms"].get(layout, {})
-    ruler_after = (arm.get("ruler") or {}).get("spread")
-    base_after = (study["after"]["arms"].get("base", {}).get("ruler") or {}).get("spread")
+    if not by_task:
+        spread = _spread(study, layout, "ruler")
+        base = study["before"].get("base", {}).get("ruler")
+        text = _seeds_text(spread)
+        if layout != "base" and base:
+            text += f", {_ratio(spread['mean'] / base)} of the base as it is"
+        return text
+    parts, missing = [], []
+    for task in RULER_TASKS:
+        spread = _spread(study, layout, f"ruler_{task}")
+        if spread is None:
+            missing.append(task)
+            continue
+        earlier = before.get(f"ruler_{task}")
+        parts.append(
+            f"{task} {_seeds_text(spread, digits=0)}"
+            + (f", before {_points(earlier, 0)}" if earlier is not None else "")
+        )
+    if missing and parts:
+        parts.append(f"{', '.join(missing)}: {PENDING}")
+    return "; ".join(parts) if parts else PENDING
+
+
+def quality_cells(study: dict, layout: str, by_task: bool = False, after_by_task: bool = False) -> list[str]:
+    """RULER before (kept against the base) and after the healing SFT; the GSM8K loss's difference to the base as it
+    is, before and after; pass@1 before and after. The base's row after healing is the control: the base trained
+    by the same run."""
+    before = study["before"].get(layout, {})
     cells = []
     ruler = before.get("ruler")
     if ruler is None or by_task:
@@ -61,41 +96,32 @@ def quality_cells(study: dict, layout: str, by_task: bool = False) -> list[str]:
         cells.append(_points(ruler))
     else:
         cells.append(f"{_points(ruler)} ({_ratio(before.get('ruler_kept'))} of the base)")
-    if ruler_after is None:
-        cells.append(PENDING)
-    else:
-        seeds = len(ruler_after["values"])
-        text = f"{_points(ruler_after['mean'])} ± {_points(ruler_after['std'])} ({seeds} seed{'s' * (seeds > 1)})"
-        if layout != "base" and base_after and base_after["mean"]:
-            text += f", {_ratio(ruler_after['mean'] / base_after['mean'])} of the healed base"
-        cells.append(text)
+    cells.append(ruler_after_cell(study, layout, after_by_task))
     loss = before.get("reference_loss")
     base_loss = study["before"].get("base", {}).get("reference_loss")
-    after_loss = ((arm.get("reference_loss") or {}).get("spread") or {}).get("mean")
-    base_after_loss = ((study["after"]["arms"].get("base", {}).get("reference_loss") or {}).get("spread") or {}).get(
-        "mean"
-    )
+    after_loss = _spread(study, layout, "reference_loss")
     if layout == "base":
-        cells.append(
-            f"{loss:.3f} / {after_loss:.3f} healed"
-            if loss is not None and after_loss is not None
-            else (f"{loss:.3f} / {PENDING}" if loss is not None else PENDING)
-        )
+        before_text = PENDING if loss is None else f"{loss:.3f}"
     else:
         before_text = PENDING if loss is None or base_loss is None else f"{loss - base_loss:+.3f}"
         interval = (before.get("reference_loss_vs_base") or {}).get("ci")
         if interval and loss is not None and base_loss is not None:
             before_text += f" [{interval[0]:+.3f}, {interval[1]:+.3f}]"
+    if after_loss is None or base_loss is None:
+        after_text = PENDING
+    else:
+        seeds = len(after_loss["values"])
         after_text = (
-            PENDING if after_loss is None or base_after_loss is None else f"{after_loss - base_after_loss:+.3f}"
+            f"{after_loss['mean'] - base_loss:+.3f} ± {after_loss['std']:.3f} ({seeds} seed{'s' * (seeds > 1)})"
         )
-        cells.append(f"{before_text} / {after_text}")
+    cells.append(f"{before_text} / {after_text}")
     cells.append(pass_cell(study, layout))
     return cells
 
 
 def pass_cell(study: dict, layout: str) -> str:
-    """GSM8K greedy pass@1 before healing, with its problems and, against the base, the problems only one solved."""
+    """GSM8K greedy pass@1 before healing, with its problems and, against the base, the problems only one solved;
+    then after healing, mean ± sd over seeds."""
     before = study["before"].get(layout, {})
     if before.get("pass_at_1") is None:
         return PENDING
@@ -104,7 +130,8 @@ def pass_cell(study: dict, layout: str) -> str:
     versus = before.get("pass_vs_base")
     if versus:
         text += f"; solved only by the base / only here: {versus['only_base']} / {versus['only_model']}"
-    return text + ")"
+    after = _spread(study, layout, "pass_at_1")
+    return text + ") / " + (PENDING if after is None else _seeds_text(after, digits=0))
 
 
 def ruler_tasks_cell(before: dict) -> str:
@@ -149,14 +176,15 @@ def identity_line(study: dict) -> str:
 def quality_table(study: dict) -> list[str]:
     settings = study["settings"]
     lines = [
-        "| layout | RULER before healing | RULER after healing | GSM8K loss (base) or its difference to the base, "
-        "before / after healing | GSM8K pass@1 before healing |",
+        "| layout | RULER before healing | RULER after healing | GSM8K loss (base) or its difference to the base as it "
+        "is, before / after healing | GSM8K pass@1 before / after healing |",
         "|---|---|---|---|---|",
     ]
     # While a layout lacks a task, every row gives its tasks one by one, so that the rows compare.
     by_task = any(study["before"].get(layout, {}).get("ruler") is None for layout in LAYOUTS)
+    after_by_task = any(_spread(study, layout, "ruler") is None for layout in LAYOUTS)
     for layout, label in LAYOUTS.items():
-        lines.append(f"| {label} | " + " | ".join(quality_cells(study, layout, by_task)) + " |")
+        lines.append(f"| {label} | " + " | ".join(quality_cells(study, layout, by_task, after_by_task)) + " |")
     regime = study["regime"]
     load = regime["load_average"]
     status = "complete" if study["complete"] else f"partial: {study['units_done']} of {study['units_expected']} units"
@@ -171,8 +199,9 @@ def quality_table(study: dict) -> list[str]:
         f"the first {settings['reference_problems']} test reference solutions (a difference with its paired 95% "
         "bootstrap interval); pass@1 = greedy, up to "
         f"{settings['max_new_tokens']} new tokens, percent; healing = the same `iha sft` run per "
-        f"seed for each layout and the base ({settings['sft_steps']} steps of {settings['training_length']:,} tokens "
-        f"of GSM8K train rows, learning rate {settings['learning_rate']:g}), mean ± standard deviation over seeds; "
+        f"seed for each layout and for the base, the control ({settings['sft_steps']} steps of one packed row of "
+        f"{settings['training_length']:,} tokens of GSM8K train rows, learning rate {settings['learning_rate']:g}, "
+        f"seeds {', '.join(map(str, settings['seeds']))}), mean ± standard deviation over the seeds measured; "
         f"CPU, shared 2 cores" + (f", load {load[0]:.0f}-{load[1]:.0f}" if load else "") + f"; study {status} "
         "(`benchmarks/results/layout_study/report.md` has the intervals and paired tests).",
     ]

@@ -60,6 +60,7 @@ sys.path.insert(0, str(REPO_ROOT / "benchmarks"))
 from layout_study_report import (  # noqa: E402
     ARMS,
     BEFORE_MODELS,
+    CONTROL_ARM,
     RULER_TASKS,
     healed_name,
     write_report,
@@ -97,7 +98,7 @@ class StudySettings:
     pass_problems: int = 32
     max_new_tokens: int = 320
     seeds: list[int] = field(default_factory=lambda: [0, 1, 2])
-    sft_steps: int = 20
+    sft_steps: int = 12
     learning_rate: float = 1e-4
     train_rows: int = 400
     save_steps: int = 4
@@ -539,18 +540,28 @@ class Unit:
 
 
 def study_units(settings: StudySettings, only: set[str], models: set[str] | None = None) -> list[Unit]:
-    """Every unit, in the order a single worker runs them: the models, the four models' scores (RULER task by task,
-    then GSM8K), then per seed each arm's SFT and its scores (so a seed's arms are complete before the next seed
-    starts)."""
+    """Every unit, in the order a single worker runs them (two workers take the next ready units, so two SFT runs
+    go side by side): the models; the four models' first RULER task (the identity check and the first comparison
+    come with it) and GSM8K scores; per seed, the SFT run of each healed arm (hybrid, global_local) with the same
+    two scores of the healed model; then the other RULER tasks (multi-key retrieval, at the floor for this base
+    model: measured after every model's discriminating scores); last the control arm (the base trained by the same
+    run), seed by seed."""
+    first, others = RULER_TASKS[0], RULER_TASKS[1:]
+    healing_arms = [arm for arm in ARMS if arm != CONTROL_ARM]
+    healed = [healed_name(arm, seed) for seed in settings.seeds for arm in healing_arms]
     units = [Unit("build")]
-    # Task by task over the four models first: the identity check and the first comparison come with the first task.
-    units += [Unit("ruler", model, task) for task in RULER_TASKS for model in BEFORE_MODELS]
-    units += [Unit("gsm8k", model) for model in BEFORE_MODELS]
+    units += [Unit("ruler", model, first) for model in BEFORE_MODELS] + [
+        Unit("gsm8k", model) for model in BEFORE_MODELS
+    ]
     for seed in settings.seeds:
-        for arm in ARMS:
-            healed = healed_name(arm, seed)
-            units += [Unit("sft", arm, seed=seed)]
-            units += [Unit("ruler", healed, task) for task in RULER_TASKS] + [Unit("gsm8k", healed)]
+        for arm in healing_arms:
+            model = healed_name(arm, seed)
+            units += [Unit("sft", arm, seed=seed), Unit("ruler", model, first), Unit("gsm8k", model)]
+    units += [Unit("ruler", model, task) for model in (*BEFORE_MODELS, *healed) for task in others]
+    for seed in settings.seeds:
+        model = healed_name(CONTROL_ARM, seed)
+        units += [Unit("sft", CONTROL_ARM, seed=seed)]
+        units += [Unit("ruler", model, task) for task in RULER_TASKS] + [Unit("gsm8k", model)]
     kinds = {"eval": {"ruler", "gsm8k"}}
     wanted = set().union(*(kinds.get(kind, {kind}) for kind in only)) if only else None
     units = [unit for unit in units if wanted is None or unit.kind in wanted or unit.kind == "build"]
@@ -606,18 +617,29 @@ def run_unit(unit: Unit, settings: StudySettings, work_dir: Path, results_dir: P
     return run_sft(settings, work_dir, unit.model, unit.seed)
 
 
+# The settings only the healing runs read: they may change while no SFT run has finished (the scores before healing
+# do not depend on them); the others define every unit and never change within a results folder.
+HEALING_SETTINGS = {"seeds", "sft_steps", "learning_rate", "train_rows", "save_steps"}
+
+
 def check_settings(settings: StudySettings, results_dir: Path) -> None:
     path = results_dir / "settings.json"
     now = dataclasses.asdict(settings)
     if path.is_file():
         earlier = json.loads(path.read_text(encoding="utf-8"))
         changed = sorted(name for name in set(now) | set(earlier) if now.get(name) != earlier.get(name))
-        if changed:
-            raise SystemExit(
-                f"{results_dir} holds a study made with other settings ({', '.join(changed)} differ): give another "
-                "--results-dir and --work-dir, or the same settings"
-            )
-        return
+        if not changed:
+            return
+        healed = sorted((results_dir / "sft").glob("*.json"))
+        if set(changed) <= HEALING_SETTINGS and not healed:
+            log(f"settings: {', '.join(changed)} changed before any SFT run finished; {path.name} updated")
+            write_json_atomic(now, path)
+            return
+        reason = f" and {len(healed)} SFT runs finished with them" if set(changed) <= HEALING_SETTINGS else ""
+        raise SystemExit(
+            f"{results_dir} holds a study made with other settings ({', '.join(changed)} differ{reason}): give "
+            "another --results-dir and --work-dir, or the same settings"
+        )
     write_json_atomic(now, path)
 
 

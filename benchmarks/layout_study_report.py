@@ -25,6 +25,7 @@ from research.statistics import (  # noqa: E402
 
 BEFORE_MODELS = ("base", "identity", "hybrid", "global_local")
 ARMS = ("hybrid", "global_local", "base")  # trained by the same healing SFT; base is the control
+CONTROL_ARM = "base"
 RULER_TASKS = ("niah_single_1", "niah_multikey_2", "niah_multikey_3")
 LABELS = {
     "base": "base (every layer global)",
@@ -177,6 +178,23 @@ def pass_at_1(results: dict, model: str) -> float | None:
     return sum(problem["correct"] for problem in problems) / len(problems)
 
 
+def ruler_task_metric(task: str):
+    """The model's score on one RULER task (the mean over its samples), or None while the unit is missing or cut
+    short: a metric of its own, so that a task measured for every model compares before the other tasks are."""
+
+    def score(results: dict, model: str) -> float | None:
+        record = results["ruler"].get(model, {}).get(task)
+        if record is None or not ruler_unit_complete(results, record):
+            return None
+        return sum(sample["score"] for sample in record["samples"]) / len(record["samples"])
+
+    score.__name__ = f"ruler_{task}"
+    return score
+
+
+TASK_METRICS = {f"ruler_{task}": ruler_task_metric(task) for task in RULER_TASKS}
+
+
 def before_healing(results: dict) -> dict:
     """Each of the four models against the base: RULER (paired per sample) and GSM8K (paired per problem)."""
     figures = {}
@@ -190,6 +208,7 @@ def before_healing(results: dict) -> dict:
             "ruler": sum(scores) / len(scores) if scores else None,
             "reference_loss": reference_loss(results, model),
             "pass_at_1": pass_at_1(results, model),
+            **{metric: function(results, model) for metric, function in TASK_METRICS.items()},
         }
         if model != "base":
             entry["ruler_tasks_vs_base"] = ruler_task_versus_base(results, model)
@@ -229,7 +248,7 @@ def _ruler_mean(results: dict, model: str) -> float | None:
     return sum(scores) / len(scores) if scores else None
 
 
-METRICS = {"ruler": _ruler_mean, "reference_loss": reference_loss, "pass_at_1": pass_at_1}
+METRICS = {"ruler": _ruler_mean, **TASK_METRICS, "reference_loss": reference_loss, "pass_at_1": pass_at_1}
 
 
 def after_healing(results: dict, before: dict) -> dict:
@@ -546,6 +565,15 @@ def render_ruler_tasks(report: dict) -> list[str]:
     ]
 
 
+def _healing_cell(metric_entry: dict | None, scale: float, digits: int) -> str:
+    value = (metric_entry or {}).get("healing")
+    if not value:
+        return "-"
+    if value["ci"]:
+        return describe_paired(value, scale, digits).split(" (")[0]
+    return f"{scale * value['mean']:+.{digits}f}"
+
+
 def render_after(report: dict) -> list[str]:
     after = report["after"]
     lines = ["## After the same healing SFT", ""]
@@ -553,34 +581,40 @@ def render_after(report: dict) -> list[str]:
         return lines + ["No healed model measured yet.", ""]
     lines += [
         "Per arm: mean ± standard deviation over seeds (the seeds' values); healing = after - before, seed by seed "
-        "(t interval over seeds).",
+        "(t interval over seeds). RULER per task first (a task compares as soon as it is measured for a model), then "
+        "the mean over the three tasks and GSM8K:",
+        "",
+        "| arm | RULER task | before | after | healing, points |",
+        "|---|---|---|---|---|",
+    ]
+    for arm in ARMS:
+        entry = after["arms"][arm]
+        for task in RULER_TASKS:
+            metric = f"ruler_{task}"
+            lines.append(
+                f"| {LABELS[arm]} | {task} | {percent(report['before'][arm].get(metric))} | "
+                f"{_seed_cell(entry[metric], 100, 1)} | {_healing_cell(entry[metric], 100, 1)} |"
+            )
+    lines += [
         "",
         "| arm | RULER mean | healing, points | GSM8K loss | healing | pass@1 | healing, points |",
         "|---|---|---|---|---|---|---|",
     ]
     for arm in ARMS:
         entry = after["arms"][arm]
-
-        def healing(metric, scale, digits, entry=entry):
-            value = entry[metric].get("healing")
-            if not value:
-                return "-"
-            return (
-                describe_paired(value, scale, digits).split(" (")[0]
-                if value["ci"]
-                else f"{scale * value['mean']:+.{digits}f}"
-            )
-
         lines.append(
-            f"| {LABELS[arm]} | {_seed_cell(entry['ruler'], 100, 1)} | {healing('ruler', 100, 1)} | "
-            f"{_seed_cell(entry['reference_loss'], 1, 4)} | {healing('reference_loss', 1, 4)} | "
-            f"{_seed_cell(entry['pass_at_1'], 100, 1)} | {healing('pass_at_1', 100, 1)} |"
+            f"| {LABELS[arm]} | {_seed_cell(entry['ruler'], 100, 1)} | {_healing_cell(entry['ruler'], 100, 1)} | "
+            f"{_seed_cell(entry['reference_loss'], 1, 4)} | {_healing_cell(entry['reference_loss'], 1, 4)} | "
+            f"{_seed_cell(entry['pass_at_1'], 100, 1)} | {_healing_cell(entry['pass_at_1'], 100, 1)} |"
         )
     lines += ["", "Paired over seeds (B - A; the arms of a seed trained on the same tokens in the same order):", ""]
     for label, metrics in after["paired"].items():
         for metric, paired in metrics.items():
             scale, digits, unit = (1, 4, " nats/token") if metric == "reference_loss" else (100, 1, " points")
-            lines.append(f"- {label}, {metric.replace('_', ' ')}: {describe_paired(paired, scale, digits, unit)}")
+            name = {"ruler": "RULER mean"}.get(metric) or (
+                metric.replace("ruler_", "RULER ", 1) if metric.startswith("ruler_") else metric.replace("_", " ")
+            )
+            lines.append(f"- {label}, {name}: {describe_paired(paired, scale, digits, unit)}")
     lines.append("")
     return lines
 
@@ -644,6 +678,7 @@ def write_report(results_dir: Path) -> dict:
 __all__ = [
     "ARMS",
     "BEFORE_MODELS",
+    "CONTROL_ARM",
     "RULER_TASKS",
     "healed_name",
     "load_results",

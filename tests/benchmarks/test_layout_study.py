@@ -29,18 +29,29 @@ from layout_study_report import (  # noqa: E402
 COMMITTED = REPO_ROOT / "benchmarks" / "results" / "layout_study"
 
 
-def test_units_measure_the_four_models_first_then_each_seed_completely():
+def test_units_give_the_discriminating_scores_first_and_the_control_arm_last():
     settings = layout_study.StudySettings(seeds=[0, 1])
     names = [unit.name for unit in layout_study.study_units(settings, set())]
+    first, others = RULER_TASKS[0], RULER_TASKS[1:]
     assert names[0] == "build"
-    before = names[1 : 1 + 4 * (len(RULER_TASKS) + 1)]
-    assert {name.split(":")[1] for name in before} == set(BEFORE_MODELS)
-    # The first task over all four models first: the identity check comes with the first units.
-    assert before[:4] == [f"ruler:{model}:{RULER_TASKS[0]}" for model in BEFORE_MODELS]
-    seed0 = names[1 + len(before) : 1 + len(before) + len(ARMS) * (len(RULER_TASKS) + 2)]
-    assert seed0[0] == "sft:hybrid:0" and f"gsm8k:{healed_name('base', 0)}" == seed0[-1]
-    assert all(name.endswith(":0") or "seed0" in name for name in seed0)
-    assert len(names) == 1 + 4 * 4 + 2 * 3 * 5
+    # The first task over the four models first (the identity check and the first comparison come with it), then
+    # their GSM8K scores.
+    assert names[1:9] == [f"ruler:{m}:{first}" for m in BEFORE_MODELS] + [f"gsm8k:{m}" for m in BEFORE_MODELS]
+    # Per seed, each healed arm's SFT run followed by the same two scores of its healed model.
+    healing = [arm for arm in ARMS if arm != "base"]
+    expected = []
+    for seed in (0, 1):
+        for arm in healing:
+            model = healed_name(arm, seed)
+            expected += [f"sft:{arm}:{seed}", f"ruler:{model}:{first}", f"gsm8k:{model}"]
+    assert names[9 : 9 + len(expected)] == expected
+    # Then the multi-key tasks of every model so far, and last the control arm, seed by seed.
+    multikey = names[9 + len(expected) : 9 + len(expected) + 2 * (4 + 4)]
+    assert {name.split(":")[2] for name in multikey} == set(others)
+    control = names[9 + len(expected) + len(multikey) :]
+    assert control[0] == "sft:base:0" and control[-1] == f"gsm8k:{healed_name('base', 1)}"
+    assert len(control) == 2 * (1 + len(RULER_TASKS) + 1)
+    assert len(names) == len(set(names)) == 1 + 4 * 4 + 2 * 3 * 5
 
 
 def test_the_filters_keep_the_build_and_the_sft_run_of_a_healed_model():
@@ -51,8 +62,9 @@ def test_the_filters_keep_the_build_and_the_sft_run_of_a_healed_model():
     assert [unit.name for unit in chosen] == [
         "build",
         "sft:hybrid:0",
-        *[f"ruler:hybrid-healed-seed0:{task}" for task in RULER_TASKS],
+        f"ruler:hybrid-healed-seed0:{RULER_TASKS[0]}",
         "gsm8k:hybrid-healed-seed0",
+        *[f"ruler:hybrid-healed-seed0:{task}" for task in RULER_TASKS[1:]],
     ]
 
 
@@ -82,8 +94,19 @@ def test_a_lock_is_held_by_a_live_process_and_taken_over_from_a_dead_one(tmp_pat
 def test_a_study_folder_refuses_other_settings(tmp_path):
     layout_study.check_settings(layout_study.StudySettings(), tmp_path)
     layout_study.check_settings(layout_study.StudySettings(), tmp_path)  # the same: continues
-    with pytest.raises(SystemExit, match="sft_steps"):
-        layout_study.check_settings(layout_study.StudySettings(sft_steps=3), tmp_path)
+    with pytest.raises(SystemExit, match="ruler_samples"):
+        layout_study.check_settings(layout_study.StudySettings(ruler_samples=3), tmp_path)
+
+
+def test_the_healing_settings_change_only_while_no_sft_run_has_finished(tmp_path):
+    layout_study.check_settings(layout_study.StudySettings(), tmp_path)
+    # No healing run has read them yet: the scores before healing stand, and the folder takes the new ones.
+    layout_study.check_settings(layout_study.StudySettings(sft_steps=3, seeds=[0]), tmp_path)
+    assert json.loads((tmp_path / "settings.json").read_text())["sft_steps"] == 3
+    write(tmp_path / "sft" / f"{healed_name('hybrid', 0)}.json", {})
+    with pytest.raises(SystemExit, match="sft_steps differ and 1 SFT runs finished with them"):
+        layout_study.check_settings(layout_study.StudySettings(sft_steps=4, seeds=[0]), tmp_path)
+    assert json.loads((tmp_path / "settings.json").read_text())["sft_steps"] == 3
 
 
 def test_the_command_line_defaults_are_the_committed_studys_settings():
@@ -199,12 +222,38 @@ def test_the_report_computes_every_figure_from_the_files(tmp_path):
         assert paired[key] == pytest.approx(expected[key])
     healing = after["arms"]["hybrid"]["ruler"]["healing"]
     assert healing["differences"] == pytest.approx([value - 1 / 3 for value in healed["hybrid"]])
+    task = f"ruler_{RULER_TASKS[0]}"
+    assert after["arms"]["global_local"][task]["per_seed"] == pytest.approx(
+        dict(zip([0, 1, 2], healed["global_local"]))
+    )
+    assert after["arms"]["global_local"][task]["healing"]["differences"] == pytest.approx(
+        [value - 1 / 3 for value in healed["global_local"]]
+    )
+    assert after["paired"]["hybrid - global_local"][task]["mean"] == pytest.approx(expected["mean"])
     assert report["sft"]["same_data"] == {0: True, 1: True, 2: True}
     assert not report["complete"]  # no GSM8K scores of the healed models
     assert report["missing"] == [f"gsm8k/{healed_name(arm, seed)}" for seed in (0, 1, 2) for arm in ARMS]
     page = render_markdown(report)
     assert "**PARTIAL: 53 of 62 units done**" in page
     assert "9 of 9 RULER answers identical" in page
+    row = f"| Global+Local | {RULER_TASKS[0]} | 33.3 | 43.3 ± 5.8 (40.0 / 40.0 / 50.0) | +10.0 ["
+    assert row in page
+    assert f"- hybrid - global_local, RULER {RULER_TASKS[0]}: +16.7 points [" in page
+    assert "- hybrid - global_local, RULER mean: +16.7 points [" in page
+
+
+def test_a_task_measured_after_healing_compares_before_the_other_tasks_are(tmp_path):
+    study_folder(tmp_path, seeds=(0, 1))
+    for arm in ARMS:
+        for seed in (0, 1):
+            for task in RULER_TASKS[1:]:
+                (tmp_path / "ruler" / healed_name(arm, seed) / f"{task}.json").unlink()
+    after = summarize(load_results(tmp_path))["after"]
+    assert after["arms"]["hybrid"]["ruler"]["spread"] is None  # no three-task mean yet
+    assert after["arms"]["hybrid"][f"ruler_{RULER_TASKS[0]}"]["per_seed"] == pytest.approx({0: 0.5, 1: 0.6})
+    assert after["arms"]["hybrid"][f"ruler_{RULER_TASKS[1]}"]["spread"] is None
+    assert "ruler" not in after["paired"]["hybrid - global_local"]
+    assert f"ruler_{RULER_TASKS[0]}" in after["paired"]["hybrid - global_local"]
 
 
 def test_the_report_says_when_the_identity_arm_or_the_data_differ(tmp_path):

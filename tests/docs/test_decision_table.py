@@ -61,3 +61,19 @@ def test_a_ruler_cell_names_the_tasks_measured_and_the_ones_not_yet():
         f"niah_multikey_3: {PENDING}"
     )
     assert ruler_tasks_cell({}) == PENDING
+
+
+def test_a_ruler_cell_after_healing_gives_each_task_healed_so_far_beside_its_score_before():
+    from layout_decision import PENDING, ruler_after_cell
+
+    spread = {"mean": 0.2, "std": 0.1, "values": [0.1, 0.2, 0.3]}
+    study = {
+        "before": {"hybrid": {"ruler_niah_single_1": 0.0, "ruler": None}, "base": {"ruler": 0.5}},
+        "after": {"arms": {"hybrid": {"ruler_niah_single_1": {"spread": spread}, "ruler": {"spread": None}}}},
+    }
+    assert ruler_after_cell(study, "hybrid", by_task=True) == (
+        f"niah_single_1 20 ± 10 (3 seeds), before 0; niah_multikey_2, niah_multikey_3: {PENDING}"
+    )
+    assert ruler_after_cell(study, "global_local", by_task=True) == PENDING
+    study["after"]["arms"]["hybrid"]["ruler"]["spread"] = {"mean": 0.25, "std": 0.05, "values": [0.2, 0.3]}
+    assert ruler_after_cell(study, "hybrid", by_task=False) == "25.0 ± 5.0 (2 seeds), 0.50x of the base as it is"
