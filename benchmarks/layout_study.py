@@ -756,6 +756,25 @@ def parse_args(argv=None):
     return args, settings
 
 
+# lm-eval's RULER tasks import these when they build their haystacks; lm-eval itself does not require them.
+RULER_MODULES = ("wonderwords", "nltk")
+
+
+def check_ruler_modules(settings: StudySettings, args) -> None:
+    """Refuse before any unit runs where a RULER unit is still to run and lm-eval's `ruler` extra is missing (it
+    would fail only when that unit starts, possibly after hours of SFT)."""
+    import importlib.util
+
+    missing = [name for name in RULER_MODULES if importlib.util.find_spec(name) is None]
+    units = study_units(settings, set(args.only or []), set(args.models or []))
+    pending = [unit for unit in units if unit.kind == "ruler" and not unit_done(unit, settings, args.results_dir)]
+    if missing and pending:
+        raise SystemExit(
+            f"RULER needs {' and '.join(missing)} ({len(pending)} RULER units to run): "
+            'pip install "lm-eval[ruler]==0.4.13", or run the other units with --only sft gsm8k'
+        )
+
+
 def main(argv=None) -> int:
     global GSM8K
     args, settings = parse_args(argv)
@@ -769,6 +788,7 @@ def main(argv=None) -> int:
     torch.set_num_threads(args.threads)
     args.results_dir.mkdir(parents=True, exist_ok=True)
     check_settings(settings, args.results_dir)
+    check_ruler_modules(settings, args)
     waiting = work(settings, args)
     write_report(args.results_dir)
     log(

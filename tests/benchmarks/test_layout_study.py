@@ -109,6 +109,18 @@ def test_the_healing_settings_change_only_while_no_sft_run_has_finished(tmp_path
     assert json.loads((tmp_path / "settings.json").read_text())["sft_steps"] == 3
 
 
+def test_a_study_with_ruler_units_to_run_refuses_without_lm_evals_ruler_extra(tmp_path, monkeypatch):
+    import importlib.util
+
+    args, settings = layout_study.parse_args(["--results-dir", str(tmp_path), "--work-dir", str(tmp_path)])
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None if name == "wonderwords" else find_spec(name))
+    with pytest.raises(SystemExit, match=r"RULER needs wonderwords .*pip install \"lm-eval\[ruler\]==0.4.13\""):
+        layout_study.check_ruler_modules(settings, args)
+    args.only = ["sft", "gsm8k"]
+    layout_study.check_ruler_modules(settings, args)  # no RULER unit to run: no refusal
+
+
 def test_the_command_line_defaults_are_the_committed_studys_settings():
     _, settings = layout_study.parse_args([])
     committed = json.loads((COMMITTED / "settings.json").read_text())
