@@ -77,3 +77,14 @@ def test_a_ruler_cell_after_healing_gives_each_task_healed_so_far_beside_its_sco
     assert ruler_after_cell(study, "global_local", by_task=True) == PENDING
     study["after"]["arms"]["hybrid"]["ruler"]["spread"] = {"mean": 0.25, "std": 0.05, "values": [0.2, 0.3]}
     assert ruler_after_cell(study, "hybrid", by_task=False) == "25.0 ± 5.0 (2 seeds), 0.50x of the base as it is"
+
+
+def test_the_readme_line_on_layouts_quotes_only_the_tables_figures():
+    readme = (REPO_ROOT / "README.md").read_text(encoding="utf-8")
+    (line,) = [row for row in readme.splitlines() if row.startswith("| which layout for which context length")]
+    tables = docs_tables(DOCS_PATH.read_text(encoding="utf-8"))
+    text = re.sub(r"\]\([^)]*\)", "]", line)  # the link's address
+    quoted = set(NUMBER.findall(text))
+    assert quoted <= set(NUMBER.findall(tables)), (
+        f"README figures the tables do not hold: {quoted - set(NUMBER.findall(tables))}"
+    )
