@@ -543,25 +543,25 @@ def study_units(settings: StudySettings, only: set[str], models: set[str] | None
     """Every unit, in the order a single worker runs them (two workers take the next ready units, so two SFT runs
     go side by side): the models; the four models' first RULER task (the identity check and the first comparison
     come with it) and GSM8K scores; per seed, the SFT run of each healed arm (hybrid, global_local) with the same
-    two scores of the healed model; then the other RULER tasks (multi-key retrieval, at the floor for this base
-    model: measured after every model's discriminating scores); last the control arm (the base trained by the same
-    run), seed by seed."""
+    two scores of the healed model; the four models' other RULER tasks (multi-key retrieval, at the floor for this
+    base model); per seed, the control arm (the base trained by the same run: without it, what healing does to the
+    GSM8K scores cannot be told from what this SFT does to any model) with the same two scores; last the healed
+    models' other RULER tasks."""
     first, others = RULER_TASKS[0], RULER_TASKS[1:]
     healing_arms = [arm for arm in ARMS if arm != CONTROL_ARM]
-    healed = [healed_name(arm, seed) for seed in settings.seeds for arm in healing_arms]
     units = [Unit("build")]
     units += [Unit("ruler", model, first) for model in BEFORE_MODELS] + [
         Unit("gsm8k", model) for model in BEFORE_MODELS
     ]
-    for seed in settings.seeds:
-        for arm in healing_arms:
-            model = healed_name(arm, seed)
-            units += [Unit("sft", arm, seed=seed), Unit("ruler", model, first), Unit("gsm8k", model)]
-    units += [Unit("ruler", model, task) for model in (*BEFORE_MODELS, *healed) for task in others]
-    for seed in settings.seeds:
-        model = healed_name(CONTROL_ARM, seed)
-        units += [Unit("sft", CONTROL_ARM, seed=seed)]
-        units += [Unit("ruler", model, task) for task in RULER_TASKS] + [Unit("gsm8k", model)]
+    for arms in (healing_arms, [CONTROL_ARM]):
+        if arms == [CONTROL_ARM]:
+            units += [Unit("ruler", model, task) for model in BEFORE_MODELS for task in others]
+        for seed in settings.seeds:
+            for arm in arms:
+                model = healed_name(arm, seed)
+                units += [Unit("sft", arm, seed=seed), Unit("ruler", model, first), Unit("gsm8k", model)]
+    healed = [healed_name(arm, seed) for seed in settings.seeds for arm in (*healing_arms, CONTROL_ARM)]
+    units += [Unit("ruler", model, task) for model in healed for task in others]
     kinds = {"eval": {"ruler", "gsm8k"}}
     wanted = set().union(*(kinds.get(kind, {kind}) for kind in only)) if only else None
     units = [unit for unit in units if wanted is None or unit.kind in wanted or unit.kind == "build"]

@@ -29,7 +29,7 @@ from layout_study_report import (  # noqa: E402
 COMMITTED = REPO_ROOT / "benchmarks" / "results" / "layout_study"
 
 
-def test_units_give_the_discriminating_scores_first_and_the_control_arm_last():
+def test_units_give_the_discriminating_scores_first_and_the_multikey_tasks_of_healed_models_last():
     settings = layout_study.StudySettings(seeds=[0, 1])
     names = [unit.name for unit in layout_study.study_units(settings, set())]
     first, others = RULER_TASKS[0], RULER_TASKS[1:]
@@ -37,20 +37,30 @@ def test_units_give_the_discriminating_scores_first_and_the_control_arm_last():
     # The first task over the four models first (the identity check and the first comparison come with it), then
     # their GSM8K scores.
     assert names[1:9] == [f"ruler:{m}:{first}" for m in BEFORE_MODELS] + [f"gsm8k:{m}" for m in BEFORE_MODELS]
-    # Per seed, each healed arm's SFT run followed by the same two scores of its healed model.
-    healing = [arm for arm in ARMS if arm != "base"]
-    expected = []
-    for seed in (0, 1):
-        for arm in healing:
-            model = healed_name(arm, seed)
-            expected += [f"sft:{arm}:{seed}", f"ruler:{model}:{first}", f"gsm8k:{model}"]
-    assert names[9 : 9 + len(expected)] == expected
-    # Then the multi-key tasks of every model so far, and last the control arm, seed by seed.
-    multikey = names[9 + len(expected) : 9 + len(expected) + 2 * (4 + 4)]
-    assert {name.split(":")[2] for name in multikey} == set(others)
-    control = names[9 + len(expected) + len(multikey) :]
-    assert control[0] == "sft:base:0" and control[-1] == f"gsm8k:{healed_name('base', 1)}"
-    assert len(control) == 2 * (1 + len(RULER_TASKS) + 1)
+
+    def healing(arms):
+        return [
+            name
+            for seed in (0, 1)
+            for arm in arms
+            for name in (
+                f"sft:{arm}:{seed}",
+                f"ruler:{healed_name(arm, seed)}:{first}",
+                f"gsm8k:{healed_name(arm, seed)}",
+            )
+        ]
+
+    # Per seed, each healed arm's SFT run followed by the same two scores of its healed model; then the four models'
+    # multi-key tasks; then the control arm the same way; last the healed models' multi-key tasks.
+    arms = healing(["hybrid", "global_local"])
+    before_multikey = [f"ruler:{model}:{task}" for model in BEFORE_MODELS for task in others]
+    control = healing(["base"])
+    start = 9
+    for block in (arms, before_multikey, control):
+        assert names[start : start + len(block)] == block
+        start += len(block)
+    assert {name.split(":")[2] for name in names[start:]} == set(others)
+    assert len(names[start:]) == 2 * 3 * len(others)
     assert len(names) == len(set(names)) == 1 + 4 * 4 + 2 * 3 * 5
 
 
