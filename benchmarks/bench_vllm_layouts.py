@@ -419,6 +419,18 @@ def loads_of(run: dict) -> list[float]:
     return loads
 
 
+def cell_loads_line(workloads: dict) -> str:
+    """The 1-minute load average after each speed cell's rounds (its engines in turn), cell by cell: the cells were
+    measured by different calls, beside different work."""
+    cells = []
+    for key, workload in workloads.items():
+        loads = [r["load_average"] for m in workload["models"].values() for r in m["rounds"] if "load_average" in r]
+        if loads:
+            requests, multiple = key.split("x")
+            cells.append(f"{requests} requests at {multiple}x W: {min(loads):.1f}-{max(loads):.1f}")
+    return "Load average (1 min) after each cell's measurements: " + "; ".join(cells) + "." if cells else ""
+
+
 def concurrency_table(part: dict) -> list[str]:
     results = part.get("results", {})
     if not results:
@@ -462,6 +474,9 @@ def rounds_text(workloads: dict) -> str:
     return f"{counts[0]}" if len(counts) == 1 else f"{counts[0]} to {counts[-1]}"
 
 
+NOTES_PER_CALL = "What ran beside the benchmark is in each call's `--machine-note` above, for the cells it measured."
+
+
 def markdown_report(run: dict) -> str:
     meta = run["meta"]
     loads = loads_of(run)
@@ -482,7 +497,8 @@ def markdown_report(run: dict) -> str:
         + "; ".join(f"*{name}*: {text}" for name, text in MODELS.items())
         + f". W = {meta['window']} tokens, P = {meta['P']} (the paper's window for a training length of "
         f"{2 * meta['P'] ** 2 * meta['window']:,}); Global+Local's window {meta['P'] ** 2 * meta['window']} tokens.  ",
-        f"{load_text} {meta['machine_note']}".strip(),
+        # A resumed run's calls each carry their own note (in their commands above): no one note speaks for all.
+        f"{load_text} {meta['machine_note'] if not meta.get('resumed_with') else NOTES_PER_CALL}".strip(),
         "",
         "## Speed",
         "",
@@ -497,6 +513,8 @@ def markdown_report(run: dict) -> str:
         f"ratio (target >= {TARGET}).",
         "",
         *speed_table(run.get("workloads", {})),
+        "",
+        cell_loads_line(run.get("workloads", {})),
         "",
         "### Targets (CPU-time ratios)",
         "",
@@ -578,7 +596,7 @@ def main(argv=None):
             requests=sorted(set(args.requests) | set(run["meta"].get("requests", []))),
             multiples=sorted(set(args.multiples) | set(run["meta"].get("multiples", []))),
             repeats=args.repeats,
-            machine_note=args.machine_note or run["meta"].get("machine_note", ""),
+            machine_note=run["meta"].get("machine_note") or args.machine_note,
         )
         run["meta"]["layers"] = args.layers
         run["meta"]["shape"] = args.shape

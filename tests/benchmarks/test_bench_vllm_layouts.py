@@ -12,6 +12,7 @@ from testing_utils import REPO_ROOT
 
 sys.path.insert(0, str(REPO_ROOT / "benchmarks"))
 from bench_vllm_layouts import (  # noqa: E402
+    cell_loads_line,
     concurrency_table,
     concurrency_workload,
     kv_bytes_needed,
@@ -85,6 +86,20 @@ def test_the_concurrency_table_compares_with_the_base_at_each_length():
     rows = [line for line in concurrency_table(part) if line.startswith("| 16 + 4")]
     assert rows[0].split(" | ")[3:5] == ["10", "1.00"]
     assert rows[1].split(" | ")[3:5] == ["25", "2.50"]
+
+
+def test_each_speed_cell_says_the_load_it_was_measured_under():
+    def rounds(*loads):
+        return {"rounds": [{"load_average": load} for load in loads]}
+
+    workloads = {
+        "8x1": {"models": {"base": rounds(8.5), "hybrid": rounds(9.46)}},
+        "32x16": {"models": {"base": rounds(3.2)}},
+    }
+    assert cell_loads_line(workloads) == (
+        "Load average (1 min) after each cell's measurements: 8 requests at 1x W: 8.5-9.5; 32 requests at 16x W: 3.2-3.2."
+    )
+    assert cell_loads_line({"8x1": {"models": {"base": {"rounds": []}}}}) == ""
 
 
 def test_the_committed_report_is_what_its_json_says():
