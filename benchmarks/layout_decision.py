@@ -51,6 +51,20 @@ def _spread(study: dict, layout: str, metric: str) -> dict | None:
     return ((study["after"]["arms"].get(layout, {}).get(metric)) or {}).get("spread")
 
 
+def versus_control(study: dict, layout: str, metric: str, scale: float, digits: int) -> str | None:
+    """The layout after healing minus the control (the base after the same SFT), paired seed by seed: the mean, its
+    t interval where there are two seeds or more, and the seeds; None for the base or before a common seed."""
+    paired = (study["after"].get("paired", {}).get(f"{layout} - base") or {}).get(metric)
+    if layout == "base" or not paired:
+        return None
+    text = f"{scale * paired['mean']:+.{digits}f}"
+    if paired["ci"]:
+        low, high = (scale * bound for bound in paired["ci"])
+        text += f" [{low:+.{digits}f}, {high:+.{digits}f}]"
+    seeds = paired["n"]
+    return f"{text} against the control ({seeds} seed{'s' * (seeds > 1)}, paired)"
+
+
 def _seeds_text(spread: dict, scale: float = 100.0, digits: int = 1) -> str:
     seeds = len(spread["values"])
     return f"{scale * spread['mean']:.{digits}f} ± {scale * spread['std']:.{digits}f} ({seeds} seed{'s' * (seeds > 1)})"
@@ -66,7 +80,8 @@ def ruler_after_cell(study: dict, layout: str, by_task: bool) -> str:
         text = _seeds_text(spread)
         if layout != "base" and base:
             text += f", {_ratio(spread['mean'] / base)} of the base as it is"
-        return text
+        control = versus_control(study, layout, "ruler", 100, 1)
+        return text + (f", {control}" if control else "")
     parts, missing = [], []
     for task in RULER_TASKS:
         spread = _spread(study, layout, f"ruler_{task}")
@@ -74,10 +89,10 @@ def ruler_after_cell(study: dict, layout: str, by_task: bool) -> str:
             missing.append(task)
             continue
         earlier = before.get(f"ruler_{task}")
-        parts.append(
-            f"{task} {_seeds_text(spread, digits=0)}"
-            + (f", before {_points(earlier, 0)}" if earlier is not None else "")
-        )
+        text = f"{task} {_seeds_text(spread, digits=0)}"
+        text += f", before {_points(earlier, 0)}" if earlier is not None else ""
+        control = versus_control(study, layout, f"ruler_{task}", 100, 0)
+        parts.append(text + (f", {control}" if control else ""))
     if missing and parts:
         parts.append(f"{', '.join(missing)}: {PENDING}")
     return "; ".join(parts) if parts else PENDING
@@ -114,6 +129,8 @@ def quality_cells(study: dict, layout: str, by_task: bool = False, after_by_task
         after_text = (
             f"{after_loss['mean'] - base_loss:+.3f} ± {after_loss['std']:.3f} ({seeds} seed{'s' * (seeds > 1)})"
         )
+        control = versus_control(study, layout, "reference_loss", 1, 3)
+        after_text += f"; {control}" if control else ""
     cells.append(f"{before_text} / {after_text}")
     cells.append(pass_cell(study, layout))
     return cells

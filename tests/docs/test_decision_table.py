@@ -88,3 +88,20 @@ def test_the_readme_line_on_layouts_quotes_only_the_tables_figures():
     assert quoted <= set(NUMBER.findall(tables)), (
         f"README figures the tables do not hold: {quoted - set(NUMBER.findall(tables))}"
     )
+
+
+def test_a_layout_after_healing_is_set_against_the_control_seed_by_seed():
+    from layout_decision import versus_control
+
+    from research.statistics import paired_over_seeds
+
+    paired = paired_over_seeds([0.80, 0.82], [0.84, 0.85], [0, 1])  # the control's losses, then the hybrid's
+    study = {"after": {"paired": {"hybrid - base": {"reference_loss": paired}}}}
+    low, high = paired["ci"]
+    assert versus_control(study, "hybrid", "reference_loss", 1, 3) == (
+        f"+0.035 [{low:+.3f}, {high:+.3f}] against the control (2 seeds, paired)"
+    )
+    one = {"after": {"paired": {"hybrid - base": {"reference_loss": paired_over_seeds([0.8], [0.9], [0])}}}}
+    assert versus_control(one, "hybrid", "reference_loss", 1, 3) == "+0.100 against the control (1 seed, paired)"
+    assert versus_control(study, "base", "reference_loss", 1, 3) is None
+    assert versus_control(study, "global_local", "reference_loss", 1, 3) is None
