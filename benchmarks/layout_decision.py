@@ -98,19 +98,19 @@ def ruler_after_cell(study: dict, layout: str, by_task: bool) -> str:
     return "; ".join(parts) if parts else PENDING
 
 
-def quality_cells(study: dict, layout: str, by_task: bool = False, after_by_task: bool = False) -> list[str]:
-    """RULER before (kept against the base) and after the healing SFT; the GSM8K loss's difference to the base as it
-    is, before and after; pass@1 before and after. The base's row after healing is the control: the base trained
-    by the same run."""
+def quality_cells(study: dict, layout: str, after_by_task: bool = False) -> list[str]:
+    """RULER before, task by task (a mean over tasks at the floor would hide where the layouts differ), then its mean
+    once every task is measured; RULER after the healing SFT; the GSM8K loss's difference to the base as it is,
+    before and after; pass@1 before and after. The base's row after healing is the control: the base trained by the
+    same run."""
     before = study["before"].get(layout, {})
     cells = []
     ruler = before.get("ruler")
-    if ruler is None or by_task:
-        cells.append(ruler_tasks_cell(before))
-    elif layout == "base":
-        cells.append(_points(ruler))
-    else:
-        cells.append(f"{_points(ruler)} ({_ratio(before.get('ruler_kept'))} of the base)")
+    text = ruler_tasks_cell(before)
+    if ruler is not None:
+        text += f"; mean {_points(ruler)}"
+        text += f" ({_ratio(before.get('ruler_kept'))} of the base)" if layout != "base" else ""
+    cells.append(text)
     cells.append(ruler_after_cell(study, layout, after_by_task))
     loss = before.get("reference_loss")
     base_loss = study["before"].get("base", {}).get("reference_loss")
@@ -197,11 +197,10 @@ def quality_table(study: dict) -> list[str]:
         "is, before / after healing | GSM8K pass@1 before / after healing |",
         "|---|---|---|---|---|",
     ]
-    # While a layout lacks a task, every row gives its tasks one by one, so that the rows compare.
-    by_task = any(study["before"].get(layout, {}).get("ruler") is None for layout in LAYOUTS)
+    # While a layout lacks a task after healing, every row gives its tasks one by one, so that the rows compare.
     after_by_task = any(_spread(study, layout, "ruler") is None for layout in LAYOUTS)
     for layout, label in LAYOUTS.items():
-        lines.append(f"| {label} | " + " | ".join(quality_cells(study, layout, by_task, after_by_task)) + " |")
+        lines.append(f"| {label} | " + " | ".join(quality_cells(study, layout, after_by_task)) + " |")
     regime = study["regime"]
     load = regime["load_average"]
     status = "complete" if study["complete"] else f"partial: {study['units_done']} of {study['units_expected']} units"
@@ -211,7 +210,7 @@ def quality_table(study: dict) -> list[str]:
         f"length of {settings['training_length']:,}; RULER = the mean lm-eval score (percent) over niah_single_1, "
         f"niah_multikey_2 and niah_multikey_3 at {settings['ruler_length']:,} tokens, the first "
         f"{settings['ruler_samples']} samples of each, the same for every model, `lm_eval --model hf` float32 greedy "
-        "(while a task is missing: the score of each task measured, with its 95% Wilson interval); "
+        "(each task's score with its 95% Wilson interval over the samples, then the mean once all three are measured); "
         f"{identity_line(study)}; GSM8K loss = nats per token of "
         f"the first {settings['reference_problems']} test reference solutions (a difference with its paired 95% "
         "bootstrap interval); pass@1 = greedy, up to "
