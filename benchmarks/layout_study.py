@@ -549,18 +549,28 @@ def study_units(settings: StudySettings, only: set[str], models: set[str] | None
     models' other RULER tasks."""
     first, others = RULER_TASKS[0], RULER_TASKS[1:]
     healing_arms = [arm for arm in ARMS if arm != CONTROL_ARM]
+
+    def healing(arms: list[str]) -> list[Unit]:
+        """Per seed, each arm's SFT run, then its healed model's first RULER task and GSM8K scores."""
+        return [
+            unit
+            for seed in settings.seeds
+            for arm in arms
+            for unit in (
+                Unit("sft", arm, seed=seed),
+                Unit("ruler", healed_name(arm, seed), first),
+                Unit("gsm8k", healed_name(arm, seed)),
+            )
+        ]
+
+    healed = [healed_name(arm, seed) for seed in settings.seeds for arm in (*healing_arms, CONTROL_ARM)]
     units = [Unit("build")]
     units += [Unit("ruler", model, first) for model in BEFORE_MODELS] + [
         Unit("gsm8k", model) for model in BEFORE_MODELS
     ]
-    for arms in (healing_arms, [CONTROL_ARM]):
-        if arms == [CONTROL_ARM]:
-            units += [Unit("ruler", model, task) for model in BEFORE_MODELS for task in others]
-        for seed in settings.seeds:
-            for arm in arms:
-                model = healed_name(arm, seed)
-                units += [Unit("sft", arm, seed=seed), Unit("ruler", model, first), Unit("gsm8k", model)]
-    healed = [healed_name(arm, seed) for seed in settings.seeds for arm in (*healing_arms, CONTROL_ARM)]
+    units += healing(healing_arms)
+    units += [Unit("ruler", model, task) for model in BEFORE_MODELS for task in others]
+    units += healing([CONTROL_ARM])
     units += [Unit("ruler", model, task) for model in healed for task in others]
     kinds = {"eval": {"ruler", "gsm8k"}}
     wanted = set().union(*(kinds.get(kind, {kind}) for kind in only)) if only else None
