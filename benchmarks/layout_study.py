@@ -49,11 +49,20 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+REPO_ROOT = Path(__file__).resolve().parent.parent
+# GSM8K: the offline copy of this project's machines (../shared/data/gsm8k beside the repository, the Hub's openai/gsm8k
+# main splits) where it is, else the Hub; `--gsm8k` gives a folder of train.jsonl and test.jsonl, or a Hub id.
+LOCAL_GSM8K = REPO_ROOT.parent / "shared" / "data" / "gsm8k"
+GSM8K = str(LOCAL_GSM8K) if LOCAL_GSM8K.is_dir() else "openai/gsm8k"
+
+# Everything else the study reads is local (the built-in model, lm-eval's RULER haystacks): offline where GSM8K is
+# too, so that no call waits on a network this machine may not have; elsewhere GSM8K comes from the Hub. Set before
+# anything imports huggingface_hub, which reads these once.
+if LOCAL_GSM8K.is_dir():
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO_ROOT))
 sys.path.insert(0, str(REPO_ROOT / "benchmarks"))
 
@@ -63,6 +72,7 @@ from layout_study_report import (  # noqa: E402
     CONTROL_ARM,
     RULER_TASKS,
     healed_name,
+    paper_window,
     write_report,
 )
 
@@ -71,10 +81,6 @@ from iha.utils.atomic_files import write_json_atomic  # noqa: E402
 
 RESULTS_DIR = REPO_ROOT / "benchmarks" / "results" / "layout_study"
 WORK_DIR = REPO_ROOT / "runs" / "layout_study"
-# GSM8K: the offline copy of this project's machines (../shared/data/gsm8k beside the repository, the Hub's openai/gsm8k
-# main splits) where it is, else the Hub; `--gsm8k` gives a folder of train.jsonl and test.jsonl, or a Hub id.
-LOCAL_GSM8K = REPO_ROOT.parent / "shared" / "data" / "gsm8k"
-GSM8K = str(LOCAL_GSM8K) if LOCAL_GSM8K.is_dir() else "openai/gsm8k"
 
 
 def gsm8k_source(split: str) -> str:
@@ -105,7 +111,7 @@ class StudySettings:
 
     @property
     def window(self) -> int:
-        return self.training_length // (2 * self.num_pseudo_heads**2)
+        return paper_window({"training_length": self.training_length, "num_pseudo_heads": self.num_pseudo_heads})
 
     @property
     def flop_matched_window(self) -> int:
@@ -244,7 +250,7 @@ def logit_check(name: str, folder: Path, lengths: tuple[int, ...]) -> dict:
     return spans
 
 
-def run_build(settings: StudySettings, work_dir: Path, results_dir: Path) -> dict:
+def run_build(settings: StudySettings, work_dir: Path) -> dict:
     """The three converted or constructed folders, each checked against the base."""
     import subprocess
 
@@ -619,7 +625,7 @@ def unit_done(unit: Unit, settings: StudySettings, results_dir: Path, cap: int |
 
 def run_unit(unit: Unit, settings: StudySettings, work_dir: Path, results_dir: Path, cap: int | None = None) -> dict:
     if unit.kind == "build":
-        return run_build(settings, work_dir, results_dir)
+        return run_build(settings, work_dir)
     if unit.kind == "ruler":
         return run_ruler(settings, work_dir, unit.model, unit.task, cap)
     if unit.kind == "gsm8k":
@@ -777,7 +783,11 @@ def check_ruler_modules(settings: StudySettings, args) -> None:
 
     missing = [name for name in RULER_MODULES if importlib.util.find_spec(name) is None]
     units = study_units(settings, set(args.only or []), set(args.models or []))
-    pending = [unit for unit in units if unit.kind == "ruler" and not unit_done(unit, settings, args.results_dir)]
+    pending = [
+        unit
+        for unit in units
+        if unit.kind == "ruler" and not unit_done(unit, settings, args.results_dir, args.ruler_sample_cap)
+    ]
     if missing and pending:
         raise SystemExit(
             f"RULER needs {' and '.join(missing)} ({len(pending)} RULER units to run): "

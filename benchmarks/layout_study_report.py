@@ -36,6 +36,12 @@ LABELS = {
 NUM_BOOTSTRAP = 10_000
 
 
+def paper_window(settings: dict) -> int:
+    """W in tokens: the paper's window for the study's training length, training_length / (2 P^2) (the converter's
+    `--layers hybrid --training_length`), so that a sliding IHA layer costs what a global one does at that length."""
+    return settings["training_length"] // (2 * settings["num_pseudo_heads"] ** 2)
+
+
 def healed_name(arm: str, seed: int) -> str:
     return f"{arm}-healed-seed{seed}"
 
@@ -408,7 +414,7 @@ def render_markdown(report: dict) -> str:
     settings = report["settings"]
     if settings is None:
         return "# The paper's layout on SmolLM2-135M-Instruct\n\nNo results yet.\n"
-    window, p = settings["training_length"] // (2 * settings["num_pseudo_heads"] ** 2), settings["num_pseudo_heads"]
+    window, p = paper_window(settings), settings["num_pseudo_heads"]
     gl_window = settings["global_local_window"] or p * p * window
     status = (
         "**Complete.**"
@@ -565,10 +571,29 @@ def render_ruler_tasks(report: dict) -> list[str]:
     ]
 
 
+def same_in_every_seed(paired: dict) -> bool:
+    """Two seeds or more whose differences are all equal: no spread, so a t interval would be a point and its p-value
+    no evidence (the sign-flip test's smallest p is what the seeds can show)."""
+    return paired["n"] > 1 and paired["std"] == 0
+
+
+def describe_over_seeds(paired: dict, scale: float = 1.0, digits: int = 2, unit: str = "") -> str:
+    """`describe_paired`, except where every seed gives the same difference: then that difference, said so."""
+    if not same_in_every_seed(paired):
+        return describe_paired(paired, scale, digits, unit)
+    floor = ", the smallest possible" if paired["mean"] != 0 else ""
+    return (
+        f"{scale * paired['mean']:+.{digits}f}{unit} in each of the {paired['n']} seeds (no spread over seeds: no t "
+        f"interval; sign-flip permutation p = {paired['permutation_p_value']:.3g}{floor})"
+    )
+
+
 def _healing_cell(metric_entry: dict | None, scale: float, digits: int) -> str:
     value = (metric_entry or {}).get("healing")
     if not value:
         return "-"
+    if same_in_every_seed(value):
+        return f"{scale * value['mean']:+.{digits}f} in every seed"
     if value["ci"]:
         return describe_paired(value, scale, digits).split(" (")[0]
     return f"{scale * value['mean']:+.{digits}f}"
@@ -614,7 +639,7 @@ def render_after(report: dict) -> list[str]:
             name = {"ruler": "RULER mean"}.get(metric) or (
                 metric.replace("ruler_", "RULER ", 1) if metric.startswith("ruler_") else metric.replace("_", " ")
             )
-            lines.append(f"- {label}, {name}: {describe_paired(paired, scale, digits, unit)}")
+            lines.append(f"- {label}, {name}: {describe_over_seeds(paired, scale, digits, unit)}")
     lines.append("")
     return lines
 

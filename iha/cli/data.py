@@ -3,7 +3,7 @@
 from collections.abc import Sequence
 
 from ..data.gsm8k import gsm8k_file_to_openthoughts
-from ..data.messages import load_sft_dataset, write_jsonl
+from ..data.messages import load_sft_dataset, without_system_prompt, write_jsonl
 from .arguments import ArgumentParser, positive_int
 from .running import run_command
 
@@ -18,6 +18,11 @@ def make_parser(prog: str = "iha data") -> ArgumentParser:
     gsm8k.add_argument("output", help="the .jsonl file to write")
     gsm8k.add_argument("--split", default="train", help="Hub split (default: train)")
     gsm8k.add_argument("--limit", type=positive_int, help="convert the first N rows only")
+    gsm8k.add_argument(
+        "--without_system_prompt",
+        action="store_true",
+        help="leave out OpenThoughts' system prompt (the chat template's own default, if any, takes its place)",
+    )
     messages = commands.add_parser("to-messages", help="any supported schema (Hub id or file) -> messages .jsonl")
     messages.add_argument("source", help="Hub dataset id, or .json / .jsonl / .parquet file or folder")
     messages.add_argument("output")
@@ -34,6 +39,8 @@ def write_rows(args) -> int:
     """What `iha data COMMAND` does once its arguments are parsed; a bad row raises `DataFormatError`."""
     if args.command == "gsm8k-to-openthoughts":
         rows = gsm8k_file_to_openthoughts(args.source, limit=args.limit, split=args.split)
+        if args.without_system_prompt:
+            rows = [without_system_prompt(row) for row in rows]
     else:
         dataset = load_sft_dataset(args.source, args.split, args.config_name, args.default_system_prompt, args.max_rows)
         rows = ({"messages": row["messages"]} for row in dataset)

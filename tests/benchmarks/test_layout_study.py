@@ -357,3 +357,30 @@ def test_help_runs_without_the_models():
     )
     assert result.returncode == 0, result.stderr
     assert "--ruler-samples" in result.stdout and "--only" in result.stdout
+
+
+def test_the_report_gives_a_difference_every_seed_shares_without_a_zero_width_interval():
+    from layout_study_report import _healing_cell, describe_over_seeds
+
+    same = paired_over_seeds([1.0, 1.0, 1.0], [0.0, 0.0, 0.0], [0, 1, 2])
+    text = describe_over_seeds(same, 100, 1, " points")
+    assert text.startswith("-100.0 points in each of the 3 seeds (no spread over seeds: no t interval;")
+    assert "p = 0.25, the smallest possible" in text and "paired t p" not in text
+    assert _healing_cell({"healing": same}, 100, 1) == "-100.0 in every seed"
+    unchanged = paired_over_seeds([0.4, 0.4], [0.4, 0.4], [0, 1])
+    assert "smallest" not in describe_over_seeds(unchanged, 100, 1)
+    varied = paired_over_seeds([0.8, 0.82, 0.81], [0.84, 0.85, 0.83], [0, 1, 2])
+    assert "95% t interval" in describe_over_seeds(varied, 1, 3)
+
+
+def test_the_healing_rows_are_what_iha_data_writes_without_the_system_prompt(test_data, tmp_path, monkeypatch):
+    """The docs give `iha data gsm8k-to-openthoughts ... --without_system_prompt` for the healing run's rows."""
+    from iha.cli.data import main as iha_data
+    from iha.data.messages import read_jsonl
+
+    monkeypatch.setattr(layout_study, "GSM8K", str(test_data / "gsm8k"))
+    settings = layout_study.StudySettings(train_rows=4)
+    written = layout_study.write_training_rows(settings, tmp_path / "work")
+    source, by_cli = str(test_data / "gsm8k" / "train.jsonl"), tmp_path / "cli.jsonl"
+    assert iha_data(["gsm8k-to-openthoughts", source, str(by_cli), "--limit", "4", "--without_system_prompt"]) == 0
+    assert read_jsonl(written) == read_jsonl(by_cli) and len(read_jsonl(written)) == 4

@@ -24,6 +24,7 @@ from iha.data.messages import (
     read_jsonl,
     row_to_messages,
     to_messages_dataset,
+    without_system_prompt,
     write_jsonl,
 )
 from iha.training.chat_template import (
@@ -413,6 +414,15 @@ def test_command_line_writes_openthoughts_and_messages_files(test_data, tmp_path
     written = read_jsonl(messages)
     assert len(written) == 3 and list(written[0]) == ["messages"]
     assert written[0]["messages"][0] == {"role": "system", "content": OPENTHOUGHTS_SYSTEM_PROMPT}
+
+
+def test_command_line_writes_gsm8k_rows_without_the_system_prompt(test_data, tmp_path):
+    source = test_data / "gsm8k" / "train.jsonl"
+    output = tmp_path / "rows.jsonl"
+    assert main(["gsm8k-to-openthoughts", str(source), str(output), "--limit", "3", "--without_system_prompt"]) == 0
+    written = read_jsonl(output)
+    assert written == [without_system_prompt(row) for row in gsm8k_file_to_openthoughts(source, limit=3)]
+    assert all("system" not in row for row in written) and written[0]["conversations"][0]["from"] == "user"
 
 
 def test_gsm8k_to_openthoughts_takes_a_hub_id_and_says_so_when_offline(tmp_path, capsys):

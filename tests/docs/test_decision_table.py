@@ -99,9 +99,44 @@ def test_a_layout_after_healing_is_set_against_the_control_seed_by_seed():
     study = {"after": {"paired": {"hybrid - base": {"reference_loss": paired}}}}
     low, high = paired["ci"]
     assert versus_control(study, "hybrid", "reference_loss", 1, 3) == (
-        f"+0.035 [{low:+.3f}, {high:+.3f}] against the control (2 seeds, paired)"
+        f"+0.035 [{low:+.3f}, {high:+.3f}] against the control (95% t interval over 2 seeds, paired; 2 of 2 seeds "
+        "above zero)"
     )
     one = {"after": {"paired": {"hybrid - base": {"reference_loss": paired_over_seeds([0.8], [0.9], [0])}}}}
-    assert versus_control(one, "hybrid", "reference_loss", 1, 3) == "+0.100 against the control (1 seed, paired)"
+    assert versus_control(one, "hybrid", "reference_loss", 1, 3) == "+0.100 against the control (1 seed)"
     assert versus_control(study, "base", "reference_loss", 1, 3) is None
     assert versus_control(study, "global_local", "reference_loss", 1, 3) is None
+
+
+def test_a_difference_every_seed_shares_is_given_as_such_not_as_an_interval_of_zero_width():
+    """The same difference in every seed has no spread: a t interval would be a point and its p-value no evidence."""
+    from layout_decision import versus_control
+
+    from research.statistics import paired_over_seeds
+
+    same = paired_over_seeds([1.0, 1.0, 1.0], [0.0, 0.0, 0.0], [0, 1, 2])  # the control finds it, the layout never
+    study = {"after": {"paired": {"hybrid - base": {"ruler_niah_single_1": same}}}}
+    text = versus_control(study, "hybrid", "ruler_niah_single_1", 100, 0)
+    assert text == "-100 against the control in each of the 3 seeds (paired)"
+    assert "[" not in text
+
+
+def test_the_gsm8k_loss_after_healing_leads_with_the_control():
+    from layout_decision import PENDING, loss_after_cell, loss_before_cell
+
+    from research.statistics import paired_over_seeds
+
+    spread = {"mean": 0.9, "std": 0.01, "values": [0.89, 0.9, 0.91]}
+    study = {
+        "before": {"base": {"reference_loss": 1.4}, "hybrid": {"reference_loss": 1.45, "reference_loss_vs_base": {
+            "ci": [0.03, 0.07]}}},
+        "after": {
+            "arms": {"base": {"reference_loss": {"spread": spread}}},
+            "paired": {"hybrid - base": {"reference_loss": paired_over_seeds([0.9, 0.9], [0.92, 0.93], [0, 1])}},
+        },
+    }  # fmt: skip
+    assert loss_before_cell(study, "base") == "1.400"
+    assert loss_before_cell(study, "hybrid") == "+0.050 [+0.030, +0.070]"
+    assert loss_after_cell(study, "base") == "the control: -0.500 ± 0.010 (3 seeds) against the base as it is"
+    assert loss_after_cell(study, "hybrid").startswith("+0.025 [")
+    assert loss_after_cell(study, "global_local") == PENDING
