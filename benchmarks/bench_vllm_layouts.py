@@ -57,7 +57,7 @@ from bench_vllm_long_context import (  # noqa: E402
     target_lines,
     workload_flops,
 )
-from served_ratios import rounds_text, workload_key  # noqa: E402
+from served_ratios import rounds_text, summarize, workload_key  # noqa: E402
 
 from iha.cli.arguments import ArgumentParser  # noqa: E402
 from iha.utils.atomic_files import write_text_atomic  # noqa: E402
@@ -349,9 +349,10 @@ def speed_part(args, folders: dict, run: dict, save_run, generator) -> None:
                     },
                 },
             )
-    # Fresh prompts every round, drawn even for rounds already measured, so that a resumed run draws the same.
+    # Every round measured: the engines start only for a profile still asked for.
     if all(len(m["rounds"]) >= args.repeats for key in chosen for m in workloads[key]["models"].values()):
-        return
+        if not args.profile:
+            return
     max_length = max(args.multiples) * args.window + args.decode_tokens + 8
     longest = max(args.requests)
     engines = {}
@@ -359,6 +360,7 @@ def speed_part(args, folders: dict, run: dict, save_run, generator) -> None:
         kv_bytes = speed_kv_bytes(args, name, max_length)
         engines[name] = start_engine(folders[name], engine_settings(args, max_length, longest, kv_bytes))
         run.setdefault("speed_kv_bytes", {})[name] = kv_bytes
+    # Fresh prompts every round, drawn even for rounds already measured, so that a resumed run draws the same.
     for round_index in range(args.repeats):
         for key in chosen:
             workload = workloads[key]
@@ -391,11 +393,13 @@ def profile_decode(args, engines: dict, generator) -> None:
     for name in ("base", "hybrid"):
         Run(engines[name], prompts, 1)  # prefill into the prefix cache
         with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as profiler:
-            Run(engines[name], prompts, args.decode_tokens + 1)
+            run = Run(engines[name], prompts, args.decode_tokens + 1)
         table = profiler.key_averages(group_by_input_shape=False).table(sort_by="self_cpu_time_total", row_limit=30)
+        # What the prefix cache did not hold is prefilled inside the profile: say how much, since it differs by model.
         sections.append(
-            f"## {name}: {len(prompts)} requests, {args.window} prompt tokens (cached), "
-            f"{args.decode_tokens + 1} new tokens\n\n```\n{table}\n```\n"
+            f"## {name}: {len(prompts)} requests, {args.window} prompt tokens ({run.cached_fraction:.0%} of them read "
+            f"from the prefix cache, the rest prefilled inside this profile), {args.decode_tokens + 1} new tokens"
+            f"\n\n```\n{table}\n```\n"
         )
     path = args.output_dir / f"{args.name}_profile.txt"
     write_text_atomic("\n".join(sections), path)
@@ -465,6 +469,28 @@ def concurrency_table(part: dict) -> list[str]:
 NOTES_PER_CALL = "What ran beside the benchmark is in each call's `--machine-note` above, for the cells it measured."
 
 
+def cached_line(workloads: dict) -> str:
+    """How much of each model's prompts the cached runs read from vLLM's prefix cache, cell by cell: the decode time
+    is the difference of two runs over the same prompts, so what is computed again cancels out of it, but a model
+    that caches less of a prompt pays that again on every repeated prompt."""
+    cells = []
+    for workload in workloads.values():
+        fractions = {
+            name: summarize(model, "cpu")["cached_fraction"]
+            for name, model in workload["models"].items()
+            if model["rounds"]
+        }
+        if fractions:
+            shares = " / ".join(f"{name} {fraction:.0%}" for name, fraction in fractions.items())
+            cells.append(f"{workload['requests']} requests at {workload['multiple']}x W: {shares}")
+    if not cells:
+        return ""
+    return (
+        "Prompt tokens the cached runs read from vLLM's prefix cache (vLLM computes a prompt's last block again; where a "
+        "model reads less, the rest is prefilled again in both cached runs): " + "; ".join(cells) + "."
+    )
+
+
 def markdown_report(run: dict) -> str:
     meta = run["meta"]
     loads = loads_of(run)
@@ -503,6 +529,8 @@ def markdown_report(run: dict) -> str:
         *speed_table(run.get("workloads", {})),
         "",
         cell_loads_line(run.get("workloads", {})),
+        "",
+        cached_line(run.get("workloads", {})),
         "",
         "### Targets (CPU-time ratios)",
         "",

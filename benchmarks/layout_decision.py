@@ -79,18 +79,11 @@ def _seeds_text(spread: dict, scale: float = 100.0, digits: int = 1) -> str:
     return f"{scale * spread['mean']:.{digits}f} ± {scale * spread['std']:.{digits}f} ({seeds} seeds)"
 
 
-def ruler_after_cell(study: dict, layout: str, by_task: bool) -> str:
-    """RULER after the healing SFT: the three-task mean over seeds, against the base as it is; while a task is
-    missing, each task measured after healing, mean ± sd over seeds, beside the same task before healing."""
+def ruler_after_cell(study: dict, layout: str) -> str:
+    """RULER after the healing SFT, task by task as before healing (a mean over tasks at the floor would hide where
+    the layouts differ): mean ± sd over seeds beside the same task before healing, and a layout against the control;
+    then, once every task is measured, the three-task mean against the base as it is and against the control."""
     before = study["before"].get(layout, {})
-    if not by_task:
-        spread = _spread(study, layout, "ruler")
-        base = study["before"].get("base", {}).get("ruler")
-        text = _seeds_text(spread)
-        if layout != "base" and base:
-            text += f", {_ratio(spread['mean'] / base)} of the base as it is"
-        control = versus_control(study, layout, "ruler", 100, 1)
-        return text + (f", {control}" if control else "")
     parts, missing = [], []
     for task in RULER_TASKS:
         spread = _spread(study, layout, f"ruler_{task}")
@@ -102,12 +95,20 @@ def ruler_after_cell(study: dict, layout: str, by_task: bool) -> str:
         text += f", before {_points(earlier, 0)}" if earlier is not None else ""
         control = versus_control(study, layout, f"ruler_{task}", 100, 0)
         parts.append(text + (f", {control}" if control else ""))
-    if missing and parts:
-        parts.append(f"{', '.join(missing)}: {PENDING}")
-    return "; ".join(parts) if parts else PENDING
+    if not parts:
+        return PENDING
+    if missing:
+        return "; ".join([*parts, f"{', '.join(missing)}: {PENDING}"])
+    mean = _spread(study, layout, "ruler")
+    base = study["before"].get("base", {}).get("ruler")
+    text = f"mean {_seeds_text(mean)}"
+    if layout != "base" and base:
+        text += f", {_ratio(mean['mean'] / base)} of the base as it is"
+    control = versus_control(study, layout, "ruler", 100, 1)
+    return "; ".join([*parts, text + (f", {control}" if control else "")])
 
 
-def quality_cells(study: dict, layout: str, after_by_task: bool = False) -> list[str]:
+def quality_cells(study: dict, layout: str) -> list[str]:
     """RULER before, task by task (a mean over tasks at the floor would hide where the layouts differ), then its mean
     once every task is measured; RULER after the healing SFT; the GSM8K loss's difference to the base as it is,
     before and after; pass@1 before and after. The base's row after healing is the control: the base trained by the
@@ -120,7 +121,7 @@ def quality_cells(study: dict, layout: str, after_by_task: bool = False) -> list
         text += f"; mean {_points(ruler)}"
         text += f" ({_ratio(before.get('ruler_kept'))} of the base)" if layout != "base" else ""
     cells.append(text)
-    cells.append(ruler_after_cell(study, layout, after_by_task))
+    cells.append(ruler_after_cell(study, layout))
     cells.append(f"{loss_before_cell(study, layout)} / {loss_after_cell(study, layout)}")
     cells.append(pass_cell(study, layout))
     return cells
@@ -214,10 +215,8 @@ def quality_table(study: dict) -> list[str]:
         "healing: against the control | GSM8K pass@1 before / after healing |",
         "|---|---|---|---|---|",
     ]
-    # While a layout lacks a task after healing, every row gives its tasks one by one, so that the rows compare.
-    after_by_task = any(_spread(study, layout, "ruler") is None for layout in LAYOUTS)
     for layout, label in LAYOUTS.items():
-        lines.append(f"| {label} | " + " | ".join(quality_cells(study, layout, after_by_task)) + " |")
+        lines.append(f"| {label} | " + " | ".join(quality_cells(study, layout)) + " |")
     regime = study["regime"]
     load = regime["load_average"]
     status = "complete" if study["complete"] else f"partial: {study['units_done']} of {study['units_expected']} units"
@@ -285,13 +284,18 @@ def serving_table(served: dict | None) -> list[str]:
             )
     if served:
         meta = served["meta"]
-        loads = [
-            r["load_average"]
-            for w in workloads.values()
-            for m in w["models"].values()
-            for r in m["rounds"]
-            if "load_average" in r
-        ]
+        # Each round's load on its own: the rounds of a cell may come from calls made under different loads.
+        loads_by_round = {}
+        for workload in workloads.values():
+            for model in workload["models"].values():
+                for index, record in enumerate(model["rounds"]):
+                    if "load_average" in record:
+                        loads_by_round.setdefault(index + 1, []).append(record["load_average"])
+        spans = {
+            index: sorted({f"{min(loads):.0f}", f"{max(loads):.0f}"}, key=float)
+            for index, loads in loads_by_round.items()
+        }
+        load_text = ", ".join(f"{'-'.join(spans[index])} in round {index}" for index in sorted(spans))
         budget = ((served.get("concurrency") or {}).get("budget_bytes") or 0) / 1024**2
         base_fits = [concurrency.get("base", {}).get(str(m), {}).get("most_decoding") for m in multiples]
         budget_text = (
@@ -308,7 +312,7 @@ def serving_table(served: dict | None) -> list[str]:
             f"study's pattern and window), W = {meta['window']} tokens, prompts of random tokens, "
             f"{meta['decode_tokens']} greedy new tokens; CPU-time "
             f"ratios, medians over {rounds_text(workloads)} round(s) per cell with the engines in turn"
-            + (f", load {min(loads):.0f}-{max(loads):.0f} on 2 shared cores" if loads else "")
+            + (f", load {load_text} on 2 shared cores" if load_text else "")
             + budget_text
             + " (`benchmarks/results/vllm_layouts.md` has the absolute figures and the targets).",
         ]

@@ -12,6 +12,7 @@ from testing_utils import REPO_ROOT
 
 sys.path.insert(0, str(REPO_ROOT / "benchmarks"))
 from bench_vllm_layouts import (  # noqa: E402
+    cached_line,
     cell_loads_line,
     concurrency_table,
     concurrency_workload,
@@ -100,6 +101,20 @@ def test_each_speed_cell_says_the_load_it_was_measured_under():
         "Load average (1 min) after each cell's measurements: 8 requests at 1x W: 8.5-9.5; 32 requests at 16x W: 3.2-3.2."
     )
     assert cell_loads_line({"8x1": {"models": {"base": {"rounds": []}}}}) == ""
+
+
+def test_the_report_says_how_much_of_each_models_prompts_the_prefix_cache_held():
+    """A model whose cached runs read less of a prompt prefills the rest again on every repeated prompt."""
+
+    def model(*fractions):
+        clock = {"ttft": 1.0, "full_cached": 2.0, "first_token_cached": 1.0}
+        rounds = [{"cpu": clock, "kv_bytes_per_token": 1.0, "cached_fraction": share} for share in fractions]
+        return {"requests": 8, "decode_tokens": 4, "rounds": rounds}
+
+    workloads = {"8x1": {"requests": 8, "multiple": 1, "models": {"base": model(0.5, 0.5), "hybrid": model(0.0, 0.25)}}}
+    line = cached_line(workloads)
+    assert line.endswith(": 8 requests at 1x W: base 50% / hybrid 0%.")  # the least any round read
+    assert cached_line({"8x1": {"requests": 8, "multiple": 1, "models": {"base": {"rounds": []}}}}) == ""
 
 
 def test_the_committed_report_is_what_its_json_says():

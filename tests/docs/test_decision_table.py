@@ -63,7 +63,7 @@ def test_a_ruler_cell_names_the_tasks_measured_and_the_ones_not_yet():
     assert ruler_tasks_cell({}) == PENDING
 
 
-def test_a_ruler_cell_after_healing_gives_each_task_healed_so_far_beside_its_score_before():
+def test_a_ruler_cell_after_healing_gives_each_task_beside_its_score_before_then_the_mean():
     from layout_decision import PENDING, ruler_after_cell
 
     spread = {"mean": 0.2, "std": 0.1, "values": [0.1, 0.2, 0.3]}
@@ -71,12 +71,17 @@ def test_a_ruler_cell_after_healing_gives_each_task_healed_so_far_beside_its_sco
         "before": {"hybrid": {"ruler_niah_single_1": 0.0, "ruler": None}, "base": {"ruler": 0.5}},
         "after": {"arms": {"hybrid": {"ruler_niah_single_1": {"spread": spread}, "ruler": {"spread": None}}}},
     }
-    assert ruler_after_cell(study, "hybrid", by_task=True) == (
+    assert ruler_after_cell(study, "hybrid") == (
         f"niah_single_1 20 ± 10 (3 seeds), before 0; niah_multikey_2, niah_multikey_3: {PENDING}"
     )
-    assert ruler_after_cell(study, "global_local", by_task=True) == PENDING
-    study["after"]["arms"]["hybrid"]["ruler"]["spread"] = {"mean": 0.25, "std": 0.05, "values": [0.2, 0.3]}
-    assert ruler_after_cell(study, "hybrid", by_task=False) == "25.0 ± 5.0 (2 seeds), 0.50x of the base as it is"
+    assert ruler_after_cell(study, "global_local") == PENDING
+    arms = study["after"]["arms"]["hybrid"]
+    arms["ruler_niah_multikey_2"] = arms["ruler_niah_multikey_3"] = {"spread": spread}
+    arms["ruler"]["spread"] = {"mean": 0.25, "std": 0.05, "values": [0.2, 0.3]}
+    assert ruler_after_cell(study, "hybrid") == (
+        "niah_single_1 20 ± 10 (3 seeds), before 0; niah_multikey_2 20 ± 10 (3 seeds); "
+        "niah_multikey_3 20 ± 10 (3 seeds); mean 25.0 ± 5.0 (2 seeds), 0.50x of the base as it is"
+    )
 
 
 def test_the_readme_line_on_layouts_quotes_only_the_tables_figures():
