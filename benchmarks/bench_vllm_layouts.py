@@ -96,12 +96,16 @@ def parse_args(argv=None):
     parser.add_argument("--max-num-seqs", type=int, default=512, help="the concurrency engines' request limit")
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     parser.add_argument("--parts", nargs="+", default=["speed", "concurrency"], choices=["speed", "concurrency"])
-    parser.add_argument("--profile", action="store_true", help="profile decoding at 1x W with 32 requests")
+    parser.add_argument(
+        "--profile", action="store_true", help="profile decoding at 1x W with the most --requests (a speed part's)"
+    )
     parser.add_argument("--name", help="report file names NAME.md and NAME.json")
     parser.add_argument("--output-dir", type=Path, default=RESULTS_DIR)
     parser.add_argument("--machine-note", default="", help="a sentence on the machine's load, put into the report")
     parser.add_argument("--from-json", type=Path, help="write the report again from a run's JSON (no engines start)")
     args = parser.parse_args(argv)
+    if args.profile and "speed" not in args.parts:
+        parser.error("--profile runs with the speed part's engines: add speed to --parts")
     if args.quick:
         args.window, args.multiples, args.requests, args.decode_tokens = 32, [1, 4], [4], 8
         args.repeats, args.max_batch_tokens, args.block_size, args.kv_budget_mib = 1, 64, 32, 16
@@ -381,8 +385,8 @@ def speed_part(args, folders: dict, run: dict, save_run, generator) -> None:
 
 
 def profile_decode(args, engines: dict, generator) -> None:
-    """Where decoding at 1x W with 32 requests spends its CPU time, the hybrid against the base: torch's profiler
-    around the cached full run, top operators by self CPU time."""
+    """Where decoding at 1x W spends its CPU time, the hybrid against the base, with the most requests asked for (32
+    by default): torch's profiler around the cached full run, top operators by self CPU time."""
     from torch.profiler import ProfilerActivity, profile
 
     prompts = [

@@ -211,8 +211,8 @@ def identity_line(study: dict) -> str:
 def quality_table(study: dict) -> list[str]:
     settings = study["settings"]
     lines = [
-        "| layout | RULER before healing | RULER after healing | GSM8K loss before healing: against the base / after "
-        "healing: against the control | GSM8K pass@1 before / after healing |",
+        "| layout | RULER before healing | RULER after healing | GSM8K loss before healing (the base's own, a layout's "
+        "against it) / after healing (against the control) | GSM8K pass@1 before / after healing |",
         "|---|---|---|---|---|",
     ]
     for layout, label in LAYOUTS.items():
@@ -252,9 +252,25 @@ def _served_ratio(workload: dict, name: str, key: str) -> float | None:
     return ratio_row(workload, name, "base", "cpu")[key]
 
 
+def _decode_text(workload: dict, name: str) -> str:
+    """The decode speed against the base, with the range of the rounds' own ratios where there are several: rounds
+    taken under different loads can disagree by more than the layouts differ."""
+    value = _served_ratio(workload, name, "speed")
+    if value is None:
+        return PENDING
+    if name == "base":
+        return f"{value:.2f}"
+    row = ratio_row(workload, name, "base", "cpu")
+    by_round = [ratio / row["decode_flops"] for ratio in row["by_round"]]
+    if len(by_round) < 2:
+        return f"{value:.2f}"
+    return f"{value:.2f} ({min(by_round):.2f}-{max(by_round):.2f})"
+
+
 def serving_table(served: dict | None) -> list[str]:
     lines = [
-        "| layout | requests | decode tok/s vs base at 1x / 4x / 16x W | TTFT vs base at 1x / 4x / 16x W | KV bytes "
+        "| layout | requests | decode tok/s vs base at 1x / 4x / 16x W (the rounds' range) | TTFT vs base at 1x / 4x / "
+        "16x W | KV bytes "
         "per token vs base at 1x / 4x / 16x W | requests decoding at once in one KV budget vs base at 1x / 4x / 16x "
         "W |",
         "|---|---|---|---|---|---|",
@@ -267,6 +283,8 @@ def serving_table(served: dict | None) -> list[str]:
         for index, count in enumerate(requests):
 
             def cells(key, count=count, name=name):
+                if key == "speed":
+                    return " / ".join(_decode_text(workloads.get(f"{count}x{m}"), name) for m in multiples)
                 values = [_served_ratio(workloads.get(f"{count}x{m}"), name, key) for m in multiples]
                 return " / ".join(PENDING if value is None else f"{value:.2f}" for value in values)
 
@@ -342,8 +360,12 @@ def main(argv=None) -> None:
     parser.add_argument(
         "--update-docs", action="store_true", help="write them into docs/serving.md between its markers (else print)"
     )
+    parser.add_argument("--study-dir", type=Path, default=STUDY_DIR, help="the layout study's results folder")
+    parser.add_argument("--served-json", type=Path, default=SERVED_PATH, help="bench_vllm_layouts.py's JSON")
     args = parser.parse_args(argv)
-    study, served = load_inputs()
+    if args.update_docs and (args.study_dir != STUDY_DIR or args.served_json != SERVED_PATH):
+        parser.error("--update-docs writes the committed results' tables only: print your own without it")
+    study, served = load_inputs(args.study_dir, args.served_json)
     tables = decision_tables(study, served)
     if not args.update_docs:
         print(tables, end="")
@@ -351,7 +373,10 @@ def main(argv=None) -> None:
     from iha.utils.atomic_files import write_text_atomic
 
     text = DOCS_PATH.read_text(encoding="utf-8")
-    docs_tables(text)  # refuses, writing nothing, where the markers are gone
+    try:
+        docs_tables(text)  # refuses, writing nothing, where the markers are gone
+    except ValueError as error:
+        raise SystemExit(f"{error}: put the two markers back around section 8's tables, then run this again") from None
     before, rest = text.split(START_MARKER, 1)
     after = rest.split(END_MARKER, 1)[1]
     write_text_atomic(f"{before}{START_MARKER}\n\n{tables}\n{END_MARKER}{after}", DOCS_PATH)

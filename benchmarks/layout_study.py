@@ -744,7 +744,8 @@ def parse_args(argv=None):
         "--gsm8k",
         default=GSM8K,
         help="GSM8K: a folder of train.jsonl and test.jsonl, or a Hub id (default: this project's offline copy where "
-        "it is, else openai/gsm8k)",
+        "it is, else openai/gsm8k; where that copy is, the study runs offline: a Hub id then needs HF_HUB_OFFLINE=0 "
+        "HF_DATASETS_OFFLINE=0)",
     )
     parser.add_argument("--threads", type=int, default=1, help="torch threads (1: cores shared with other work)")
     parser.add_argument(

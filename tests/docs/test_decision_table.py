@@ -33,6 +33,7 @@ def test_the_prose_beside_the_tables_quotes_only_their_figures():
     prose = section.replace(tables, "")
     prose = re.sub(r"```.*?```", "", prose, flags=re.DOTALL)  # the commands: settings, not measurements
     prose = re.sub(r"`[^`]*`", "", prose)  # file names and flags
+    prose = re.sub(r"\]\([^)]*\)", "]", prose)  # links' addresses
     allowed = set(NUMBER.findall(tables)) | {
         "8",
         "4",
@@ -145,3 +146,22 @@ def test_the_gsm8k_loss_after_healing_leads_with_the_control():
     assert loss_after_cell(study, "base") == "the control: -0.500 ± 0.010 (3 seeds) against the base as it is"
     assert loss_after_cell(study, "hybrid").startswith("+0.025 [")
     assert loss_after_cell(study, "global_local") == PENDING
+
+
+def test_a_decode_cell_gives_the_range_of_its_rounds_beside_their_median():
+    from layout_decision import _decode_text
+
+    def model(*decode_seconds):
+        rounds = [
+            {"cpu": {"ttft": 1.0, "first_token_cached": 1.0, "full_cached": 1.0 + seconds}, "kv_bytes_per_token": 1.0,
+             "cached_fraction": 0.5}
+            for seconds in decode_seconds
+        ]  # fmt: skip
+        return {"requests": 8, "decode_tokens": 32, "rounds": rounds, "flops": {"decode_step": 1, "prefill": 1}}
+
+    workload = {"models": {"base": model(4.0, 2.0), "hybrid": model(2.0, 1.25)}}
+    # Per round the hybrid decodes 2.00x and 1.60x as fast; the medians (3.0 s against 1.625 s) give 1.85x.
+    assert _decode_text(workload, "hybrid") == "1.85 (1.60-2.00)"
+    assert _decode_text(workload, "base") == "1.00"
+    one = {"models": {"base": model(4.0), "hybrid": model(2.0)}}
+    assert _decode_text(one, "hybrid") == "2.00"
