@@ -356,7 +356,9 @@ def docs_tables(text: str) -> str:
 
 
 def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(description="The decision tables of docs/serving.md, from the committed results.")
+    parser = argparse.ArgumentParser(
+        description="The decision tables of docs/serving.md, from the committed results.", allow_abbrev=False
+    )
     parser.add_argument(
         "--update-docs", action="store_true", help="write them into docs/serving.md between its markers (else print)"
     )
