@@ -57,7 +57,7 @@ from bench_vllm_long_context import (  # noqa: E402
     target_lines,
     workload_flops,
 )
-from served_ratios import rounds_text, summarize, workload_key  # noqa: E402
+from served_ratios import round_loads, rounds_text, summarize, workload_key  # noqa: E402
 
 from iha.cli.arguments import ArgumentParser  # noqa: E402
 from iha.utils.atomic_files import write_text_atomic  # noqa: E402
@@ -416,13 +416,7 @@ def profile_decode(args, engines: dict, generator) -> None:
 
 
 def loads_of(run: dict) -> list[float]:
-    loads = [
-        r["load_average"]
-        for w in run.get("workloads", {}).values()
-        for m in w["models"].values()
-        for r in m["rounds"]
-        if "load_average" in r
-    ]
+    loads = [load for _, _, load in round_loads(run.get("workloads", {}))]
     loads += [r["load_average"] for m in run.get("concurrency", {}).get("results", {}).values() for r in m.values()]
     return loads
 
@@ -430,12 +424,13 @@ def loads_of(run: dict) -> list[float]:
 def cell_loads_line(workloads: dict) -> str:
     """The 1-minute load average after each speed cell's rounds (its engines in turn), cell by cell: the cells were
     measured by different calls, beside different work."""
+    by_cell = {}
+    for key, _, load in round_loads(workloads):
+        by_cell.setdefault(key, []).append(load)
     cells = []
-    for key, workload in workloads.items():
-        loads = [r["load_average"] for m in workload["models"].values() for r in m["rounds"] if "load_average" in r]
-        if loads:
-            requests, multiple = key.split("x")
-            cells.append(f"{requests} requests at {multiple}x W: {min(loads):.1f}-{max(loads):.1f}")
+    for key, loads in by_cell.items():
+        requests, multiple = key.split("x")
+        cells.append(f"{requests} requests at {multiple}x W: {min(loads):.1f}-{max(loads):.1f}")
     return "Load average (1 min) after each cell's measurements: " + "; ".join(cells) + "." if cells else ""
 
 

@@ -18,7 +18,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from layout_study_report import RULER_TASKS, load_results, paper_window, same_in_every_seed, summarize  # noqa: E402
-from served_ratios import ratio_row, rounds_text  # noqa: E402
+from served_ratios import ratio_row, round_loads, rounds_text  # noqa: E402
 
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -256,12 +256,9 @@ def _decode_text(workload: dict, name: str) -> str:
     """The decode speed against the base, with the range of the rounds' own ratios where there are several: rounds
     taken under different loads can disagree by more than the layouts differ."""
     value = _served_ratio(workload, name, "speed")
-    if value is None:
-        return PENDING
-    if name == "base":
-        return f"{value:.2f}"
-    row = ratio_row(workload, name, "base", "cpu")
-    by_round = [ratio / row["decode_flops"] for ratio in row["by_round"]]
+    if value is None or name == "base":
+        return PENDING if value is None else f"{value:.2f}"
+    by_round = ratio_row(workload, name, "base", "cpu")["speed_by_round"]
     if len(by_round) < 2:
         return f"{value:.2f}"
     return f"{value:.2f} ({min(by_round):.2f}-{max(by_round):.2f})"
@@ -304,11 +301,8 @@ def serving_table(served: dict | None) -> list[str]:
         meta = served["meta"]
         # Each round's load on its own: the rounds of a cell may come from calls made under different loads.
         loads_by_round = {}
-        for workload in workloads.values():
-            for model in workload["models"].values():
-                for index, record in enumerate(model["rounds"]):
-                    if "load_average" in record:
-                        loads_by_round.setdefault(index + 1, []).append(record["load_average"])
+        for _, number, load in round_loads(workloads):
+            loads_by_round.setdefault(number, []).append(load)
         spans = {
             index: sorted({f"{min(loads):.0f}", f"{max(loads):.0f}"}, key=float)
             for index, loads in loads_by_round.items()

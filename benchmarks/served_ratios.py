@@ -24,26 +24,37 @@ def summarize(entry: dict, clock: str) -> dict:
 
 
 def ratio_row(workload: dict, name: str, over: str, clock: str) -> dict:
-    mine, theirs = workload["models"][name], workload["models"][over]
-    speed = summarize(mine, clock)["decode_tokens_per_second"] / summarize(theirs, clock)["decode_tokens_per_second"]
-    decode_flops = mine["flops"]["decode_step"] / theirs["flops"]["decode_step"]
-    by_round = [
-        theirs_seconds / mine_seconds * decode_flops
-        for mine_seconds, theirs_seconds in zip(
-            summarize(mine, clock)["decode_seconds_by_round"], summarize(theirs, clock)["decode_seconds_by_round"]
-        )
+    mine, theirs = summarize(workload["models"][name], clock), summarize(workload["models"][over], clock)
+    speed = mine["decode_tokens_per_second"] / theirs["decode_tokens_per_second"]
+    decode_flops = workload["models"][name]["flops"]["decode_step"] / workload["models"][over]["flops"]["decode_step"]
+    speed_by_round = [
+        theirs_seconds / mine_seconds
+        for mine_seconds, theirs_seconds in zip(mine["decode_seconds_by_round"], theirs["decode_seconds_by_round"])
     ]
-    resolved = all(summarize(entry, clock)["decode_tokens_per_second"] > 0 for entry in (mine, theirs))
+    prefill_flops = workload["models"][name]["flops"]["prefill"] / workload["models"][over]["flops"]["prefill"]
     return {
-        "resolved": resolved,
+        "resolved": all(entry["decode_tokens_per_second"] > 0 for entry in (mine, theirs)),
         "speed": speed,
         "decode_flops": decode_flops,
         "speed_over_inverse_flops": speed * decode_flops,
-        "by_round": by_round,
-        "ttft": summarize(mine, clock)["ttft"] / summarize(theirs, clock)["ttft"],
-        "prefill_flops": mine["flops"]["prefill"] / theirs["flops"]["prefill"],
-        "kv": summarize(mine, clock)["kv_bytes_per_token"] / summarize(theirs, clock)["kv_bytes_per_token"],
+        "speed_by_round": speed_by_round,
+        "by_round": [ratio * decode_flops for ratio in speed_by_round],
+        "ttft": mine["ttft"] / theirs["ttft"],
+        "prefill_flops": prefill_flops,
+        "kv": mine["kv_bytes_per_token"] / theirs["kv_bytes_per_token"],
     }
+
+
+def round_loads(workloads: dict) -> list[tuple[str, int, float]]:
+    """(cell, round number from 1, load average) of every speed round that recorded its load: one reader for the
+    reports that group them by cell, by round or not at all."""
+    return [
+        (key, number, record["load_average"])
+        for key, workload in workloads.items()
+        for model in workload["models"].values()
+        for number, record in enumerate(model["rounds"], start=1)
+        if "load_average" in record
+    ]
 
 
 def measured_rounds(workloads: dict) -> list[int]:
